@@ -1,0 +1,165 @@
+"""The core configuration sections: one frozen dataclass per section, with verl's key names.
+
+A key means what it means in verl wherever verl has it. Plugins add their own sections through
+the `minirl_config_sections` hook. `minirl.config` parses TOML into these classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""  # a local Hugging Face directory; empty = use `preset`
+    preset: str = "tiny"  # tiny | qwen2-1.5b | ... (random weights, no network)
+    tokenizer: str = ""  # a local tokenizer directory; empty = the model's, or the preset's
+    dtype: str = "float32"  # parameter dtype of the actor: float32 | bfloat16
+    enable_gradient_checkpointing: bool = False
+    attn_implementation: str = "minirl"  # minirl (packed varlen) | sdpa | eager
+    seed: int = 0  # seed of the random weights of a preset
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 8  # prompts per step
+    filter_overlong_prompts: bool = True
+    truncation: str = "error"  # error | left | right | middle
+    shuffle: bool = True
+    seed: int = 1
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    lr_warmup_steps: int = -1  # -1: use lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: float = 0.0
+    warmup_style: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    reshard_after_forward: bool = True
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    ppo_mini_batch_size: int = 8  # prompts per mini-batch (times rollout.n sequences)
+    ppo_micro_batch_size_per_gpu: int = 4  # sequences per micro-batch (without dynamic bsz)
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384  # token budget per micro-batch with dynamic bsz
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    policy_loss: str = "vanilla"
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    grad_clip: float = 1.0
+    ulysses_sequence_parallel_size: int = 1
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    name: str = "native"  # native | hf | sglang
+    n: int = 4
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    do_sample: bool = True
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    gpu_memory_utilization: float = 0.5  # share of free device memory for the KV cache
+    max_num_seqs: int = 1024  # most sequences decoding at once
+    enforce_eager: bool = False  # true: no CUDA graphs
+    free_cache_engine: bool = True  # release the KV cache outside generation
+    ignore_eos: bool = False  # benchmarks only: always generate max_response_length tokens
+    log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    calculate_log_probs: bool = False  # keep the engine's sampled-token log-probs (rollout_log_probs)
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    offload: bool = False  # keep the reference on the CPU between phases
+    ulysses_sequence_parallel_size: int = 1
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass(frozen=True)
+class KLCtrlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    project_name: str = "minirl"
+    experiment_name: str = "run"
+    total_epochs: int = 1
+    total_training_steps: int = 0  # 0: derived from epochs and data size
+    n_gpus_per_node: int = 1
+    nnodes: int = 1
+    world_size: int = 1  # CPU processes (tests); on GPU the world is nnodes * n_gpus_per_node
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 1
+    default_local_dir: str = "runs"  # run directories go under it
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    progress_bar: bool = True
+    save_freq: int = -1
+    test_freq: int = -1
+    collective_timeout_s: int = 300
+    peak_flops: float = 0.0  # per-GPU dense bf16 FLOP/s for MFU; 0: from the device name
+
+
+@dataclass(frozen=True)
+class PluginsConfig:
+    modules: list[str] = field(default_factory=list)
+
+
+CORE_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "actor": ActorConfig,
+    "rollout": RolloutConfig,
+    "ref": RefConfig,
+    "algorithm": AlgorithmConfig,
+    "trainer": TrainerConfig,
+    "plugins": PluginsConfig,
+}

@@ -1,0 +1,202 @@
+"""Hook specifications: the contracts between minirl's core and its plugins.
+
+Three groups, called at fixed points by core code:
+
+- registration hooks, called once at start-up: every plugin may answer with a dict
+  name -> component; answers are merged and a name given twice is an error naming both plugins;
+- assembly hooks, called in the order sequence parallel -> activation checkpointing ->
+  data-parallel sharding -> optimizer, turning a plain model into the actor and the reference;
+- event hooks at phase boundaries (never per token).
+
+The hot path never dispatches hooks: hooks build objects, the training loop calls them directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+import torch
+
+from minirl.protocols import (
+    AdvantageEstimator,
+    EngineFactory,
+    KLEstimator,
+    LoggerFactory,
+    PolicyLoss,
+    RewardFunction,
+)
+
+hookspec = pluggy.HookspecMarker("minirl")
+hookimpl = pluggy.HookimplMarker("minirl")
+
+# ---------------------------------------------------------------------------------------------
+# registration hooks
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def minirl_advantage_estimators() -> dict[str, AdvantageEstimator]:
+    """Register advantage estimators.
+
+    Called once at start-up; every plugin's answer is merged.
+
+    :return: name -> estimator, selected by ``algorithm.adv_estimator``.
+
+    Built-in: ``minirl_plugins.advantage`` (grpo, rloo, reinforce_plus_plus,
+    reinforce_plus_plus_baseline, opo, gae).
+    """
+
+
+@hookspec
+def minirl_kl_estimators() -> dict[str, KLEstimator]:
+    """Register KL estimators.
+
+    Called once at start-up; every plugin's answer is merged.
+
+    :return: name -> estimator, selected by ``actor.kl_loss_type`` and ``algorithm.kl_penalty``.
+
+    Built-in: ``minirl_plugins.kl`` (k1/kl, abs, k2/mse, k3/low_var_kl, the ``+`` variants, full).
+    """
+
+
+@hookspec
+def minirl_policy_losses() -> dict[str, PolicyLoss]:
+    """Register policy losses.
+
+    Called once at start-up; every plugin's answer is merged.
+
+    :return: name -> loss, selected by ``actor.policy_loss``.
+
+    Built-in: ``minirl_plugins.policy_loss`` (vanilla: PPO clip with dual clip).
+    """
+
+
+@hookspec
+def minirl_reward_functions() -> dict[str, RewardFunction]:
+    """Register rule reward functions.
+
+    Called once at start-up; every plugin's answer is merged.
+
+    :return: data_source -> reward function; each parquet row's ``data_source`` picks one.
+
+    Built-in: ``minirl_plugins.rewards`` (gsm8k, math, countdown).
+    """
+
+
+@hookspec
+def minirl_rollout_engines() -> dict[str, EngineFactory]:
+    """Register rollout engines.
+
+    Called once at start-up; every plugin's answer is merged.
+
+    :return: name -> factory(rollout_cfg, ctx), selected by ``rollout.name``.
+
+    Built-in: ``minirl_plugins.native`` (native), ``minirl_plugins.hf_rollout`` (hf).
+    """
+
+
+@hookspec
+def minirl_loggers() -> dict[str, LoggerFactory]:
+    """Register metric loggers.
+
+    Called once at start-up; every plugin's answer is merged.
+
+    :return: name -> factory(trainer_cfg), selected by ``trainer.logger`` (a list).
+
+    Built-in: ``minirl_plugins.loggers`` (console, jsonl, tensorboard, wandb).
+    """
+
+
+@hookspec
+def minirl_config_sections() -> dict[str, type]:
+    """Register a plugin's own configuration sections.
+
+    Called once, before the config file is read; every plugin's answer is merged.
+
+    :return: section name -> frozen dataclass type with defaults for every field.
+
+    Built-in: none (the core sections are fixed).
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# assembly hooks (called in this order by minirl.assembly)
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def minirl_apply_sequence_parallel(model: torch.nn.Module, cfg: Any, mesh: Any) -> None:
+    """Make the model's attention sequence-parallel, in place.
+
+    Called first, for the actor and for the reference; every plugin's implementation runs.
+
+    :param model: the plain transformers model.
+    :param cfg: the ``actor`` (or ``ref``) config section.
+    :param mesh: the device mesh (dims ``dp``, ``sp``), or None on one process.
+
+    Built-in: ``minirl_plugins.ulysses`` (acts when ulysses_sequence_parallel_size > 1).
+    """
+
+
+@hookspec
+def minirl_apply_activation_checkpointing(model: torch.nn.Module, cfg: Any) -> None:
+    """Wrap decoder layers with activation checkpointing, in place.
+
+    Called second, for the actor only; every plugin's implementation runs.
+
+    :param cfg: the ``model`` config section (enable_gradient_checkpointing).
+
+    Built-in: ``minirl_plugins.checkpointing``.
+    """
+
+
+@hookspec(firstresult=True)
+def minirl_apply_data_parallel(model: torch.nn.Module, cfg: Any, mesh: Any) -> torch.nn.Module | None:
+    """Shard or replicate the model over the data-parallel ranks.
+
+    Called third, for the actor and for the reference; the first non-None answer wins.
+
+    :param cfg: the ``actor`` (or ``ref``) config section.
+    :param mesh: the device mesh, or None on one process.
+    :return: the wrapped module, or None to leave it to another plugin.
+
+    Built-in: ``minirl_plugins.fsdp2`` (acts when the world size is above 1).
+    """
+
+
+@hookspec(firstresult=True)
+def minirl_build_optimizer(model: torch.nn.Module, cfg: Any) -> Any:
+    """Build the optimizer and learning-rate schedule of the actor.
+
+    Called last, for the actor only; the first non-None answer wins.
+
+    :param cfg: the ``actor`` config section (its ``optim`` sub-section).
+    :return: (optimizer, lr_scheduler).
+
+    Built-in: ``minirl_plugins.optim`` (AdamW with warm-up and constant/cosine decay).
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# event hooks
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def minirl_on_step_end(step: int, metrics: dict[str, float]) -> None:
+    """Observe a finished training step.
+
+    Called on every rank after the metrics of a step are final; every implementation runs.
+
+    :param step: the 1-based step number.
+    :param metrics: the step's metrics (already reduced over ranks).
+    """
+
+
+@hookspec
+def minirl_on_checkpoint_saved(step: int, path: str) -> None:
+    """Observe a saved checkpoint.
+
+    Called on rank 0 after a checkpoint directory is complete; every implementation runs.
+    """

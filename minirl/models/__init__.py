@@ -1,0 +1,1 @@
+"""Model loading: local Hugging Face directories, random-weight presets, tokenizers, attention."""
