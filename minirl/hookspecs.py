@@ -102,7 +102,7 @@ def minirl_loggers() -> dict[str, LoggerFactory]:
 
     Called once at start-up; every plugin's answer is merged.
 
-    :return: name -> factory(trainer_cfg), selected by ``trainer.logger`` (a list).
+    :return: name -> factory(trainer_cfg, run_dir), selected by ``trainer.logger`` (a list).
 
     Built-in: ``minirl_plugins.loggers`` (console, jsonl, tensorboard, wandb).
     """
@@ -166,12 +166,13 @@ def minirl_apply_data_parallel(model: torch.nn.Module, cfg: Any, mesh: Any) -> t
 
 
 @hookspec(firstresult=True)
-def minirl_build_optimizer(model: torch.nn.Module, cfg: Any) -> Any:
+def minirl_build_optimizer(model: torch.nn.Module, cfg: Any, total_steps: int) -> Any:
     """Build the optimizer and learning-rate schedule of the actor.
 
     Called last, for the actor only; the first non-None answer wins.
 
-    :param cfg: the ``actor`` config section (its ``optim`` sub-section).
+    :param cfg: the ``actor.optim`` config section.
+    :param total_steps: optimizer steps of the whole run (for warm-up ratios and decay).
     :return: (optimizer, lr_scheduler).
 
     Built-in: ``minirl_plugins.optim`` (AdamW with warm-up and constant/cosine decay).

@@ -16,6 +16,7 @@ from typing import Any, Iterable
 import pluggy
 
 from minirl import hookspecs
+from minirl.errors import UserError
 
 BUILTIN_MODULES = (
     "minirl_plugins.advantage",
@@ -27,8 +28,6 @@ BUILTIN_MODULES = (
     "minirl_plugins.loggers",
     "minirl_plugins.optim",
     "minirl_plugins.checkpointing",
-    "minirl_plugins.fsdp2",
-    "minirl_plugins.ulysses",
 )
 
 ENTRY_POINT_GROUP = "minirl"
@@ -55,7 +54,7 @@ SELECTED_BY = {
 }
 
 
-class PluginError(ValueError):
+class PluginError(UserError):
     """A plugin is broken, missing, or two plugins claim the same name."""
 
 
@@ -135,7 +134,7 @@ class PluginManager:
     def _collect(self, kind: str, hook_name: str) -> Registry:
         registry = Registry(kind)
         caller = getattr(self.pm.hook, hook_name)
-        for impl in reversed(caller.get_hookimpls()):  # registration order
+        for impl in caller.get_hookimpls():  # registration order
             answer = impl.function()
             if not answer:
                 continue

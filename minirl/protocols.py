@@ -186,5 +186,5 @@ class MetricsLogger(Protocol):
     def close(self) -> None: ...
 
 
-LoggerFactory = Callable[[Any], MetricsLogger]
-"""factory(trainer_cfg) -> logger; trainer_cfg is the `trainer` config section."""
+LoggerFactory = Callable[[Any, str], MetricsLogger]
+"""factory(trainer_cfg, run_dir) -> logger; trainer_cfg is the `trainer` config section."""

@@ -1,0 +1,37 @@
+# minirl: `make bench` runs the benchmark job, `make test` runs the tests.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+DATA := data
+
+.PHONY: install test bench data lint clean
+
+install: $(VENV)/.installed
+
+# Reuse a torch that is already importable (GPU machines); otherwise the CPU build torch==2.13.0.
+$(VENV)/.installed: pyproject.toml constraints.txt
+	@if python3 -c "import torch" 2>/dev/null; then \
+	  echo "minirl: using the torch already installed"; python3 -m venv --system-site-packages $(VENV); \
+	else python3 -m venv $(VENV); fi
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	@touch $@
+
+test: install
+	bash scripts/run_tests.sh $(PY)
+
+$(DATA)/.done: scripts/make_data.py | install
+	$(PY) scripts/make_data.py --out $(DATA) --seed 0
+	@touch $@
+
+data: $(DATA)/.done
+
+bench: install data
+	$(PY) -m minirl --config bench.toml
+
+lint: install
+	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PIP) install -q ruff
+	$(PY) -m ruff check minirl plugins scripts tests
+
+clean:
+	rm -rf $(VENV) $(DATA) runs build *.egg-info

@@ -1,0 +1,144 @@
+"""Log-prob passes and the PPO-style actor update over mini- and micro-batches.
+
+Losses are normalised by counts over the whole global mini-batch (minirl.loss_agg), so the
+gradient does not depend on how sequences are split into micro-batches or ranks.
+Legend: B sequences, T response positions, R response tokens of a micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from minirl.batch import RolloutBatch, mini_batches, scatter_tokens, split_micro
+from minirl.dist import DistContext
+from minirl.forward import response_hidden, response_logprobs
+from minirl.loss_agg import aggregate, mini_batch_norm
+
+
+@torch.no_grad()
+def compute_logprobs(model, batch: RolloutBatch, temperature: float, micro, dist: DistContext) -> torch.Tensor:
+    """Per-token log-probs [B, T] of the responses under `model` (old or reference policy).
+
+    `micro` is (per_micro, dynamic, budget, key) of the phase's config section.
+    """
+    out_BT = torch.zeros(batch.mask_BT.shape, device=dist.device)
+    for idx in split_micro(batch, list(range(len(batch))), *micro):
+        sub = batch.select(idx)
+        logp_R, _ = response_logprobs(model, sub.prompts, sub.responses, temperature, dist.device)
+        out_BT[torch.tensor(idx, device=dist.device)] = scatter_tokens(logp_R.float(), sub.mask_BT)
+    return out_BT
+
+
+@dataclass
+class Losses:
+    """The components the update needs, resolved from the registries once at start-up."""
+
+    policy_loss: Any
+    kl_estimator: Any = None  # None when actor.use_kl_loss is false
+    ref_model: Any = None  # only for an estimator with needs_logits (the exact full KL)
+
+
+class MetricSums:
+    """Sums of per-micro-batch loss contributions; each already carries its global normaliser."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + float(value.detach())
+
+    def reduced(self, dist: DistContext, n_minis: int) -> dict[str, float]:
+        names = sorted(self.sums)
+        t = dist.all_reduce(torch.tensor([self.sums[k] for k in names], dtype=torch.float64, device=dist.device))
+        return {f"actor/{k}": v / n_minis for k, v in zip(names, t.tolist())}
+
+
+def update_actor(model, optimizer, batch: RolloutBatch, cfg, temperature: float, max_response_length: int,
+                 losses: Losses, dist: DistContext, n: int) -> dict[str, float]:
+    """ppo_epochs passes over the batch in mini-batches of ppo_mini_batch_size prompts."""
+    seqs_per_mini = cfg.ppo_mini_batch_size * n // dist.dp_size
+    sums, grad_norms, n_minis = MetricSums(), [], 0
+    for epoch in range(cfg.ppo_epochs):
+        order = torch.randperm(len(batch)) if cfg.shuffle else None
+        for mini in mini_batches(len(batch), seqs_per_mini, order):
+            grad_norms.append(_mini_batch_step(model, optimizer, batch, mini, cfg, temperature,
+                                               max_response_length, losses, dist, sums))
+            n_minis += 1
+    metrics = sums.reduced(dist, n_minis)
+    finite = [g for g in grad_norms if torch.isfinite(torch.tensor(g))]
+    metrics["actor/grad_norm"] = sum(finite) / max(1, len(finite))
+    metrics["actor/skipped_updates"] = float(len(grad_norms) - len(finite))
+    return metrics
+
+
+def _mini_batch_step(model, optimizer, batch, mini, cfg, temperature, max_len, losses, dist, sums) -> float:
+    mb = batch.select(mini)
+    norm = mini_batch_norm([mb.mask_BT], dist.reduce_sum, cfg.loss_scale_factor, max_len)
+    micro = split_micro(mb, list(range(len(mb))), cfg.ppo_micro_batch_size_per_gpu,
+                        cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu, "actor.ppo_max_token_len_per_gpu")
+    for idx in micro:
+        loss = _micro_batch_loss(model, mb.select(idx), cfg, temperature, norm, losses, dist, sums)
+        (loss * dist.loss_scale).backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if torch.isfinite(grad_norm):
+        optimizer.step()  # a non-finite gradient skips the update instead of poisoning the weights
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
+
+
+def _micro_batch_loss(model, mb: RolloutBatch, cfg, temperature, norm, losses: Losses, dist, sums) -> torch.Tensor:
+    mask_BT = mb.mask_BT
+    need_entropy = cfg.entropy_coeff != 0
+    logp_R, ent_R = response_logprobs(model, mb.prompts, mb.responses, temperature, dist.device, with_entropy=True)
+    logp_BT = scatter_tokens(logp_R.float(), mask_BT)
+    pg = losses.policy_loss(logp_BT, mb.tensors["old_log_probs"], mb.tensors["advantages"], mask_BT, cfg)
+    mode = cfg.loss_agg_mode
+    loss = aggregate(pg.loss_BT, mask_BT, mode, norm)
+    entropy = aggregate(scatter_tokens(ent_R.float().detach(), mask_BT), mask_BT, "token-mean", norm)
+    if need_entropy:
+        loss = loss - cfg.entropy_coeff * aggregate(scatter_tokens(ent_R.float(), mask_BT), mask_BT, mode, norm)
+    sums.add("pg_loss", aggregate(pg.loss_BT, mask_BT, mode, norm))
+    sums.add("entropy", entropy)
+    sums.add("pg_clipfrac", aggregate(pg.clipped_BT, mask_BT, "token-mean", norm))
+    sums.add("pg_clipfrac_lower", aggregate(pg.clipped_lower_BT, mask_BT, "token-mean", norm))
+    sums.add("ppo_kl", aggregate(pg.approx_kl_BT, mask_BT, "token-mean", norm))
+    if losses.kl_estimator is not None:
+        kl_BT = _kl_loss_terms(model, mb, logp_BT, temperature, losses, dist)
+        kl = aggregate(kl_BT, mask_BT, mode, norm)
+        sums.add("kl_loss", kl)
+        loss = loss + cfg.kl_loss_coef * kl
+    return loss
+
+
+def _kl_loss_terms(model, mb: RolloutBatch, logp_BT, temperature, losses: Losses, dist) -> torch.Tensor:
+    est = losses.kl_estimator
+    if not getattr(est, "needs_logits", False):
+        return est(logp_BT, mb.tensors["ref_log_probs"])
+    return scatter_tokens(_full_kl(model, mb, temperature, losses, dist), mb.mask_BT)
+
+
+def _full_kl(model, mb, temperature, losses: Losses, dist, chunk: int = 1024) -> torch.Tensor:
+    """Exact KL over the vocabulary: one extra reference forward inside the micro-batch.
+
+    Positions go through both output projections in chunks, each under activation
+    checkpointing, so only [chunk, V] logits of each model exist at a time.
+    """
+    with torch.no_grad():
+        ref_h, _ = response_hidden(losses.ref_model, mb.prompts, mb.responses, dist.device)
+    h, _ = response_hidden(model, mb.prompts, mb.responses, dist.device)
+    head, ref_head = model.get_output_embeddings(), losses.ref_model.get_output_embeddings()
+
+    def chunk_kl(h_c, ref_c):
+        with torch.no_grad():
+            ref_logits = ref_head(ref_c).float() / temperature
+        return losses.kl_estimator(head(h_c).float() / temperature, ref_logits)
+
+    parts = [
+        torch.utils.checkpoint.checkpoint(chunk_kl, h[i : i + chunk], ref_h[i : i + chunk], use_reentrant=False)
+        for i in range(0, h.shape[0], chunk)
+    ]
+    return torch.cat(parts).float()
+

@@ -1,0 +1,55 @@
+"""Turning a plain model into the actor and the reference, in the order the core fixes:
+sequence parallel -> activation checkpointing -> data-parallel sharding -> optimizer.
+
+Plugins do the work through the assembly hooks; this module only calls them in order.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from minirl.dist import DistContext
+
+# prefixes that wrappers add to parameter names; the engines want Hugging Face names
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.", "module.")
+
+
+def assemble_actor(pm, model: torch.nn.Module, cfg, dist: DistContext) -> torch.nn.Module:
+    """cfg is the whole config: the hooks get their own sections (actor, model)."""
+    pm.hook.minirl_apply_sequence_parallel(model=model, cfg=cfg.actor, mesh=dist.mesh)
+    pm.hook.minirl_apply_activation_checkpointing(model=model, cfg=cfg.model)
+    wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=cfg.actor, mesh=dist.mesh)
+    return model if wrapped is None else wrapped
+
+
+def assemble_reference(pm, model: torch.nn.Module, ref_cfg, dist: DistContext) -> torch.nn.Module:
+    pm.hook.minirl_apply_sequence_parallel(model=model, cfg=ref_cfg, mesh=dist.mesh)
+    wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=ref_cfg, mesh=dist.mesh)
+    return model if wrapped is None else wrapped
+
+
+def build_optimizer(pm, model: torch.nn.Module, optim_cfg, total_steps: int):
+    result = pm.hook.minirl_build_optimizer(model=model, cfg=optim_cfg, total_steps=total_steps)
+    if result is None:
+        raise RuntimeError("no plugin built an optimizer (minirl_plugins.optim should have)")
+    return result
+
+
+def hf_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, full tensor) one parameter at a time, never the whole model at once.
+
+    A sharded parameter (DTensor) is gathered just for the moment its copy is made.
+    """
+    for name, param in model.named_parameters():
+        tensor = param.detach()
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        yield hf_name(name), tensor

@@ -1,0 +1,102 @@
+"""The rollout batch of one step and how it is cut into mini- and micro-batches.
+
+Sequences are kept unpadded (lists of token ids) for the packed forward passes, and as padded
+[B, T] tensors (T = the longest response of the step) for the per-token math.
+Legend: B sequences, T response positions.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+
+from minirl.errors import UserError
+
+
+@dataclass
+class RolloutBatch:
+    """One step's sequences on this rank, prompt-major (the n samples of a prompt are adjacent)."""
+
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    group_B: torch.Tensor  # int64 uid
+    records: list = field(default_factory=list)  # the PromptRecord of each sequence
+    finish_reasons: list[str] = field(default_factory=list)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B, T] or [B]
+
+    def __len__(self) -> int:
+        return len(self.responses)
+
+    @property
+    def mask_BT(self) -> torch.Tensor:
+        return self.tensors["mask"]
+
+    def seq_lens(self, idx: list[int] | None = None) -> list[int]:
+        idx = range(len(self)) if idx is None else idx
+        return [len(self.prompts[i]) + len(self.responses[i]) for i in idx]
+
+    def select(self, idx: list[int]) -> "RolloutBatch":
+        t = torch.tensor(idx, dtype=torch.long)
+        return RolloutBatch(
+            prompts=[self.prompts[i] for i in idx],
+            responses=[self.responses[i] for i in idx],
+            group_B=self.group_B[t],
+            records=[self.records[i] for i in idx] if self.records else [],
+            finish_reasons=[self.finish_reasons[i] for i in idx] if self.finish_reasons else [],
+            tensors={k: v[t.to(v.device)] for k, v in self.tensors.items()},
+        )
+
+
+def response_mask(responses: list[list[int]], device) -> torch.Tensor:
+    """1.0 for each generated token (EOS included), 0.0 in the padding after it."""
+    width = max(1, max(len(r) for r in responses))
+    lens = torch.tensor([len(r) for r in responses], device=device)
+    return (torch.arange(width, device=device)[None, :] < lens[:, None]).float()
+
+
+def scatter_tokens(flat_N: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Put per-response-token values (sequence-major, unpadded) into the padded [B, T] layout."""
+    out_BT = torch.zeros(mask_BT.shape, dtype=flat_N.dtype, device=flat_N.device)
+    return out_BT.masked_scatter(mask_BT.bool().to(flat_N.device), flat_N)
+
+
+def mini_batches(n_seqs: int, seqs_per_mini: int, order: torch.Tensor | None = None) -> list[list[int]]:
+    """Cut the rank's sequences into mini-batches of `seqs_per_mini` (whole prompt groups)."""
+    idx = list(range(n_seqs)) if order is None else order.tolist()
+    return [idx[i : i + seqs_per_mini] for i in range(0, n_seqs, seqs_per_mini)]
+
+
+def micro_batches_by_count(idx: list[int], per_micro: int) -> list[list[int]]:
+    return [idx[i : i + per_micro] for i in range(0, len(idx), per_micro)]
+
+
+def micro_batches_by_tokens(idx: list[int], lens: list[int], budget: int, key: str, min_count: int = 1) -> list[list[int]]:
+    """Balanced partition into the fewest micro-batches whose token counts stay near `budget`.
+
+    Longest-first onto the lightest bin (LPT). `min_count` lets data-parallel ranks agree on one
+    number of micro-batches (every rank must run the same number of forwards under FSDP).
+    """
+    too_long = [(i, n) for i, n in zip(idx, lens) if n > budget]
+    if too_long:
+        i, n = too_long[0]
+        raise UserError(
+            f"{key} = {budget}: sequence {i} has {n} tokens (prompt + response), more than the budget; "
+            f"raise {key} to at least max_prompt_length + max_response_length"
+        )
+    count = max(min_count, -(-sum(lens) // budget), 1)
+    count = min(count, len(idx)) if idx else count
+    bins: list[tuple[int, int, list[int]]] = [(0, b, []) for b in range(count)]
+    for n, i in sorted(zip(lens, idx), reverse=True):
+        load, b, members = heapq.heappop(bins)
+        members.append(i)
+        heapq.heappush(bins, (load + n, b, members))
+    return [sorted(members) for _, _, members in sorted(bins, key=lambda x: x[1]) if members]
+
+
+def split_micro(batch: RolloutBatch, idx: list[int], per_micro: int, dynamic: bool, budget: int, key: str) -> list[list[int]]:
+    """Micro-batches by count (`per_micro` sequences) or by token budget (`use_dynamic_bsz`)."""
+    if dynamic:
+        return micro_batches_by_tokens(idx, batch.seq_lens(idx), budget, key)
+    return micro_batches_by_count(idx, per_micro)

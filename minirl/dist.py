@@ -1,0 +1,73 @@
+"""The process group as the training loop sees it: rank, world, device, and reductions.
+
+Every batch-wide statistic goes through `DistContext.all_reduce` (a no-op at world size 1),
+so the single-process loop and the SPMD loop are the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+
+@dataclass
+class DistContext:
+    """rank/world of the data-parallel group; `loss_scale` undoes gradient averaging.
+
+    minirl normalises every loss by global counts, so the gradient it wants is the SUM of the
+    ranks' gradients. A data-parallel wrapper that averages gradients over `world_size` ranks
+    (FSDP2, DDP) sets loss_scale = world_size to turn that mean back into the sum.
+    """
+
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    mesh: Any = None
+    sp_size: int = 1
+    loss_scale: float = 1.0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.sp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.sp_size
+
+    @property
+    def dp_group(self):
+        return None if self.mesh is None else self.mesh["dp"].get_group()
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Sum (or max/min) over the data-parallel ranks; returns a new tensor."""
+        if self.dp_size == 1 or not tdist.is_initialized():
+            return x.clone()
+        out = x.detach().clone()
+        reduce_op = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}[op]
+        tdist.all_reduce(out, op=reduce_op, group=self.dp_group)
+        return out
+
+    def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The `Reducer` handed to the algorithm library."""
+        return self.all_reduce(x, "sum")
+
+    def barrier(self) -> None:
+        if tdist.is_initialized():
+            tdist.barrier()
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """trainer.device: auto picks CUDA when present."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", local_rank)
+    return torch.device(name)

@@ -1,0 +1,113 @@
+"""Phase timers, throughput and MFU, data statistics, and the end-of-run table.
+
+Definitions follow ALGORITHMS.md §7. Every throughput says which tokens it counts.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+# dense bf16 FLOP/s per device, for MFU when trainer.peak_flops is 0
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "H20": 148e12, "L40S": 362e12}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PhaseTimer:
+    """Wall-clock seconds and peak device memory of each named phase of a step."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self.peak_gib: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            synchronize(self.device)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            if self.device.type == "cuda":
+                self.peak_gib[name] = torch.cuda.max_memory_allocated(self.device) / 2**30
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"timing_s/{k}": v for k, v in self.seconds.items()}
+        out.update({f"memory_gib/{k}": v for k, v in self.peak_gib.items()})
+        return out
+
+
+def peak_flops(device: torch.device, configured: float) -> float:
+    if configured > 0:
+        return configured
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), 0.0)
+
+
+def train_flops(model_config, n_params: int, seq_lens: list[int], backward: bool) -> float:
+    """6·N·tokens (2·N forward only) plus causal attention: 2·2·L·h·d·Σ s²/2 per forward pass.
+
+    N is the non-embedding parameter count plus the output projection (ALGORITHMS.md §7).
+    """
+    tokens = sum(seq_lens)
+    layers = model_config.num_hidden_layers
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    width = heads * head_dim
+    attn_fwd = 2 * layers * width * sum(s * s for s in seq_lens)  # QK^T and PV, causal half of 4·L·w·s²
+    mult = 3 if backward else 1
+    return mult * (2 * n_params * tokens + attn_fwd)
+
+
+def flops_params(model: torch.nn.Module) -> int:
+    """Parameters that cost FLOPs per token: all but the input embedding (the lm_head counts)."""
+    embed = model.get_input_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())
+    head = model.get_output_embeddings().weight
+    tied = head is embed
+    return total - embed.numel() + (head.numel() if tied else 0)
+
+
+def stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
+    x = x.float()
+    return {f"{prefix}/mean": x.mean().item(), f"{prefix}/max": x.max().item(), f"{prefix}/min": x.min().item()}
+
+
+TABLE_ROWS = (
+    ("response length", "response_length/mean", "tokens", "mean generated tokens per response (to EOS)"),
+    ("generation time", "timing_s/gen", "s", ""),
+    ("prev logprob time", "timing_s/old_log_prob", "s", ""),
+    ("ref logprob time", "timing_s/ref", "s", ""),
+    ("training time", "timing_s/update_actor", "s", ""),
+    ("weight sync time", "timing_s/update_weights", "s", ""),
+    ("step time", "timing_s/step", "s", ""),
+    ("gen throughput", "perf/gen_throughput_per_gpu", "tok/s/GPU", "response tokens"),
+    ("prev logprob throughput", "perf/old_log_prob_throughput_per_gpu", "tok/s/GPU", "prompt+response tokens"),
+    ("step throughput", "perf/throughput", "tok/s", "prompt+response tokens, all GPUs"),
+    ("actor MFU", "perf/mfu/actor", "", "6·N·tokens + attention, over peak bf16"),
+    ("gen roofline fraction", "perf/gen_roofline_fraction", "", "engine-reported, decode"),
+)
+
+
+def summary_table(history: list[dict[str, float]], skip_first: bool = True) -> str:
+    """The seed-style table: each metric's mean over steps (the first step is warm-up)."""
+    rows = history[1:] if skip_first and len(history) > 1 else history
+    lines = [f"{'metric':26s} {'value':>12s}  {'unit':10s} counts", "-" * 78]
+    for label, key, unit, counts in TABLE_ROWS:
+        values = [r[key] for r in rows if key in r]
+        if values:
+            lines.append(f"{label:26s} {sum(values) / len(values):12.4g}  {unit:10s} {counts}")
+    steps = f"mean over steps {history.index(rows[0]) + 1}..{len(history)}" if rows else "no steps"
+    return "\n".join(lines + [f"({steps}; step 1 excluded as warm-up)" if len(rows) < len(history) else f"({steps})"])

@@ -1,0 +1,269 @@
+"""The training loop: one step is rollout → reward → old log-probs → ref log-probs → advantages
+→ actor update → weight sync, each phase timed (DESIGN.md §2).
+
+The same code runs on one process and on every rank of an SPMD job: each rank takes whole
+prompt groups, and every batch-wide statistic goes through DistContext.all_reduce.
+Legend: B sequences, T response positions.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from tqdm import tqdm
+
+from minirl import actor as actor_lib
+from minirl.batch import RolloutBatch, response_mask
+from minirl.config import Config, to_toml
+from minirl.data import PromptLoader, expand_groups, load_prompts
+from minirl.dist import DistContext
+from minirl.errors import UserError
+from minirl.kl_control import apply_kl_in_reward, build_kl_controller
+from minirl.metrics import PhaseTimer, summary_table
+from minirl.models.loading import load_model
+from minirl.protocols import AdvantageInputs, EngineContext, SamplingParams
+from minirl.reward import RewardManager, place_scores
+from minirl.step_metrics import data_metrics, perf_metrics
+from minirl import assembly
+
+
+class Trainer:
+    """Builds every component from the config, then runs `fit()`."""
+
+    def __init__(self, cfg: Config, pm, dist: DistContext):
+        self.cfg, self.pm, self.dist = cfg, pm, dist
+        torch.manual_seed(cfg.trainer.seed + dist.rank)
+        self.run_dir = os.path.join(cfg.trainer.default_local_dir, cfg.trainer.experiment_name)
+        self.tokenizer, self.actor, self.ref = self._build_models()
+        self.loader = self._build_data()
+        self.total_steps = self._total_steps()
+        self.optimizer, self.scheduler = assembly.build_optimizer(pm, self.actor, cfg.actor.optim, self.total_steps)
+        self.engine = self._build_engine()
+        self.rewards = RewardManager(pm["reward_functions"], self.tokenizer)
+        self.estimator = pm["advantage_estimators"].get(cfg.algorithm.adv_estimator)
+        self.losses = self._build_losses()
+        self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
+        self.loggers = self._build_loggers()
+        self.history: list[dict[str, float]] = []
+
+    # -----------------------------------------------------------------------------------------
+    # set-up
+    # -----------------------------------------------------------------------------------------
+
+    def _build_models(self):
+        cfg, dist = self.cfg, self.dist
+        dtype = getattr(torch, cfg.model.dtype)
+        model, tokenizer = load_model(cfg.model, dist.device, dtype)
+        ref = None
+        if self._needs_ref():
+            ref = copy.deepcopy(model).eval().requires_grad_(False)
+            ref = assembly.assemble_reference(self.pm, ref, cfg.ref, dist)
+        actor = assembly.assemble_actor(self.pm, model, cfg, dist)
+        return tokenizer, actor, ref
+
+    def _needs_ref(self) -> bool:
+        return self.cfg.actor.use_kl_loss or self.cfg.algorithm.use_kl_in_reward
+
+    def _build_data(self) -> PromptLoader:
+        data = self.cfg.data
+        if not data.train_files:
+            raise UserError("data.train_files is empty: list one or more parquet files (make data writes data/*/train.parquet)")
+        records = load_prompts(data.train_files, self.tokenizer, data)
+        loader = PromptLoader(records, data.train_batch_size, data.shuffle, data.seed)
+        return loader.shard(self.dist.dp_rank, self.dist.dp_size)
+
+    def _total_steps(self) -> int:
+        t = self.cfg.trainer
+        return t.total_training_steps or t.total_epochs * self.loader.steps_per_epoch
+
+    def _build_engine(self):
+        cfg, dist = self.cfg, self.dist
+        dtype = cfg.rollout.dtype
+        dtype = (torch.bfloat16 if dist.device.type == "cuda" else torch.float32) if dtype == "auto" else getattr(torch, dtype)
+        ctx = EngineContext(
+            model_config=self._plain_config(), actor=self.actor, device=dist.device, dtype=dtype,
+            eos_token_ids=eos_ids(self.tokenizer, self._plain_config()), pad_token_id=pad_id(self.tokenizer),
+            extra={"progress": cfg.trainer.progress_bar and dist.is_main,
+                   "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length},
+        )
+        factory = self.pm["rollout_engines"].get(cfg.rollout.name)
+        engine = factory(cfg.rollout, ctx)
+        if cfg.rollout.free_cache_engine:
+            engine.release_memory()
+        return engine
+
+    def _plain_config(self):
+        return self.actor.config
+
+    def _build_losses(self) -> actor_lib.Losses:
+        a, pm = self.cfg.actor, self.pm
+        kl = pm["kl_estimators"].get(a.kl_loss_type) if a.use_kl_loss else None
+        return actor_lib.Losses(pm["policy_losses"].get(a.policy_loss), kl, self.ref)
+
+    def _build_loggers(self) -> list:
+        if not self.dist.is_main:
+            return []
+        os.makedirs(self.run_dir, exist_ok=True)
+        with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
+            f.write(to_toml(self.cfg))
+        return [self.pm["loggers"].get(name)(self.cfg.trainer, self.run_dir) for name in self.cfg.trainer.logger]
+
+    # -----------------------------------------------------------------------------------------
+    # the loop
+    # -----------------------------------------------------------------------------------------
+
+    def fit(self) -> list[dict[str, float]]:
+        self._print(effective_batch_line(self.cfg, self.dist, self.loader.steps_per_epoch, self.total_steps))
+        bar = tqdm(total=self.total_steps, desc="steps", disable=not (self.cfg.trainer.progress_bar and self.dist.is_main))
+        step = 0
+        for epoch in range(self.cfg.trainer.total_epochs if not self.cfg.trainer.total_training_steps else 10**9):
+            for records in self.loader.epoch_batches(epoch):
+                step += 1
+                metrics = self.train_step(records, step)
+                self._log(metrics, step)
+                bar.update(1)
+                if step >= self.total_steps:
+                    return self._finish(bar)
+        return self._finish(bar)
+
+    def train_step(self, records, step: int) -> dict[str, float]:
+        timer = PhaseTimer(self.dist.device)
+        with timer.phase("step"):
+            with timer.phase("gen"):
+                batch = self.generate(records, step)
+            with timer.phase("reward"):
+                reward_metrics = self.score(batch)
+            with timer.phase("old_log_prob"):
+                batch.tensors["old_log_probs"] = self.log_probs(self.actor, self.cfg.rollout, batch)
+            if self.ref is not None:
+                with timer.phase("ref"):
+                    batch.tensors["ref_log_probs"] = self.log_probs(self.ref, self.cfg.ref, batch)
+            with timer.phase("adv"):
+                adv_metrics = self.advantages(batch)
+            with timer.phase("update_actor"):
+                actor_metrics = self.update(batch)
+            with timer.phase("update_weights"):
+                self.sync_weights()
+        metrics = {**reward_metrics, **adv_metrics, **actor_metrics, **timer.metrics()}
+        metrics.update(data_metrics(batch, self.dist))
+        metrics.update(perf_metrics(batch, timer.seconds, self.actor, self.cfg, self.dist))
+        return metrics
+
+    # -----------------------------------------------------------------------------------------
+    # phases
+    # -----------------------------------------------------------------------------------------
+
+    def generate(self, records, step: int) -> RolloutBatch:
+        r, n = self.cfg.rollout, self.cfg.rollout.n
+        params = SamplingParams(
+            n=n, temperature=r.temperature if r.do_sample else 0.0, top_k=r.top_k, top_p=r.top_p,
+            max_new_tokens=self.cfg.data.max_response_length, ignore_eos=r.ignore_eos,
+            seed=self.cfg.trainer.seed * 1_000_003 + step * 1009 + self.dist.rank,
+        )
+        if r.free_cache_engine:
+            self.engine.resume_memory()
+        completions = self.engine.generate([rec.prompt_ids for rec in records], params)
+        if r.free_cache_engine:
+            self.engine.release_memory()
+        first_uid = (step * self.dist.dp_size + self.dist.dp_rank) * len(records)
+        expanded, uids = expand_groups(records, n, first_uid)
+        batch = RolloutBatch(
+            prompts=[rec.prompt_ids for rec in expanded], responses=[c.token_ids for c in completions],
+            group_B=torch.tensor(uids, dtype=torch.long), records=expanded,
+            finish_reasons=[c.finish_reason for c in completions],
+        )
+        batch.tensors["mask"] = response_mask(batch.responses, self.dist.device)
+        return batch
+
+    def score(self, batch: RolloutBatch) -> dict[str, float]:
+        texts = self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True)
+        result = self.rewards.score(batch.records, texts)
+        scores_B = torch.tensor(result.scores, dtype=torch.float32, device=self.dist.device)
+        batch.tensors["scores"] = scores_B
+        lens = [len(r) for r in batch.responses]
+        batch.tensors["token_scores"] = place_scores(scores_B, lens, batch.mask_BT.shape[1])
+        errors = self.dist.all_reduce(torch.tensor(float(result.n_errors), device=self.dist.device))
+        return {"reward/errors": float(errors)}
+
+    def log_probs(self, model, section, batch: RolloutBatch) -> torch.Tensor:
+        micro = (section.log_prob_micro_batch_size_per_gpu, section.log_prob_use_dynamic_bsz,
+                 section.log_prob_max_token_len_per_gpu, f"{section_name(self.cfg, section)}.log_prob_max_token_len_per_gpu")
+        return actor_lib.compute_logprobs(model, batch, self.cfg.rollout.temperature, micro, self.dist)
+
+    def advantages(self, batch: RolloutBatch) -> dict[str, float]:
+        rewards_BT, metrics = batch.tensors["token_scores"], {}
+        if self.kl_ctrl is not None:
+            kl_fn = self.pm["kl_estimators"].get(self.cfg.algorithm.kl_penalty)
+            rewards_BT, mean_kl = apply_kl_in_reward(
+                rewards_BT, batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"],
+                batch.mask_BT, self.kl_ctrl.value, kl_fn)
+            metrics = {"critic/kl": float(mean_kl), "critic/kl_coef": self.kl_ctrl.value}
+            self.kl_ctrl.update(float(mean_kl), len(batch))
+        inputs = AdvantageInputs(rewards_BT, batch.mask_BT, batch.group_B.to(self.dist.device), reduce=self.dist.reduce_sum)
+        adv_BT, ret_BT = self.estimator(inputs, self.cfg.algorithm)
+        batch.tensors.update(rewards=rewards_BT, advantages=adv_BT, returns=ret_BT)
+        return metrics
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        self.actor.train()
+        metrics = actor_lib.update_actor(
+            self.actor, self.optimizer, batch, self.cfg.actor, self.cfg.rollout.temperature,
+            self.cfg.data.max_response_length, self.losses, self.dist, self.cfg.rollout.n)
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.actor.eval()
+        return metrics
+
+    def sync_weights(self) -> None:
+        self.engine.load_weights(assembly.full_weights(self.actor))
+
+    # -----------------------------------------------------------------------------------------
+    # output
+    # -----------------------------------------------------------------------------------------
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        self.history.append(metrics)
+        self.pm.hook.minirl_on_step_end(step=step, metrics=metrics)
+        for logger in self.loggers:
+            logger.log(metrics, step)
+
+    def _finish(self, bar) -> list[dict[str, float]]:
+        bar.close()
+        for logger in self.loggers:
+            logger.close()
+        if self.history:
+            self._print("\n" + summary_table(self.history))
+        return self.history
+
+    def _print(self, text: str) -> None:
+        if self.dist.is_main:
+            print(text, flush=True)
+
+
+def section_name(cfg: Config, section) -> str:
+    return next(name for name, s in cfg.sections.items() if s is section)
+
+
+def eos_ids(tokenizer, model_config) -> tuple[int, ...]:
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(model_config, "eos_token_id", None)
+    ids |= set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def effective_batch_line(cfg: Config, dist: DistContext, steps_per_epoch: int, total_steps: int) -> str:
+    """The one line that spells out the effective batch (DESIGN.md §7)."""
+    d, a, n = cfg.data, cfg.actor, cfg.rollout.n
+    minis = d.train_batch_size // a.ppo_mini_batch_size
+    micro = (f"dynamic, <= {a.ppo_max_token_len_per_gpu} tokens/GPU" if a.use_dynamic_bsz
+             else f"{a.ppo_micro_batch_size_per_gpu} sequences/GPU")
+    return (f"batch: {d.train_batch_size} prompts x n={n} = {d.train_batch_size * n} sequences/step; "
+            f"{minis} mini-batch(es) of {a.ppo_mini_batch_size} prompts x {a.ppo_epochs} epoch(s) = "
+            f"{minis * a.ppo_epochs} optimizer steps/step; micro-batches: {micro}; world {dist.world_size} "
+            f"(dp {dist.dp_size}, sp {dist.sp_size}); {steps_per_epoch} steps/epoch, {total_steps} steps")

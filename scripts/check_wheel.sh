@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Builds minirl as a normal wheel and checks that both packages import from it (not the source).
+set -euo pipefail
+PY=${1:-python}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$tmp/dist" .
+"$PY" -m pip install -q --no-deps --target "$tmp/site" "$tmp"/dist/minirl-*.whl
+(cd "$tmp" && PYTHONPATH="$tmp/site" "$PY" -c "
+import minirl, minirl_plugins, minirl_plugins.native
+assert minirl.__file__.startswith('$tmp/site'), minirl.__file__
+assert minirl_plugins.__file__.startswith('$tmp/site'), minirl_plugins.__file__
+print('wheel install ok:', minirl.__file__)
+")

@@ -1,0 +1,123 @@
+"""Config loading: precedence, strict keys with suggestions, types, profiles, printing."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minirl.config import ConfigError, load_config, parse_overrides, to_toml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_precedence_defaults_file_profile_command_line(tmp_path):
+    """defaults < file < [profiles.X] < command line, key by key."""
+    path = write(tmp_path, """
+        [actor]
+        ppo_epochs = 2
+        clip_ratio = 0.3
+        [profiles.small.actor]
+        clip_ratio = 0.25
+        entropy_coeff = 0.01
+    """.replace("        ", ""))
+    cfg = load_config(path, ["actor.entropy_coeff=0.05"], profile="small")
+    assert cfg.actor.ppo_epochs == 2  # file
+    assert cfg.actor.clip_ratio == 0.25  # profile over file
+    assert cfg.actor.entropy_coeff == 0.05  # command line over profile
+    assert cfg.actor.grad_clip == 1.0  # default
+    assert cfg.profile == "small"
+
+
+def test_unknown_key_names_source_and_suggests_nested(tmp_path):
+    """A misplaced key is found in its nested table: actor.lr -> actor.optim.lr."""
+    path = write(tmp_path, "[actor]\nlr = 1e-5\n")
+    with pytest.raises(ConfigError, match=r"job.toml: unknown key actor.lr; did you mean 'actor.optim.lr'"):
+        load_config(path)
+
+
+def test_unknown_section_suggests(tmp_path):
+    with pytest.raises(ConfigError, match=r"command line: unknown section \[rolout\]; did you mean 'rollout'"):
+        load_config(None, ["rolout.n=4"])
+
+
+def test_wrong_type_names_key_value_and_source():
+    """Types are strict: a bool is not an int, a string is not a float; ints widen to float."""
+    with pytest.raises(ConfigError, match=r"command line: rollout.n must be int, got bool True"):
+        load_config(None, ["rollout.n=true"])
+    with pytest.raises(ConfigError, match=r"actor.clip_ratio must be float, got str"):
+        load_config(None, ["actor.clip_ratio=abc"])
+    assert load_config(None, ["actor.clip_ratio=1"]).actor.clip_ratio == 1.0
+
+
+def test_list_and_optional_fields():
+    cfg = load_config(None, ['data.train_files=["a.parquet", "b.parquet"]', "actor.clip_ratio_high=0.28"])
+    assert cfg.data.train_files == ["a.parquet", "b.parquet"]
+    assert cfg.actor.clip_ratio_high == 0.28 and cfg.actor.clip_ratio_low is None
+    with pytest.raises(ConfigError, match=r"data.train_files\[0\] must be str"):
+        load_config(None, ["data.train_files=[1]"])
+
+
+def test_override_parsing_bare_words_and_malformed():
+    assert parse_overrides(["algorithm.adv_estimator=rloo"]) == {"algorithm": {"adv_estimator": "rloo"}}
+    assert parse_overrides(["actor.optim.lr=3e-6"]) == {"actor": {"optim": {"lr": 3e-6}}}
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_overrides(["lr"])
+
+
+def test_missing_profile_lists_available(tmp_path):
+    path = write(tmp_path, "[profiles.cpu.rollout]\nn = 2\n")
+    with pytest.raises(ConfigError, match=r"no \[profiles.gpu\] table; available: cpu"):
+        load_config(path, profile="gpu")
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[actor\n"))
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(str(tmp_path / "absent.toml"))
+
+
+def test_sections_are_frozen():
+    cfg = load_config(None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.actor.ppo_epochs = 3
+
+
+def test_plugin_sections_are_validated_too():
+    """A plugin's own section gets the same strict checking as the core ones."""
+
+    @dataclasses.dataclass(frozen=True)
+    class MySection:
+        alpha: float = 0.5
+
+    cfg = load_config(None, ["mine.alpha=2"], extra_sections={"mine": MySection})
+    assert cfg.mine.alpha == 2.0
+    with pytest.raises(ConfigError, match=r"unknown key mine.alpah; did you mean 'mine.alpha'"):
+        load_config(None, ["mine.alpah=2"], extra_sections={"mine": MySection})
+
+
+def test_printed_config_round_trips(tmp_path):
+    """--print-config output is valid TOML that loads back to the same config."""
+    cfg = load_config(str(ROOT / "bench.toml"), ["actor.clip_ratio_high=0.28"], profile="cpu")
+    again = load_config(write(tmp_path, to_toml(cfg)))
+    assert again.to_dict() == cfg.to_dict()
+
+
+def test_cli_print_config_and_error_exit_code():
+    """The CLI prints the resolved config, and a bad key is one error line with exit status 2."""
+    run = [sys.executable, "-m", "minirl", "--config", str(ROOT / "bench.toml"), "--profile", "cpu"]
+    ok = subprocess.run(run + ["--print-config"], capture_output=True, text=True, cwd=ROOT)
+    assert ok.returncode == 0 and 'preset = "tiny"' in ok.stdout
+    bad = subprocess.run(run + ["actor.ppo_epoch=2", "--print-config"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2
+    assert "did you mean 'actor.ppo_epochs'" in bad.stderr and "Traceback" not in bad.stderr
