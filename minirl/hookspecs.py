@@ -80,7 +80,8 @@ def minirl_reward_functions() -> dict[str, RewardFunction]:
 
     :return: data_source -> reward function; each parquet row's ``data_source`` picks one.
 
-    Built-in: ``minirl_plugins.rewards`` (gsm8k, math, countdown).
+    Built-in: ``minirl_plugins.rewards`` (gsm8k, openai/gsm8k, math, lighteval/MATH,
+    DigitalLearningGmbH/MATH-lighteval, countdown, copy).
     """
 
 
