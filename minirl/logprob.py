@@ -1,0 +1,116 @@
+"""Per-token log-probabilities and entropies from the language-model head, memory-bounded.
+
+The float32 logits of a whole batch are what runs a GPU out of memory in RL training: 16k packed
+tokens × 151,936 vocabulary × 4 bytes = 9.7 GB, several times over once autograd keeps the
+softmax for backward. `chunked_logprobs` applies the head to a chunk of positions at a time and,
+with `recompute=True`, wraps each chunk in activation checkpointing so backward recomputes that
+chunk's logits instead of keeping them: the peak is a few chunk × V float32 tensors.
+
+All log-probs are of temperature-scaled logits (logits / rollout temperature, ALGORITHMS.md),
+computed in float32 whatever the model dtype.
+
+Shape legend: N packed token positions, V vocabulary, H hidden size.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_CHUNK_SIZE = 1024  # 1024 × 151,936 × 4 B ≈ 0.6 GB per float32 chunk tensor
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(
+            f"temperature = {temperature!r}: log-probs are of logits / temperature, so it must be "
+            "> 0; for greedy rollouts (rollout.temperature = 0) score the tokens at temperature 1"
+        )
+
+
+def logprobs_from_logits(
+    logits_NV: torch.Tensor, labels_N: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log softmax(logits / T)[label], in float32: the reference implementation (materialises
+    the full float32 log-softmax; use chunked_logprobs on the hot path)."""
+    _check_temperature(temperature)
+    logp_NV = torch.log_softmax(logits_NV.float() / temperature, dim=-1)
+    return logp_NV.gather(-1, labels_N.long().unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits_NV: torch.Tensor) -> torch.Tensor:
+    """H = logsumexp(z) − Σ softmax(z)·z per position, in float32 (ALGORITHMS.md §5).
+
+    This form needs no log of a probability, so it stays finite where softmax underflows to 0.
+    Pass temperature-scaled logits.
+    """
+    z_NV = _shift_max(logits_NV.float())
+    lse_N = torch.logsumexp(z_NV, dim=-1)
+    p_NV = torch.exp(z_NV - lse_N.unsqueeze(-1))
+    return lse_N - (p_NV * z_NV).sum(-1)
+
+
+def _shift_max(z_NV: torch.Tensor) -> torch.Tensor:
+    # Both results are invariant to z − c; subtracting the row max keeps logsumexp and Σ p·z
+    # small, so their difference (a small entropy) does not cancel catastrophically in float32.
+    # Detached: the invariance makes the gradient through the max exactly 0.
+    return z_NV - z_NV.amax(dim=-1, keepdim=True).detach()
+
+
+def _chunk_stats(
+    hidden_nH: torch.Tensor,
+    labels_n: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    z_nV = _shift_max(head(hidden_nH).float() / temperature)
+    lse_n = torch.logsumexp(z_nV, dim=-1)
+    # z[label] − logsumexp(z) equals log_softmax(z)[label] without allocating the log-softmax.
+    logp_n = z_nV.gather(-1, labels_n.long().unsqueeze(-1)).squeeze(-1) - lse_n
+    if not with_entropy:
+        return logp_n, torch.zeros_like(logp_n)
+    p_nV = torch.exp(z_nV - lse_n.unsqueeze(-1))
+    return logp_n, lse_n - (p_nV * z_nV).sum(-1)
+
+
+def chunked_logprobs(
+    hidden_NH: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    labels_N: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_entropy: bool = False,
+    recompute: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and optionally entropies) of labels_N under head(hidden_NH) / temperature.
+
+    head: hidden_chunk [n, H] -> logits_chunk [n, V] (an nn.Linear lm_head or a lambda); its
+    parameters receive gradients through the closure.
+    recompute=True: each chunk runs under torch.utils.checkpoint (use_reentrant=False), so
+    backward recomputes its logits; only the hidden chunk is kept. recompute=False keeps every
+    chunk's float32 intermediates for backward (as much memory as the unchunked form: use it
+    only for small vocabularies). Under torch.no_grad checkpointing is skipped, it saves nothing.
+    Returns (logp_N, entropy_N or None), float32.
+    """
+    _check_temperature(temperature)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size = {chunk_size}: must be >= 1 positions")
+    use_checkpoint = recompute and torch.is_grad_enabled()
+    logps, entropies = [], []
+    for start in range(0, hidden_NH.shape[0], chunk_size):
+        h_nH = hidden_NH[start : start + chunk_size]
+        y_n = labels_N[start : start + chunk_size]
+        args = (h_nH, y_n, head, temperature, with_entropy)
+        if use_checkpoint:
+            logp_n, ent_n = checkpoint(_chunk_stats, *args, use_reentrant=False)
+        else:
+            logp_n, ent_n = _chunk_stats(*args)
+        logps.append(logp_n)
+        entropies.append(ent_n)
+    if not logps:  # zero positions: keep the dtype/device contract
+        empty_N = hidden_NH.new_zeros(0, dtype=torch.float32)
+        return empty_N, (empty_N if with_entropy else None)
+    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)

@@ -1,0 +1,114 @@
+"""Built-in KL estimators (ALGORITHMS.md §3), selected by actor.kl_loss_type and
+algorithm.kl_penalty.
+
+Per-token estimators take (logp, ref_logp) of the sampled tokens, d = logp − ref_logp:
+    k1 (kl)          d                         unbiased for KL(π‖π_ref) under tokens from π
+    abs              |d|
+    k2 (mse)         ½·d²                      its gradient is the true KL gradient at first order
+    k3 (low_var_kl)  x = clamp(−d, ±20); exp(x) − x − 1, clamped to [−10, 10]   unbiased, ≥ 0
+A trailing "+" (k1+, k3+, …) keeps the forward value of the named estimator but takes the
+gradient of k2 (straight-through).
+
+`full` is exact: Σ_v π(v)·(log π(v) − log π_ref(v)) over the whole vocabulary. It needs the
+reference logits at update time, so the trainer runs the reference forward inside each update
+micro-batch: one extra forward per micro-batch, on top of the actor's forward and backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from minirl import hookimpl
+
+K3_EXP_CLAMP = 20.0  # exp(20) ≈ 5e8: beyond this the estimate is noise, and exp would overflow
+K3_OUT_CLAMP = 10.0
+
+
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1 = d = logp − ref_logp."""
+    return logp - ref_logp
+
+
+def kl_abs(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """|d|."""
+    return (logp - ref_logp).abs()
+
+
+def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k2 = ½·d²."""
+    return 0.5 * (logp - ref_logp).square()
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(x) − x − 1 with x = clamp(ref_logp − logp, −20, 20), clamped to [−10, 10]."""
+    x = (ref_logp - logp).clamp(-K3_EXP_CLAMP, K3_EXP_CLAMP)
+    return (torch.exp(x) - x - 1.0).clamp(-K3_OUT_CLAMP, K3_OUT_CLAMP)
+
+
+@dataclass(frozen=True)
+class StraightThrough:
+    """Forward value of `estimator`, gradient of k2: value + (k2 − stopgrad(k2)).
+
+    Written as stopgrad(value) + (k2 − stopgrad(k2)) so the forward is bit-identical to the
+    named estimator (k2 − stopgrad(k2) is exactly 0).
+    """
+
+    estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def __call__(self, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+        k2 = kl_k2(logp, ref_logp)
+        return self.estimator(logp, ref_logp).detach() + (k2 - k2.detach())
+
+
+def _full_kl_chunk(logits_nV: torch.Tensor, ref_logits_nV: torch.Tensor) -> torch.Tensor:
+    logp_nV = torch.log_softmax(logits_nV.float(), dim=-1)
+    ref_logp_nV = torch.log_softmax(ref_logits_nV.float(), dim=-1)
+    return (logp_nV.exp() * (logp_nV - ref_logp_nV)).sum(-1)
+
+
+@dataclass(frozen=True)
+class FullKL:
+    """Exact KL(π‖π_ref) per position from temperature-scaled logits, float32.
+
+    Called as f(logits_NV, ref_logits_NV) -> kl_N (needs_logits = True tells the trainer).
+    Positions are processed chunk_size at a time, each chunk under activation checkpointing when
+    gradients are on, so the float32 softmax intermediates of only one chunk exist at a time.
+    The reference is frozen: its logits are detached.
+    """
+
+    chunk_size: int = 1024
+    needs_logits: bool = True
+
+    def __call__(self, logits_NV: torch.Tensor, ref_logits_NV: torch.Tensor) -> torch.Tensor:
+        ref_logits_NV = ref_logits_NV.detach()
+        use_checkpoint = torch.is_grad_enabled() and logits_NV.requires_grad
+        chunks = []
+        for start in range(0, logits_NV.shape[0], self.chunk_size):
+            args = (
+                logits_NV[start : start + self.chunk_size],
+                ref_logits_NV[start : start + self.chunk_size],
+            )
+            if use_checkpoint:
+                chunks.append(checkpoint(_full_kl_chunk, *args, use_reentrant=False))
+            else:
+                chunks.append(_full_kl_chunk(*args))
+        return torch.cat(chunks) if chunks else logits_NV.new_zeros(0, dtype=torch.float32)
+
+
+@hookimpl
+def minirl_kl_estimators() -> dict:
+    named = {
+        "k1": kl_k1,
+        "kl": kl_k1,
+        "abs": kl_abs,
+        "k2": kl_k2,
+        "mse": kl_k2,
+        "k3": kl_k3,
+        "low_var_kl": kl_k3,
+    }
+    straight_through = {f"{name}+": StraightThrough(fn) for name, fn in named.items()}
+    return {**named, **straight_through, "full": FullKL()}
