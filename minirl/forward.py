@@ -34,7 +34,7 @@ def pack(prompts: list[list[int]], responses: list[list[int]], device) -> tuple[
 def hidden_states(model: torch.nn.Module, input_ids_1N: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
     """Last hidden states [N, H] of a packed row."""
     kwargs = packed_forward_kwargs(seq_lens, device=input_ids_1N.device)
-    out = model.get_decoder()(input_ids=input_ids_1N, use_cache=False, **kwargs)
+    out = model.get_decoder()(input_ids=input_ids_1N, **kwargs)
     return out.last_hidden_state[0]
 
 

@@ -63,6 +63,12 @@ class Trainer:
         actor = assembly.assemble_actor(self.pm, model, cfg, dist)
         return tokenizer, actor, ref
 
+    @property
+    def logprob_temperature(self) -> float:
+        """Log-probs use the sampling temperature's logits; greedy rollouts are scored at 1."""
+        r = self.cfg.rollout
+        return r.temperature if r.do_sample and r.temperature > 0 else 1.0
+
     def _needs_ref(self) -> bool:
         return self.cfg.actor.use_kl_loss or self.cfg.algorithm.use_kl_in_reward
 
@@ -190,7 +196,7 @@ class Trainer:
     def log_probs(self, model, section, batch: RolloutBatch) -> torch.Tensor:
         micro = (section.log_prob_micro_batch_size_per_gpu, section.log_prob_use_dynamic_bsz,
                  section.log_prob_max_token_len_per_gpu, f"{section_name(self.cfg, section)}.log_prob_max_token_len_per_gpu")
-        return actor_lib.compute_logprobs(model, batch, self.cfg.rollout.temperature, micro, self.dist)
+        return actor_lib.compute_logprobs(model, batch, self.logprob_temperature, micro, self.dist)
 
     def advantages(self, batch: RolloutBatch) -> dict[str, float]:
         rewards_BT, metrics = batch.tensors["token_scores"], {}
@@ -198,9 +204,9 @@ class Trainer:
             kl_fn = self.pm["kl_estimators"].get(self.cfg.algorithm.kl_penalty)
             rewards_BT, mean_kl = apply_kl_in_reward(
                 rewards_BT, batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"],
-                batch.mask_BT, self.kl_ctrl.value, kl_fn)
+                batch.mask_BT, self.kl_ctrl.value, kl_fn, reduce=self.dist.reduce_sum)
             metrics = {"critic/kl": float(mean_kl), "critic/kl_coef": self.kl_ctrl.value}
-            self.kl_ctrl.update(float(mean_kl), len(batch))
+            self.kl_ctrl.update(float(mean_kl), len(batch) * self.dist.dp_size)
         inputs = AdvantageInputs(rewards_BT, batch.mask_BT, batch.group_B.to(self.dist.device), reduce=self.dist.reduce_sum)
         adv_BT, ret_BT = self.estimator(inputs, self.cfg.algorithm)
         batch.tensors.update(rewards=rewards_BT, advantages=adv_BT, returns=ret_BT)
@@ -209,7 +215,7 @@ class Trainer:
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         self.actor.train()
         metrics = actor_lib.update_actor(
-            self.actor, self.optimizer, batch, self.cfg.actor, self.cfg.rollout.temperature,
+            self.actor, self.optimizer, batch, self.cfg.actor, self.logprob_temperature,
             self.cfg.data.max_response_length, self.losses, self.dist, self.cfg.rollout.n)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 
+from tqdm import tqdm
+
 from minirl import hookimpl
 from minirl.errors import UserError
 
@@ -31,7 +33,7 @@ class ConsoleLogger:
 
     def log(self, metrics: dict, step: int) -> None:
         parts = [f"{short}={metrics[key]:.4g}" for key, short in CONSOLE_KEYS if key in metrics]
-        print(f"step {step}: " + " ".join(parts), flush=True)
+        tqdm.write(f"step {step}: " + " ".join(parts))
 
     def close(self) -> None:
         pass

@@ -1,0 +1,322 @@
+"""minirl's attention for packed sequences, registered with transformers as `attn_implementation="minirl"`.
+
+Training and log-prob forwards run one packed row with no padding: input_ids [1, N], position_ids
+restarting at 0 for every sequence, and the cumulative sequence lengths. Build the extra forward
+kwargs with `packed_forward_kwargs(seq_lens)`:
+
+    out = model(input_ids=ids_1N, **packed_forward_kwargs(seq_lens, device=ids_1N.device))
+
+transformers hands `cu_seq_lens_q` / `max_length_q` (its FlashAttentionKwargs) through every
+decoder layer to the attention function, which calls `varlen_attention`: the one core function,
+which a sequence-parallel (Ulysses) wrapper wraps and installs per model with `set_varlen_core`.
+It runs flash-attn's varlen kernel when the package is installed, else torch's varlen attention
+(CUDA, half precision), else exact per-segment SDPA (CPU, float32). Calls without cu_seq_lens
+(generate, padded batches) take a plain SDPA path.
+
+Shape legend: N packed tokens, S sequences, H query heads, K key/value heads, D head dim,
+B batch rows, Q query length, L key length.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "minirl"
+CORE_ATTR = "minirl_varlen_core"  # per-layer override of the core function (sequence parallelism)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# caller side
+# ---------------------------------------------------------------------------------------------
+
+
+def packed_forward_kwargs(
+    seq_lens: Sequence[int] | torch.Tensor, device: torch.device | str | None = None
+) -> dict:
+    """The kwargs that make a Hugging Face causal LM treat one [1, N] row as S separate sequences.
+
+    position_ids restart at 0 per sequence (so RoPE matches the unpacked forward); cu_seq_lens_q/k
+    are int32 boundaries [S+1] (what varlen kernels take); max_length_q/k are Python ints so no
+    kernel call has to synchronise to find them; use_cache=False keeps the forward from storing
+    every layer's keys and values in a cache nobody reads.
+    """
+    lens_S = torch.as_tensor(seq_lens, dtype=torch.int64).cpu()
+    if lens_S.ndim != 1 or lens_S.numel() == 0 or bool((lens_S <= 0).any()):
+        raise ValueError(f"seq_lens must be a non-empty list of positive lengths, got {seq_lens!r}")
+    cu_S1 = torch.zeros(lens_S.numel() + 1, dtype=torch.int32)
+    cu_S1[1:] = lens_S.cumsum(0)
+    starts_N = torch.repeat_interleave(cu_S1[:-1].long(), lens_S)
+    position_ids_1N = (torch.arange(int(cu_S1[-1])) - starts_N).unsqueeze(0)
+    max_len = int(lens_S.max())
+    cu_S1 = cu_S1.to(device)
+    return {
+        "position_ids": position_ids_1N.to(device),
+        "cu_seq_lens_q": cu_S1,
+        "cu_seq_lens_k": cu_S1,
+        "max_length_q": max_len,
+        "max_length_k": max_len,
+        "use_cache": False,
+    }
+
+
+def register_attention() -> None:
+    """Register "minirl" with transformers' attention and mask interfaces (idempotent).
+
+    The mask function keeps transformers from materialising a dense [B, 1, Q, L] mask: packed
+    rows need none, and padded batches (generate) get only the 2-D padding mask, which the
+    attention function turns into an SDPA mask itself.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, minirl_attention_forward)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:  # transformers < 4.53 builds masks in each model instead
+        return
+    AttentionMaskInterface.register(ATTN_NAME, padding_mask_only)
+
+
+def padding_mask_only(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """transformers' mask hook for "minirl": the 2-D padding mask [B, L], or None without padding."""
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+# ---------------------------------------------------------------------------------------------
+# the attention function transformers calls
+# ---------------------------------------------------------------------------------------------
+
+
+def minirl_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, Q, D]
+    key: torch.Tensor,  # [B, K, L, D]
+    value: torch.Tensor,  # [B, K, L, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' AttentionInterface signature; returns ([B, Q, H, D], no attention weights)."""
+    if dropout:
+        raise ValueError(f"attn_implementation='minirl' has no attention dropout (got {dropout}); "
+                         "set the model config's attention_dropout to 0.0")
+    if sliding_window is not None:
+        raise ValueError("attn_implementation='minirl' has no sliding-window attention; set the "
+                         "model config's use_sliding_window = false or use attn_implementation='sdpa'")
+    cu_S1, max_len = _packed_boundaries(query, key, attention_mask, kwargs)
+    if cu_S1 is None:
+        return _padded_sdpa(query, key, value, attention_mask, scaling), None
+    core = getattr(module, CORE_ATTR, None) or varlen_attention
+    out_NHD = core(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+        cu_S1, max_len, scaling,
+    )
+    return out_NHD.unsqueeze(0), None
+
+
+def set_varlen_core(model: torch.nn.Module, core: Callable) -> int:
+    """Make `model`'s attention layers call `core` instead of `varlen_attention`; returns how many.
+
+    This is how sequence parallelism plugs in: Ulysses wraps `varlen_attention` (all-to-all from
+    sequence shards to head shards, attend, all-to-all back) and installs the wrapper on one model,
+    the actor, without touching the global registration other models share.
+    """
+    layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no *Attention modules to give a varlen core")
+    for layer in layers:
+        setattr(layer, CORE_ATTR, core)
+    return len(layers)
+
+
+def _packed_boundaries(query, key, attention_mask, kwargs) -> tuple[torch.Tensor | None, int]:
+    """cu_seqlens of a packed row: passed in, or (slow, one sync) derived from restarting positions."""
+    cu_S1 = kwargs.get("cu_seq_lens_q")
+    if cu_S1 is not None:
+        if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+            raise ValueError(f"cu_seq_lens_q needs one packed row without a KV cache; got query "
+                             f"{tuple(query.shape)}, key {tuple(key.shape)} (pass use_cache=False)")
+        max_len = kwargs.get("max_length_q")
+        return cu_S1, int(max_len) if max_len is not None else int((cu_S1[1:] - cu_S1[:-1]).max())
+    position_ids = kwargs.get("position_ids")
+    packable = attention_mask is None and query.shape[0] == 1 and query.shape[2] == key.shape[2]
+    if not packable or position_ids is None or position_ids.shape[-1] != query.shape[2]:
+        return None, 0
+    return _boundaries_from_positions(position_ids.reshape(-1))
+
+
+def _boundaries_from_positions(position_ids_N: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A new sequence starts wherever the position does not continue the previous one."""
+    starts_N = torch.ones_like(position_ids_N, dtype=torch.bool)
+    starts_N[1:] = position_ids_N[1:] != position_ids_N[:-1] + 1
+    n = position_ids_N.numel()
+    cu_S1 = torch.cat([starts_N.nonzero().flatten(), position_ids_N.new_tensor([n])]).to(torch.int32)
+    return cu_S1, int((cu_S1[1:] - cu_S1[:-1]).max())
+
+
+# ---------------------------------------------------------------------------------------------
+# the core function (what Ulysses wraps)
+# ---------------------------------------------------------------------------------------------
+
+
+def varlen_attention(
+    q: torch.Tensor,  # [N, H, D]
+    k: torch.Tensor,  # [N, K, D]
+    v: torch.Tensor,  # [N, K, D]
+    cu_seqlens: torch.Tensor,  # [S+1] int32 boundaries
+    max_seqlen: int,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Causal attention within each of S packed sequences; returns [N, H, D].
+
+    backend: "flash_attn" | "torch" | "sdpa", or None to pick the fastest available for q.
+    """
+    name = backend or pick_backend(q)
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown varlen attention backend {name!r}; choose one of {sorted(_BACKENDS)}")
+    return _BACKENDS[name](q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+def pick_backend(q: torch.Tensor) -> str:
+    """flash-attn, then torch's varlen kernel (both CUDA + half precision only), else per-segment SDPA."""
+    if q.is_cuda and q.dtype in _HALF:
+        if _flash_attn_varlen() is not None:
+            return "flash_attn"
+        if _torch_varlen() is not None:
+            return "torch"
+    return "sdpa"
+
+
+def _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale):
+    fn = _flash_attn_varlen()
+    if fn is None:
+        raise ValueError("varlen backend 'flash_attn' needs the flash-attn package: "
+                         "pip install 'minirl[flash-attn]'")
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    # flash-attn handles GQA natively (K divides H), so keys and values are not repeated.
+    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=True)
+
+
+def _torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scale):
+    fn = _torch_varlen()
+    if fn is None:
+        raise ValueError("varlen backend 'torch' needs torch >= 2.10 (torch.nn.attention.varlen)")
+    params = inspect.signature(fn).parameters
+    kwargs: dict = {"scale": scale}
+    # torch 2.10 spells causality is_causal=True; later releases window_size=(-1, 0).
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+
+
+def _segment_sdpa(q, k, v, cu_seqlens, max_seqlen, scale):
+    """Exact reference: one causal SDPA per sequence. One host sync (the boundaries) per call."""
+    bounds = cu_seqlens.tolist()
+    q_HND = q.transpose(0, 1)
+    k_HND = _repeat_kv(k, q.shape[1]).transpose(0, 1)
+    v_HND = _repeat_kv(v, q.shape[1]).transpose(0, 1)
+    outs = [
+        F.scaled_dot_product_attention(
+            q_HND[:, s:e], k_HND[:, s:e], v_HND[:, s:e], is_causal=True, scale=scale
+        )
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ]
+    return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+_BACKENDS: dict[str, Callable] = {
+    "flash_attn": _flash_varlen,
+    "torch": _torch_varlen_attn,
+    "sdpa": _segment_sdpa,
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _flash_attn_varlen() -> Callable | None:
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # not installed, or built against another torch (undefined symbols)
+        return None
+    return flash_attn_varlen_func
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_varlen() -> Callable | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """GQA on [N, K, D] or [B, K, L, D]: query head h reads key/value head h // (H // K), as in HF."""
+    groups = num_heads // x.shape[1]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# unpacked batches (generate, padded inputs)
+# ---------------------------------------------------------------------------------------------
+
+
+def _padded_sdpa(query, key, value, attention_mask, scale) -> torch.Tensor:
+    """SDPA over [B, H, Q, D] with queries aligned to the end of the keys (KV-cache decoding)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    key, value = _repeat_kv(key, query.shape[1]), _repeat_kv(value, query.shape[1])
+    mask, is_causal = None, False
+    if attention_mask is not None and attention_mask.ndim == 4:  # a caller's prepared mask
+        mask = attention_mask[..., :kv_len]
+    elif attention_mask is not None:
+        mask = _causal_padding_mask(attention_mask[:, -kv_len:].bool(), q_len)
+    elif q_len == kv_len:
+        is_causal = q_len > 1
+    elif q_len > 1:
+        mask = _causal_padding_mask(None, q_len, kv_len, query.device)
+    out_BHQD = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale
+    )
+    return out_BHQD.transpose(1, 2).contiguous()
+
+
+def _causal_padding_mask(pad_BL, q_len, kv_len=None, device=None) -> torch.Tensor:
+    """Boolean [B|1, 1, Q, L]: causal (bottom-right aligned) and not padding.
+
+    Every query may also see itself, so a padding query never has an all-masked row: SDPA would
+    return NaN there, and NaN values times zero weights would leak into real tokens' outputs.
+    """
+    kv_len = pad_BL.shape[1] if pad_BL is not None else kv_len
+    device = pad_BL.device if pad_BL is not None else device
+    q_pos_Q1 = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k_pos_1L = torch.arange(kv_len, device=device)[None, :]
+    allowed_QL = k_pos_1L <= q_pos_Q1
+    if pad_BL is None:
+        return allowed_QL[None, None]
+    return (allowed_QL[None] & pad_BL[:, None, :] | (k_pos_1L == q_pos_Q1)[None])[:, None]

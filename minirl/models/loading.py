@@ -1,0 +1,117 @@
+"""Build the policy model and its tokenizer from the `model` config section.
+
+`load_model(model_cfg, device, dtype)` loads a local Hugging Face directory (model.path) or builds
+a preset with random weights seeded by model.seed. Random presets are built on the meta device
+and initialised once on the target device, so a 1.5B model takes seconds on a GPU instead of the
+minutes of a CPU construction followed by a copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from minirl.models.attention import ATTN_NAME, register_attention
+from minirl.models.presets import preset_config
+from minirl.models.tokenizers import load_tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(model_cfg, device: torch.device | str, dtype: torch.dtype | str):
+    """Return (model, tokenizer): the causal LM on `device` in `dtype`, in eval mode.
+
+    model_cfg is the `model` section; attn_implementation defaults to "minirl" (packed varlen).
+    Gradient checkpointing and sharding are applied later by plugins.
+    """
+    register_attention()
+    device, dtype = torch.device(device), _resolve_dtype(dtype)
+    attn = _check_attn_implementation(model_cfg.attn_implementation or ATTN_NAME)
+    if model_cfg.path:
+        if model_cfg.seed:
+            warnings.warn(f"model.seed = {model_cfg.seed} has no effect: model.path loads trained weights")
+        model = pretrained_model(model_cfg.path, device, dtype, attn)
+    else:
+        model = random_model(preset_config(model_cfg.preset), device, dtype, model_cfg.seed, attn)
+    return model.eval(), load_tokenizer(model_cfg)
+
+
+def random_model(
+    config: PretrainedConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    seed: int = 0,
+    attn_implementation: str = ATTN_NAME,
+) -> PreTrainedModel:
+    """A causal LM with transformers' own init (normal(0, initializer_range), unit norms,
+    recomputed RoPE buffers), drawn from `seed` without touching the global RNG state."""
+    register_attention()
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    model.to_empty(device=device)  # storage only: the values come from the seeded init below
+    with _seeded(device, seed):
+        model.initialize_weights()
+    model.tie_weights()
+    return model
+
+
+@contextlib.contextmanager
+def _seeded(device: torch.device, seed: int):
+    """Seed the generator that draws on `device` (CPU and CUDA draw different numbers from one
+    seed), restoring it afterwards, so building a model never shifts the run's random stream."""
+    if device.type != "cuda":
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(seed)
+            yield
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.random.fork_rng(devices=[index]), torch.cuda.device(index):
+        torch.cuda.manual_seed(seed)
+        yield
+
+
+def pretrained_model(path: str, device: torch.device, dtype: torch.dtype, attn_implementation: str):
+    """A local Hugging Face checkpoint; never touches the network."""
+    p = check_model_dir(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(p), local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
+    )
+    return model.to(device)
+
+
+def check_model_dir(path: str) -> Path:
+    """The directory behind model.path, or a ValueError that says what is missing."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ValueError(f"model.path = {path!r} is not a directory; set it to a local Hugging Face "
+                         "model directory, or leave it empty to use model.preset")
+    if not (p / "config.json").is_file():
+        raise ValueError(f"model.path = {path!r} has no config.json; point it at the directory "
+                         "that holds config.json and the *.safetensors weights")
+    if not any(p.glob("*.safetensors")) and not any(p.glob("pytorch_model*.bin")):
+        raise ValueError(f"model.path = {path!r} has no weights (*.safetensors); download the "
+                         "checkpoint's weight files into it")
+    return p
+
+
+def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"model.dtype = {dtype!r} is not a dtype; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _check_attn_implementation(name: str) -> str:
+    from transformers import AttentionInterface
+
+    known = ["eager", *AttentionInterface().valid_keys()]
+    if name not in known:
+        raise ValueError(f"model.attn_implementation = {name!r} is unknown; choose "
+                         f"{ATTN_NAME!r} (packed varlen), 'sdpa' or 'eager' (or one of {sorted(known)})")
+    return name

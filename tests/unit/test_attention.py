@@ -1,0 +1,292 @@
+"""minirl's packed-sequence attention: equal to running each sequence alone, in values and grads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minirl.models.attention import (
+    ATTN_NAME,
+    minirl_attention_forward,
+    packed_forward_kwargs,
+    register_attention,
+    varlen_attention,
+)
+from minirl.models.loading import random_model
+from minirl.models.presets import preset_config
+from minirl.models.tokenizers import byte_tokenizer
+
+PRESETS = ["tiny", "llama3-tiny", "qwen3-tiny"]
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _model(preset: str, attn: str, device="cpu", dtype=torch.float32):
+    """A preset with large weights (std 0.2), so attention is sharp and any leak between
+    packed sequences shows in the logits instead of vanishing under near-uniform weights."""
+    cfg = preset_config(preset)
+    cfg.initializer_range = 0.2
+    return random_model(cfg, device, dtype, seed=3, attn_implementation=attn)
+
+
+def _packed_batch(seq_lens, vocab=256, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (1, sum(seq_lens)), generator=g).to(device)
+
+
+def _unpacked_logits(model, ids_1N, seq_lens):
+    outs, start = [], 0
+    for n in seq_lens:
+        outs.append(model(input_ids=ids_1N[:, start:start + n], use_cache=False).logits)
+        start += n
+    return torch.cat(outs, dim=1)
+
+
+def _dense_causal_reference(q_NHD, k_NKD, v_NKD, seq_lens, scale):
+    """Attention written out with matmul and softmax, one sequence at a time."""
+    groups = q_NHD.shape[1] // k_NKD.shape[1]
+    k_NHD, v_NHD = k_NKD.repeat_interleave(groups, 1), v_NKD.repeat_interleave(groups, 1)
+    outs, start = [], 0
+    for n in seq_lens:
+        q, k, v = (t[start:start + n].transpose(0, 1).float() for t in (q_NHD, k_NHD, v_NHD))
+        scores_HQL = q @ k.transpose(1, 2) * scale
+        future_QL = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores_HQL = scores_HQL.masked_fill(future_QL, float("-inf"))
+        outs.append((scores_HQL.softmax(-1) @ v).transpose(0, 1))
+        start += n
+    return torch.cat(outs).to(q_NHD.dtype)
+
+
+def test_packed_forward_kwargs_describe_each_sequence():
+    """The kwargs are the contract between the trainer and the attention function."""
+    kw = packed_forward_kwargs([3, 1, 4])
+    assert kw["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1, 2, 3]]
+    assert kw["cu_seq_lens_q"].tolist() == [0, 3, 4, 8] and kw["cu_seq_lens_q"].dtype == torch.int32
+    assert kw["cu_seq_lens_k"] is kw["cu_seq_lens_q"]
+    assert kw["max_length_q"] == kw["max_length_k"] == 4 and isinstance(kw["max_length_q"], int)
+    assert kw["use_cache"] is False
+    for bad in ([], [3, 0], [[1, 2]]):
+        with pytest.raises(ValueError, match="seq_lens"):
+            packed_forward_kwargs(bad)
+
+
+def test_varlen_attention_cpu_matches_written_out_attention():
+    """The per-segment SDPA path is the exact reference the GPU kernels are checked against."""
+    torch.manual_seed(0)
+    seq_lens = [5, 1, 9, 3]
+    q, k, v = torch.randn(18, 4, 8), torch.randn(18, 2, 8), torch.randn(18, 2, 8)
+    cu = packed_forward_kwargs(seq_lens)["cu_seq_lens_q"]
+    out = varlen_attention(q, k, v, cu, max(seq_lens), scale=0.3)
+    torch.testing.assert_close(out, _dense_causal_reference(q, k, v, seq_lens, 0.3), atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="backend"):
+        varlen_attention(q, k, v, cu, 9, backend="nope")
+
+
+def _fake_kernel(expect_heads_equal: bool):
+    """Stand-ins with the signatures of torch's varlen_attn (2.10: is_causal; 2.11: window_size;
+    2.13: window_size + enable_gqa) and flash-attn, computing with the exact CPU path."""
+    import minirl.models.attention as attn
+
+    def check(q, k, cu_q, cu_k, max_q, max_k):
+        assert cu_q.dtype == torch.int32 and cu_q is cu_k and max_q == max_k
+        assert (k.shape[1] == q.shape[1]) == expect_heads_equal
+
+    def torch_210(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, scale=None):
+        check(q, k, cu_q, cu_k, max_q, max_k)
+        assert is_causal
+        return attn._segment_sdpa(q, k, v, cu_q, max_q, scale)
+
+    def torch_211(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        check(q, k, cu_q, cu_k, max_q, max_k)
+        assert window_size == (-1, 0)
+        return attn._segment_sdpa(q, k, v, cu_q, max_q, scale)
+
+    def torch_213(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        assert enable_gqa
+        return torch_211(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+    def flash(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False):
+        check(q, k, cu_q, cu_k, max_q, max_k)
+        assert causal and dropout_p == 0.0
+        return attn._segment_sdpa(q, k, v, cu_q, max_q, softmax_scale)
+
+    return {"torch_210": torch_210, "torch_211": torch_211, "torch_213": torch_213, "flash": flash}
+
+
+@pytest.mark.parametrize("kernel", ["torch_210", "torch_211", "torch_213", "flash"])
+def test_kernel_adapters_pass_causal_gqa_and_int32_boundaries(kernel, monkeypatch):
+    """The CUDA kernels cannot run here, so fakes with their signatures check what minirl passes
+    them: causality spelled per torch version, GQA natively or by repeating heads, int32 cu."""
+    import minirl.models.attention as attn
+
+    native_gqa = kernel in ("torch_213", "flash")
+    fake = _fake_kernel(expect_heads_equal=not native_gqa)[kernel]
+    backend = "flash_attn" if kernel == "flash" else "torch"
+    monkeypatch.setattr(attn, "_flash_attn_varlen" if kernel == "flash" else "_torch_varlen", lambda: fake)
+    seq_lens = [3, 6, 2]
+    q, k, v = torch.randn(11, 4, 8), torch.randn(11, 2, 8), torch.randn(11, 2, 8)
+    cu = packed_forward_kwargs(seq_lens)["cu_seq_lens_q"].long()  # int64 in: the adapters convert
+    out = varlen_attention(q, k, v, cu, 6, 0.5, backend=backend)
+    torch.testing.assert_close(out, _dense_causal_reference(q, k, v, seq_lens, 0.5), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("reference_attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_packed_logits_and_grads_equal_unpacked(preset, reference_attn):
+    """One packed row with cu_seq_lens must give each sequence exactly its own forward and
+    backward: the log-probs and the policy gradient of training depend on it."""
+    seq_lens = [7, 1, 12, 4, 9]
+    ids = _packed_batch(seq_lens)
+    packed, reference = _model(preset, ATTN_NAME), _model(preset, reference_attn)
+    g = torch.Generator().manual_seed(1)
+    weights = torch.randn(1, sum(seq_lens), packed.config.vocab_size, generator=g)
+
+    logits = packed(input_ids=ids, **packed_forward_kwargs(seq_lens)).logits
+    expected = _unpacked_logits(reference, ids, seq_lens)
+    torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
+
+    (logits * weights).sum().backward()
+    (expected * weights).sum().backward()
+    for (name, p), (_, p_ref) in zip(packed.named_parameters(), reference.named_parameters()):
+        scale = p_ref.grad.abs().max().item()  # grads reach ~300: compare relative to each tensor
+        assert (p.grad - p_ref.grad).abs().max().item() <= 1e-5 * scale, name
+
+
+def test_packing_without_boundaries_is_detected_by_the_test():
+    """Negative control: treating the row as one sequence must change the logits, else the
+    equality test above could pass without the boundaries doing anything."""
+    seq_lens = [6, 6]
+    ids = _packed_batch(seq_lens)
+    model = _model("tiny", ATTN_NAME)
+    leaky = model(input_ids=ids, use_cache=False).logits
+    assert not torch.allclose(leaky, _unpacked_logits(model, ids, seq_lens), atol=1e-3)
+
+
+def test_restarting_position_ids_alone_also_separate_sequences():
+    """A caller that passes only position_ids (as transformers' own packing does) still gets
+    per-sequence attention, never silent leakage across sequences."""
+    seq_lens = [4, 8, 3]
+    ids = _packed_batch(seq_lens)
+    model = _model("qwen3-tiny", ATTN_NAME)
+    position_ids = packed_forward_kwargs(seq_lens)["position_ids"]
+    logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+    torch.testing.assert_close(logits, _unpacked_logits(model, ids, seq_lens), atol=2e-5, rtol=1e-5)
+
+
+def test_no_dense_mask_is_built_for_packed_rows():
+    """transformers must not materialise an N x N mask for "minirl": it is what varlen saves."""
+    from transformers.masking_utils import create_causal_mask
+
+    register_attention()
+    cfg = preset_config("tiny")
+    cfg._attn_implementation = ATTN_NAME
+    kw = packed_forward_kwargs([300, 200])
+    embeds = torch.zeros(1, 500, cfg.hidden_size)
+    assert create_causal_mask(cfg, embeds, None, None, position_ids=kw["position_ids"]) is None
+    padding = torch.ones(2, 500, dtype=torch.long)
+    padding[0, :10] = 0
+    mask = create_causal_mask(cfg, embeds.expand(2, -1, -1), padding, None, position_ids=None)
+    assert mask.shape == (2, 500)  # only the 2-D padding mask reaches the attention function
+
+
+def test_padded_batch_and_generate_match_eager():
+    """generate and padded batches (the hf rollout engine, evaluation) work with "minirl"."""
+    tok = byte_tokenizer()
+    tok.padding_side = "left"
+    batch = tok(["hello there", "hi", "a longer prompt than both"], return_tensors="pt", padding=True)
+    model, reference = _model("tiny", ATTN_NAME), _model("tiny", "eager")
+    real = batch["attention_mask"].bool()
+    logits, expected = model(**batch).logits[real], reference(**batch).logits[real]
+    torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert torch.equal(model.generate(**batch, **kw), reference.generate(**batch, **kw))
+
+
+def test_register_is_idempotent_and_unsupported_options_are_errors():
+    """The loader registers on every call; options "minirl" cannot honour fail loudly."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    register_attention()
+    register_attention()
+    assert AttentionInterface._global_mapping[ATTN_NAME] is minirl_attention_forward
+    assert ATTN_NAME in AttentionMaskInterface._global_mapping
+    q = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(ValueError, match="sliding"):
+        minirl_attention_forward(None, q, q, q, None, sliding_window=2)
+    with pytest.raises(ValueError, match="attention_dropout"):
+        minirl_attention_forward(None, q, q, q, None, dropout=0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (run by the lead on an H200)
+# ---------------------------------------------------------------------------------------------
+
+
+def _cuda_backends():
+    from minirl.models.attention import _flash_attn_varlen, _torch_varlen
+
+    names = [n for n, ok in (("flash_attn", _flash_attn_varlen()), ("torch", _torch_varlen())) if ok]
+    return names or ["missing"]
+
+
+def _max_err(x, ref):
+    return (x.float() - ref.float()).abs().max().item()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", _cuda_backends())
+def test_cuda_varlen_kernels_match_segment_sdpa_bf16(backend):
+    """Each CUDA varlen kernel is as close to exact float32 attention as bf16 per-segment SDPA
+    is, forward and backward (bf16 rounding alone makes direct comparisons flaky)."""
+    if backend == "missing":
+        pytest.skip("neither flash-attn nor torch.nn.attention.varlen is available")
+    torch.manual_seed(0)
+    seq_lens = [100, 1, 257, 64, 33]
+    n, cu = sum(seq_lens), packed_forward_kwargs(seq_lens, device="cuda")["cu_seq_lens_q"]
+    base = [torch.randn(n, h, 128, device="cuda") for h in (12, 2, 2)]
+    grad = torch.randn(n, 12, 128, device="cuda")
+    results = {}
+    for name, dtype in ((backend, torch.bfloat16), ("sdpa", torch.bfloat16), ("sdpa", torch.float32)):
+        inputs = [t.to(dtype).requires_grad_() for t in base]
+        out = varlen_attention(*inputs, cu, max(seq_lens), 128 ** -0.5, backend=name)
+        out.backward(grad.to(dtype))
+        results[(name, dtype)] = [out.detach()] + [t.grad for t in inputs]
+    exact = results[("sdpa", torch.float32)]
+    bf16 = results[("sdpa", torch.bfloat16)]
+    for got, bf16_sdpa, ref in zip(results[(backend, torch.bfloat16)], bf16, exact):
+        assert _max_err(got, ref) <= 2 * _max_err(bf16_sdpa, ref) + 1e-2 * ref.abs().max().item()
+
+
+@gpu
+@needs_cuda
+def test_cuda_packed_model_forward_matches_unpacked_sdpa_bf16():
+    """The whole packed path on CUDA (kernel dispatch, kwargs plumbing): its bf16 logits are as
+    close to the float32 per-sequence logits as bf16 sdpa per sequence is."""
+    seq_lens = [50, 3, 120, 17]
+    ids = _packed_batch(seq_lens, device="cuda")
+    # Same seed on the same device gives the same weights; cast after init so all three agree.
+    exact = _model("tiny", "sdpa", "cuda", torch.float32)
+    packed = _model("tiny", ATTN_NAME, "cuda", torch.float32).to(torch.bfloat16)
+    bf16_sdpa = _model("tiny", "sdpa", "cuda", torch.float32).to(torch.bfloat16)
+    with torch.no_grad():
+        ref = _unpacked_logits(exact, ids, seq_lens)
+        got = packed(input_ids=ids, **packed_forward_kwargs(seq_lens, device="cuda")).logits
+        baseline = _unpacked_logits(bf16_sdpa, ids, seq_lens)
+    assert _max_err(got, ref) <= 2 * _max_err(baseline, ref) + 1e-2
+
+def test_a_model_can_swap_the_varlen_core():
+    """Sequence parallelism installs its wrapper of varlen_attention on one model only."""
+    from minirl.models.attention import set_varlen_core
+
+    seq_lens = [5, 9]
+    ids = _packed_batch(seq_lens)
+    model, untouched = _model("tiny", ATTN_NAME), _model("tiny", ATTN_NAME)
+    calls = []
+    assert set_varlen_core(model, lambda *args: calls.append(args[3]) or varlen_attention(*args)) == 2
+    kw = packed_forward_kwargs(seq_lens)
+    torch.testing.assert_close(model(input_ids=ids, **kw).logits, untouched(input_ids=ids, **kw).logits)
+    assert len(calls) == 2 and calls[0] is kw["cu_seq_lens_q"]
+    with pytest.raises(ValueError, match="Attention"):
+        set_varlen_core(torch.nn.Linear(2, 2), varlen_attention)
