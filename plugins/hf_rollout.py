@@ -10,6 +10,7 @@ import copy
 from typing import Iterable
 
 import torch
+from tqdm import tqdm
 
 from minirl import hookimpl
 from minirl.protocols import Completion, EngineContext, SamplingParams
@@ -30,6 +31,7 @@ class HFEngine:
         self.pad = ctx.pad_token_id
         self.batch_size = rollout_cfg.max_num_seqs
         self.params = dict(self.model.named_parameters())
+        self.progress = bool(ctx.extra.get("progress", False))
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -37,7 +39,8 @@ class HFEngine:
             torch.manual_seed(params.seed)
         per_call = max(1, self.batch_size // params.n)
         out: list[Completion] = []
-        for start in range(0, len(prompts), per_call):
+        starts = range(0, len(prompts), per_call)
+        for start in tqdm(starts, desc="generate", leave=False, disable=not self.progress or len(starts) < 2):
             out += self._generate_chunk(prompts[start : start + per_call], params)
         return out
 

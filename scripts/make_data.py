@@ -8,7 +8,7 @@ writes data/<task>/train.parquet and data/<task>/test.parquet for each task:
   string, extra_info.answer a worked solution ending in "#### <n>" (GSM8K's format);
 - countdown: 3-4 numbers and a target reachable with each number exactly once; ground truth
   {target, numbers}, extra_info.solution one such equation;
-- copy: "Repeat the digit: 7" -> "7", a task a tiny model learns in a few steps.
+- copy: "Repeat the digit: 7 7 7 7 7 7 7 7" -> "7", a task a tiny model learns in a few steps.
 
 Output is a function of --seed only, and train and test never share a prompt. copy has only
 50 distinct prompts (5 phrasings x 10 digits), so its rows repeat within a split; the test split
@@ -28,8 +28,11 @@ GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after
 NAMES = ["Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Isla", "Jamal",
          "Kira", "Liam", "Mia", "Noah", "Olga", "Priya", "Quinn", "Rosa", "Sam", "Tariq"]
 ITEMS = ["apples", "marbles", "stickers", "pencils", "cookies", "stamps", "shells", "cards"]
-COPY_TEMPLATES = ["Repeat the digit: {d}", "Copy this digit: {d}", "Say the digit {d}",
-                  "Echo: {d}", "Write the digit {d}"]
+# The digit stands 8 times so that even a randomly initialised model's near-uniform attention
+# carries it to the answer position: that is what makes the task learnable in a few CPU minutes.
+COPY_TEMPLATES = ["Repeat the digit: {r}", "Copy this digit: {r}", "Say the digit {r}",
+                  "Echo: {r}", "Write the digit {r}"]
+COPY_REPEATS = 8
 
 
 @dataclass
@@ -177,7 +180,8 @@ def _copy_splits(rng: random.Random, n_train: int, n_test: int) -> tuple[list[Pr
     for d in range(10):
         held_out = rng.randrange(len(COPY_TEMPLATES))
         for t, template in enumerate(COPY_TEMPLATES):
-            (test if t == held_out else train).append(Problem(template.format(d=d), str(d)))
+            prompt = template.format(r=" ".join([str(d)] * COPY_REPEATS))
+            (test if t == held_out else train).append(Problem(prompt, str(d)))
     return [rng.choice(train) for _ in range(n_train)], [test[i % 10] for i in range(n_test)]
 
 

@@ -1,0 +1,45 @@
+"""Shared fixtures: synthetic data written once, and an in-process run of the real loop."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from minirl.config import load_config
+from minirl.dist import DistContext
+from minirl.plugins import PluginManager
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _make_data_module():
+    spec = importlib.util.spec_from_file_location("make_data", ROOT / "scripts" / "make_data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data")
+    make_data = _make_data_module()
+    for task in ("copy", "gsm8k"):
+        make_data.write_task(task, out, 400, 50, 0)
+    return out
+
+
+def run_job(tmp_path: Path, data_dir: Path, overrides: list[str], profile: str = "cpu"):
+    """Run `python -m minirl --config bench.toml --profile cpu <overrides>` in this process."""
+    base = [
+        f'data.train_files=["{data_dir}/copy/train.parquet"]',
+        f'data.val_files=["{data_dir}/copy/test.parquet"]',
+        f"trainer.default_local_dir={tmp_path}",
+        "trainer.progress_bar=false",
+    ]
+    cfg = load_config(str(ROOT / "bench.toml"), base + overrides, profile=profile)
+    from minirl.trainer import Trainer
+
+    return Trainer(cfg, PluginManager(cfg.plugins.modules), DistContext(device=torch.device("cpu"))).fit()
