@@ -1,0 +1,57 @@
+"""The engine's own settings, resolved from the `rollout` config section and EngineContext.extra.
+
+From `rollout`: gpu_memory_utilization (share of free device memory for the KV cache),
+max_num_seqs, enforce_eager. From ctx.extra (optional): max_model_len, max_num_batched_tokens,
+page_size, num_kv_pages (fixes the cache size; tests use it), cpu_kv_cache_bytes, max_graph_batch,
+use_triton, decode_steps, path (a local checkpoint), seed (of random weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 1024
+    max_model_len: int = 32768
+    max_num_batched_tokens: int = 16384
+    page_size: int = 16
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = False
+    num_kv_pages: int = 0  # 0: size from memory
+    cpu_kv_cache_bytes: int = 64 << 20
+    max_graph_batch: int = 512
+    use_triton: bool = True
+    decode_steps: int = 1  # decode steps per host round trip (8 on CUDA by default)
+
+    @classmethod
+    def resolve(cls, rollout_cfg, ctx) -> "EngineConfig":
+        extra = dict(ctx.extra or {})
+        max_pos = getattr(ctx.model_config, "max_position_embeddings", 32768)
+        cfg = cls(
+            max_num_seqs=int(getattr(rollout_cfg, "max_num_seqs", 1024)),
+            max_model_len=int(extra.get("max_model_len", min(max_pos, 32768))),
+            max_num_batched_tokens=int(extra.get("max_num_batched_tokens", 16384)),
+            page_size=int(extra.get("page_size", 16)),
+            gpu_memory_utilization=float(getattr(rollout_cfg, "gpu_memory_utilization", 0.5)),
+            enforce_eager=bool(getattr(rollout_cfg, "enforce_eager", False)),
+            num_kv_pages=int(extra.get("num_kv_pages", 0)),
+            cpu_kv_cache_bytes=int(extra.get("cpu_kv_cache_bytes", 64 << 20)),
+            max_graph_batch=int(extra.get("max_graph_batch", 512)),
+            use_triton=bool(extra.get("use_triton", True)),
+            decode_steps=int(extra.get("decode_steps", 8 if str(ctx.device).startswith("cuda") else 1)),
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"rollout.gpu_memory_utilization = {self.gpu_memory_utilization}: must be in (0, 1], "
+                "the share of free device memory given to the KV cache"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"rollout.max_num_seqs = {self.max_num_seqs}: must be at least 1")
+        if min(self.page_size, self.max_model_len, self.max_num_batched_tokens, self.decode_steps) < 1:
+            raise ValueError("ctx.extra page_size, max_model_len, max_num_batched_tokens, decode_steps must be positive")

@@ -1,0 +1,29 @@
+"""What one forward step needs to know besides the tokens: where the KV goes and comes from.
+
+Shape legend: N packed tokens, B decode rows, S sequences of a prefill, L layers, K KV slots,
+Hk KV heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepMeta:
+    is_prefill: bool
+    slot_mapping_N: torch.Tensor  # int64 KV slot that each token's K/V is written to
+    kv_cache: torch.Tensor  # [2, L, K, Hk, D]
+    # prefill: packed causal sequences
+    cu_seqlens_S1: torch.Tensor | None = None  # int32
+    seqlens: list[int] | None = None  # host copy, for the per-sequence SDPA fallback
+    max_seqlen: int = 0
+    # decode: one query token per row, keys read through the page table
+    rows_B: torch.Tensor | None = None  # int64 row of the device state (page table row)
+    ctx_lens_B: torch.Tensor | None = None  # int32 tokens to attend to, the new one included
+    page_table: torch.Tensor | None = None  # [rows, max_pages] int32
+    page_size: int = 16
+    num_splits: int = 1
+    max_ctx: int = 0  # host bound on ctx_lens (the pure-torch decode needs it; 0: read it)

@@ -1,0 +1,303 @@
+"""Triton kernels for the engine's hot path on GPU; ops_torch.py defines what each computes.
+
+Decode of a small model is a chain of many small operations; fusing each norm, the rotary + KV
+write, and the gated activation into one kernel keeps the CUDA graph short (about ten kernels a
+layer). Decode attention reads the KV cache through the page table in split-K fashion (several
+programs per row and KV head, merged by a second kernel), so short batches still fill the GPU.
+The sampler reads the logits once: an online log-sum-exp for the log-prob and the Gumbel-max
+trick for the sample, in vocabulary chunks merged on the host side by a few small torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minirl_plugins.native.layers.meta import StepMeta
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n_cols, stride_x, stride_r, stride_y, eps,
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(r_ptr + row * stride_r + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (xf * rstd).to(x.dtype).to(tl.float32) * w
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rmsnorm(x, weight, eps):
+    y = torch.empty_like(x)
+    x2, y2 = x.view(-1, x.shape[-1]), y.view(-1, x.shape[-1])
+    _rmsnorm_kernel[(x2.shape[0],)](x2, x2, weight, y2, x2.shape[1], x2.stride(0), x2.stride(0),
+                                    y2.stride(0), eps, HAS_RESIDUAL=False, BLOCK=_pow2(x2.shape[1]))
+    return y
+
+
+def add_rmsnorm(x, residual, weight, eps):
+    """In place: residual <- x + residual; returns (rmsnorm(residual), residual)."""
+    y = torch.empty_like(x)
+    _rmsnorm_kernel[(x.shape[0],)](x, residual, weight, y, x.shape[1], x.stride(0), residual.stride(0),
+                                   y.stride(0), eps, HAS_RESIDUAL=True, BLOCK=_pow2(x.shape[1]))
+    return y, residual
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, y_ptr, n_cols, stride_gu, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (act * u.to(tl.float32)).to(g.dtype), mask=mask)
+
+
+def silu_mul(gate_up):
+    n, two_i = gate_up.shape
+    y = torch.empty(n, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(n, triton.cdiv(two_i // 2, block))](gate_up, y, two_i // 2, gate_up.stride(0),
+                                                           y.stride(0), BLOCK=block)
+    return y
+
+
+@triton.jit
+def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+                       qn_ptr, kn_ptr, stride_tok, stride_slot, eps,
+                       H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                       QK_NORM: tl.constexpr):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)  # q heads, then k heads
+    offs = tl.arange(0, HALF)
+    pos = tl.load(pos_ptr + tok)
+    c = tl.load(cos_ptr + pos * HALF + offs)
+    s = tl.load(sin_ptr + pos * HALF + offs)
+    base = qkv_ptr + tok * stride_tok + head * D
+    x1 = tl.load(base + offs)
+    x2 = tl.load(base + HALF + offs)
+    dt = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    if QK_NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+        if head < H:
+            w1 = tl.load(qn_ptr + offs).to(tl.float32)
+            w2 = tl.load(qn_ptr + HALF + offs).to(tl.float32)
+        else:
+            w1 = tl.load(kn_ptr + offs).to(tl.float32)
+            w2 = tl.load(kn_ptr + HALF + offs).to(tl.float32)
+        x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    o1 = (x1 * c - x2 * s).to(dt)
+    o2 = (x2 * c + x1 * s).to(dt)
+    tl.store(base + offs, o1)
+    tl.store(base + HALF + offs, o2)
+    if head >= H:
+        slot = tl.load(slot_ptr + tok)
+        dst = slot * stride_slot + (head - H) * D
+        tl.store(k_cache_ptr + dst + offs, o1)
+        tl.store(k_cache_ptr + dst + HALF + offs, o2)
+        v = base + HK * D
+        tl.store(v_cache_ptr + dst + offs, tl.load(v + offs))
+        tl.store(v_cache_ptr + dst + HALF + offs, tl.load(v + HALF + offs))
+
+
+def rope_store(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, heads, kv_heads, head_dim,
+               q_norm=None, k_norm=None, eps=1e-6):
+    assert head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0, "head_dim/2 must be a power of 2"
+    norm = q_norm is not None
+    _rope_store_kernel[(qkv.shape[0], heads + kv_heads)](
+        qkv, positions, cos, sin, slot_mapping, k_cache, v_cache,
+        q_norm if norm else qkv, k_norm if norm else qkv, qkv.stride(0), k_cache.stride(0), eps,
+        H=heads, HK=kv_heads, D=head_dim, HALF=head_dim // 2, QK_NORM=norm,
+    )
+
+
+# Decode attention launch settings. SPLITS (the most programs per row and KV head) is fixed
+# per CUDA-graph bucket by the runner; a row uses fewer when its context is short (min_chunk
+# tokens per split at least), since each split costs a partial write and a merge.
+# Chosen by a sweep on an H200 (scripts/bench_rollout.py --sweep-attention): one split and
+# 128-token blocks read the KV cache fastest whenever batch x KV heads fills the SMs.
+DECODE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "min_chunk": 256}
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, rows_ptr, lens_ptr, o_ptr, lse_ptr,
+                   stride_q, stride_slot, stride_pt, stride_o, scale, min_chunk,
+                   H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                   SPLITS: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(rows_ptr + b)
+    length = tl.load(lens_ptr + b)
+    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    n = tl.arange(0, BLOCK_N)
+    heads = kvh * G + g
+    q = tl.load(q_ptr + b * stride_q + heads[:, None] * D + d[None, :], mask=g[:, None] < G, other=0.0)
+    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        tok = t0 + n
+        valid = tok < end
+        page = tl.load(pt_ptr + row * stride_pt + tok // PAGE, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE + tok % PAGE
+        kv_off = slot[:, None] * stride_slot + kvh * D + d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        m_i = m_new
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    hmask = (g[:, None] < G) & (split < splits)
+    if DIRECT:
+        tl.store(o_ptr + b * stride_o + heads[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=hmask)
+    else:
+        part = (b * H + heads) * SPLITS + split
+        tl.store(o_ptr + part[:, None] * D + d[None, :], out, mask=hmask)
+        lse = m_i + tl.log(l_i)
+        tl.store(lse_ptr + part, lse, mask=(g < G) & (split < splits))
+
+
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, lens_ptr, o_ptr, stride_o, min_chunk,
+                  H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    length = tl.load(lens_ptr + b)
+    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
+    sp = tl.arange(0, SPLITS)
+    used = sp < splits
+    d = tl.arange(0, D)
+    base = (b * H + h) * SPLITS
+    lse = tl.load(lse_ptr + base + sp, mask=used, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, axis=0))
+    w = w / tl.sum(w, axis=0)
+    parts = tl.load(part_ptr + (base + sp)[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
+    out = tl.sum(parts * w[:, None], axis=0)
+    tl.store(o_ptr + b * stride_o + h * D + d, out.to(o_ptr.dtype.element_ty))
+
+
+def decode_attention(qkv, k_cache, v_cache, meta: StepMeta, heads, kv_heads, head_dim, scale, config=None):
+    """Paged decode attention; k_cache/v_cache are [K, Hk, D] views of one layer."""
+    cfg = {**DECODE_CONFIG, **(config or {})}
+    b = qkv.shape[0]
+    group = heads // kv_heads
+    splits = meta.num_splits
+    out = torch.empty(b, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    if splits == 1:
+        part, lse = out, out
+    else:
+        part = torch.empty(b * heads * splits, head_dim, dtype=torch.float32, device=qkv.device)
+        lse = torch.empty(b * heads * splits, dtype=torch.float32, device=qkv.device)
+    _decode_kernel[(b, kv_heads, splits)](
+        qkv, k_cache, v_cache, meta.page_table, meta.rows_B, meta.ctx_lens_B, part, lse,
+        qkv.stride(0), k_cache.stride(0), meta.page_table.stride(0), out.stride(0), scale, cfg["min_chunk"],
+        H=heads, D=head_dim, G=group, BLOCK_G=max(16, _pow2(group)), BLOCK_N=cfg["block_n"],
+        PAGE=meta.page_size, SPLITS=splits, DIRECT=splits == 1,
+        PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if splits > 1:
+        _merge_kernel[(b, heads)](part, lse, meta.ctx_lens_B, out, out.stride(0), cfg["min_chunk"],
+                                  H=heads, D=head_dim, SPLITS=splits)
+    return out
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, stride_row, vocab, params_ptr, seed_ptr, max_ptr, sum_ptr, best_ptr, idx_ptr,
+                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    # params: (1/temperature, sample?) ; seed: (seed, step). Read from device memory so that
+    # the sampler can live inside the decode step's CUDA graph.
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    inv_temp = tl.load(params_ptr)
+    sampling = tl.load(params_ptr + 1) > 0
+    seed = (tl.load(seed_ptr) * 1000003 + tl.load(seed_ptr + 1) * 7919) % 2147483647
+    lanes = tl.arange(0, BLOCK)
+    m_vec = tl.full([BLOCK], -1e30, tl.float32)
+    s_vec = tl.zeros([BLOCK], tl.float32)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    idx = tl.zeros([BLOCK], tl.int32)
+    for off in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
+        cols = off + lanes
+        mask = cols < vocab
+        x = tl.load(logits_ptr + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        x = x * inv_temp
+        m_new = tl.maximum(m_vec, x)
+        s_vec = s_vec * tl.exp(m_vec - m_new) + tl.exp(x - m_new)
+        m_vec = m_new
+        u = tl.rand(seed, row * vocab + cols)
+        score = tl.where(sampling, x - tl.log(-tl.log(u)), x)
+        score = tl.where(mask, score, float("-inf"))
+        better = score > best
+        best = tl.where(better, score, best)
+        idx = tl.where(better, cols, idx)
+    m = tl.max(m_vec, axis=0)
+    top = tl.max(best, axis=0)
+    out = row * CHUNKS + c
+    tl.store(max_ptr + out, m)
+    tl.store(sum_ptr + out, tl.sum(s_vec * tl.exp(m_vec - m), axis=0))
+    tl.store(best_ptr + out, top)
+    tl.store(idx_ptr + out, tl.min(tl.where(best == top, idx, 2147483647), axis=0))
+
+
+def sample_params(temperature: float, device) -> torch.Tensor:
+    """The device-side parameters sample_from reads: (1/temperature, sample?) in float32."""
+    sampling = temperature > 0
+    return torch.tensor([1.0 / temperature if sampling else 1.0, float(sampling)], device=device)
+
+
+def sample_from(logits_MV, params: torch.Tensor, seed: torch.Tensor):
+    """Sample one token per row with device-side parameters; advances seed[1] (the step) by one.
+
+    Plain temperature sampling (no top-k/top-p), graph-capturable: returns (tokens_M int64,
+    logprobs_M float32), the same distribution and log-probs as ops_torch.sample.
+    """
+    m, vocab = logits_MV.shape
+    chunks = max(1, min(32, triton.cdiv(vocab, 4096)))
+    block = 1024 if vocab >= 1024 else _pow2(vocab)
+    chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
+    f32 = dict(dtype=torch.float32, device=logits_MV.device)
+    part_max, part_sum, part_best = (torch.empty(m, chunks, **f32) for _ in range(3))
+    part_idx = torch.empty(m, chunks, dtype=torch.int32, device=logits_MV.device)
+    _sample_kernel[(m, chunks)](logits_MV, logits_MV.stride(0), vocab, params, seed, part_max, part_sum,
+                                part_best, part_idx, CHUNK=chunk, BLOCK=block, CHUNKS=chunks)
+    seed[1:].add_(1)
+    lse = torch.logsumexp(part_max + part_sum.log(), dim=1)
+    tokens = part_idx.gather(1, part_best.argmax(dim=1, keepdim=True)).long()
+    chosen = logits_MV.gather(1, tokens).squeeze(1).float() * params[0]
+    return tokens.squeeze(1), chosen - lse
+
+
+def sample(logits_MV, temperature: float, seed: int):
+    """sample_from with host-side parameters (self-checks and tests)."""
+    seed_t = torch.tensor([seed, 0], dtype=torch.int64, device=logits_MV.device)
+    return sample_from(logits_MV, sample_params(temperature, logits_MV.device), seed_t)

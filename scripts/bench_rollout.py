@@ -1,0 +1,350 @@
+"""Benchmark the native rollout engine against transformers' generate on one device.
+
+    python scripts/bench_rollout.py                      # H200: both workloads, HF included
+    python scripts/bench_rollout.py --shape tiny --device cpu --workloads smoke   # smoke test
+
+Model: the Qwen2-1.5B shape (DeepSeek-R1-Distill-Qwen-1.5B: 28 layers, hidden 1536, 12 heads,
+2 KV heads, MLP 8960, vocabulary 151936, untied head), random weights, bfloat16, EOS ignored.
+Workloads (prompts x prompt tokens x new tokens): w1 = 128 x 256 x 512, w2 = 512 x 256 x 2048.
+
+Decode roofline: every decode step must read all weights it multiplies with (every parameter
+except the input embedding table, of which it reads one row per sequence) plus the live KV cache
+of every row; those bytes over 4.28 TB/s (H200 HBM, measured copy bandwidth) give the step's
+least time. Reported: roofline time over wall time of the whole generate (prefill and host work
+included), and over the device time of the decode steps alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from minirl.config_schema import RolloutConfig
+from minirl.protocols import EngineContext, SamplingParams
+from minirl_plugins.native import build_native_engine, weights_checksum
+
+BANDWIDTH = 4.28e12
+WORKLOADS = {"w1": (128, 256, 512), "w2": (512, 256, 2048), "smoke": (8, 16, 12)}
+SHAPES = {
+    "qwen2-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                       intermediate_size=8960, vocab_size=151936, max_position_embeddings=131072,
+                       rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=300, max_position_embeddings=4096),
+}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(args, device, dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**SHAPES[args.shape])
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = Qwen2ForCausalLM(config).to(dtype).eval()
+    rollout = RolloutConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                            enforce_eager=args.enforce_eager)
+    ctx = EngineContext(config, hf, device, dtype, (), 0, extra={"max_model_len": 4096})
+    return config, hf, build_native_engine(rollout, ctx)
+
+
+def weight_load(engine, hf, device) -> dict:
+    times = []
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        engine.load_weights(hf.named_parameters())
+        sync(device)
+        times.append(time.perf_counter() - start)
+    same = engine.checksum() == weights_checksum(hf.named_parameters(), engine.dtype)
+    return {"weight_load_s": statistics.median(times), "checksum_equal": same,
+            "parameters": sum(p.numel() for p in hf.parameters())}
+
+
+def prompts_for(batch, prompt_len, vocab, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, prompt_len), generator=gen).tolist()
+
+
+def run_native(engine, prompts, new_tokens, device) -> dict:
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+    engine.runner.profile.records.clear()
+    engine.runner.profile.enabled = True
+    sync(device)
+    start = time.perf_counter()
+    out = engine.generate(prompts, params)
+    sync(device)
+    wall = time.perf_counter() - start
+    engine.runner.profile.enabled = False
+    generated = sum(len(c.token_ids) for c in out)
+    assert generated == len(prompts) * new_tokens
+    return {"wall_s": wall, "tokens": generated, "tokens_per_s": generated / wall, **roofline(engine, device)}
+
+
+def roofline(engine, device) -> dict:
+    spec, records = engine.spec, engine.runner.profile.records
+    weight_bytes = (spec.num_parameters() - spec.vocab_size * spec.hidden_size * (not spec.tie_word_embeddings))
+    weight_bytes *= engine.dtype.itemsize
+    decode = [r for r in records if r.kind == "decode"]
+    floor = sum(r.steps * weight_bytes + r.kv_tokens * engine.runner.kv_bytes_per_token for r in decode) / BANDWIDTH
+    res = {"decode_steps": sum(r.steps for r in decode), "roofline_s": floor, "weight_bytes_per_step": weight_bytes,
+           "host_wait_s": engine.last_stats.get("host_wait_s")}
+    if device.type == "cuda":
+        res["decode_device_s"] = sum(r.start.elapsed_time(r.end) for r in decode) / 1e3
+        res["prefill_device_s"] = sum(r.start.elapsed_time(r.end) for r in records if r.kind == "prefill") / 1e3
+    return res
+
+
+def run_hf(hf, prompts, new_tokens, device, full_new_tokens=None) -> dict:
+    """transformers' generate; with full_new_tokens > new_tokens, also the rate of the whole run
+    extrapolated from the step times (which grow linearly with the cache length)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    stamps = []
+
+    class StepClock(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            sync(device)
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    ids = torch.tensor(prompts, device=device)
+    sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                          top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+                          stopping_criteria=StoppingCriteriaList([StepClock()]))
+    sync(device)
+    wall = time.perf_counter() - start
+    generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    res = {"wall_s": wall, "tokens": generated, "tokens_per_s": generated / wall}
+    if full_new_tokens and full_new_tokens > new_tokens and len(stamps) > 8:
+        steps = torch.tensor(stamps, dtype=torch.float64).diff()[2:]  # step i+3 -> i+4, cache length grows by one each
+        x = torch.arange(3, 3 + len(steps), dtype=torch.float64)
+        slope, intercept = torch.linalg.lstsq(torch.stack([x, torch.ones_like(x)], 1), steps[:, None]).solution[:, 0]
+        rest = torch.arange(len(stamps), full_new_tokens, dtype=torch.float64)
+        total = (stamps[-1] - start) + float((intercept + slope * rest).sum())
+        res.update(extrapolated_new_tokens=full_new_tokens, extrapolated_wall_s=total,
+                   extrapolated_tokens_per_s=full_new_tokens * ids.shape[0] / total,
+                   step_ms_first=float(steps[:8].mean()) * 1e3, step_ms_last=float(steps[-8:].mean()) * 1e3)
+    return res
+
+
+def micro(engine, device, batch, ctx, path) -> list[str]:
+    """Device time of each decode operation at one batch size, replayed from a CUDA graph."""
+    import triton.testing
+
+    spec, ops, dt = engine.spec, engine.ops, engine.dtype
+    layer = engine.model.model.layers[0]
+    x = torch.randn(batch, spec.hidden_size, device=device, dtype=dt)
+    res = torch.randn_like(x)
+    qkv = torch.randn(batch, spec.q_size + 2 * spec.kv_size, device=device, dtype=dt)
+    gu = torch.randn(batch, 2 * spec.intermediate_size, device=device, dtype=dt)
+    h_mid = torch.randn(batch, spec.intermediate_size, device=device, dtype=dt)
+    attn_o = torch.randn(batch, spec.q_size, device=device, dtype=dt)
+    logits = torch.randn(batch, spec.vocab_size, device=device, dtype=dt)
+    pos = torch.full((batch,), ctx - 1, device=device)
+    cos, sin = engine.runner.rope
+    case = paged_case(spec, batch, ctx, device, dt)
+    case[3].num_splits = engine.runner._num_splits(batch)
+    w = layer.self_attn
+    timed = {
+        "qkv_proj (addmm)": lambda: torch.nn.functional.linear(x, w.qkv_weight, w.qkv_bias),
+        "o_proj": lambda: torch.nn.functional.linear(attn_o, w.o_proj.weight),
+        "gate_up_proj": lambda: torch.nn.functional.linear(x, layer.mlp.gate_up_weight),
+        "down_proj": lambda: torch.nn.functional.linear(h_mid, layer.mlp.down_proj.weight),
+        "lm_head": lambda: engine.model.compute_logits(x),
+        "add_rmsnorm": lambda: ops.add_rmsnorm(x, res, layer.input_layernorm.weight, 1e-6),
+        "rope_store": lambda: ops.rope_store(qkv, pos, cos, sin, case[3].slot_mapping_N, case[1], case[2],
+                                             spec.num_heads, spec.num_kv_heads, spec.head_dim),
+        "silu_mul": lambda: ops.silu_mul(gu),
+        "decode_attention": lambda: ops.decode_attention(case[0], case[1], case[2], case[3], spec.num_heads,
+                                                         spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5),
+        "sample (fused)": lambda: ops.fast_sample(logits, engine.runner.sample_params, engine.runner.sample_seed),
+    }
+    lines = [f"-- decode ops, batch {batch}, context {ctx} (us; graph replay; bytes = weights/KV read)"]
+    for name, fn in timed.items():
+        fn()
+        bench = triton.testing.do_bench_cudagraph
+        us = bench(fn) * 1e3
+        lines.append(f"{name:20} {us:9.1f}")
+    with open(path, "a") as f:
+        f.write("\n".join(lines) + "\n")
+    return lines
+
+
+def paged_case(spec, batch, ctx, device, dtype, page=16):
+    """One layer's paged KV cache with shuffled pages, every row at `ctx` tokens."""
+    from minirl_plugins.native.layers.meta import StepMeta
+
+    pages_per_row = -(-ctx // page)
+    table = (torch.randperm(batch * pages_per_row, device=device) + 1).view(batch, pages_per_row).to(torch.int32)
+    kc = torch.randn((batch * pages_per_row + 1) * page, spec.num_kv_heads, spec.head_dim, device=device, dtype=dtype)
+    vc = torch.randn_like(kc)
+    qkv = torch.randn(batch, spec.q_size + 2 * spec.kv_size, device=device, dtype=dtype)
+    lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
+    slots = table[:, -1].long() * page + (ctx - 1) % page
+    meta = StepMeta(False, slots, None, rows_B=torch.arange(batch, device=device), ctx_lens_B=lens,
+                    page_table=table, page_size=page)
+    return qkv, kc, vc, meta
+
+
+def sweep_attention(engine, device, path) -> list[str]:
+    """Decode attention launch settings against KV bytes read, at the two workloads' shapes."""
+    import triton.testing
+
+    from minirl_plugins.native.layers import ops_triton
+
+    spec = engine.spec
+    lines = ["-- decode attention sweep: batch ctx splits block_n warps stages min_chunk -> us, TB/s"]
+    best = {}
+    for batch, ctx in ((128, 512), (512, 1280)):
+        case = paged_case(spec, batch, ctx, device, engine.dtype)
+        kv_bytes = 2 * batch * ctx * spec.num_kv_heads * spec.head_dim * engine.dtype.itemsize
+        for splits in (1, 2, 4, 8, 16):
+            for block_n, warps, stages in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 3)):
+                for min_chunk in ((64, 256) if splits > 1 else (1 << 20,)):
+                    cfg = dict(block_n=block_n, num_warps=warps, num_stages=stages, min_chunk=min_chunk)
+                    case[3].num_splits = splits
+                    try:
+                        fn = lambda: ops_triton.decode_attention(*case, spec.num_heads, spec.num_kv_heads,  # noqa: E731
+                                                                 spec.head_dim, spec.head_dim**-0.5, config=cfg)
+                        fn()
+                        us = triton.testing.do_bench_cudagraph(fn) * 1e3
+                    except Exception as exc:  # a config that does not compile (resources)
+                        lines.append(f"{batch} {ctx} {splits} {cfg} failed: {type(exc).__name__}")
+                        continue
+                    lines.append(f"{batch:4} {ctx:5} {splits:3} {block_n:4} {warps} {stages} {min_chunk:7} "
+                                 f"{us:8.1f} {kv_bytes / us / 1e6:6.2f}")
+                    if us < best.get((batch, ctx), (1e9,))[0]:
+                        best[(batch, ctx)] = (us, splits, cfg)
+    lines += [f"best {k}: {v[0]:.1f} us, splits {v[1]}, {v[2]}" for k, v in best.items()]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return lines
+
+
+def release_check(engine, device) -> dict:
+    if device.type != "cuda":
+        return {}
+    sync(device)
+    before = torch.cuda.memory_reserved(device)
+    engine.release_memory()
+    after = torch.cuda.memory_reserved(device)
+    engine.resume_memory()
+    return {"reserved_before_gb": before / 1e9, "reserved_after_release_gb": after / 1e9,
+            "kv_cache_gb": engine.runner.num_pages * engine.cfg.page_size * engine.runner.kv_bytes_per_token / 1e9}
+
+
+def kernel_profile(engine, prompts, device, path) -> None:
+    """Per-kernel device time of a few eager decode steps (graphs hide kernels from the profiler)."""
+    if device.type != "cuda":
+        return
+    use_graphs = engine.runner.use_graphs
+    engine.runner.use_graphs = False
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=0)
+    engine.generate(prompts, params)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        engine.generate(prompts, params)
+    engine.runner.use_graphs = use_graphs
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    with open(path, "w") as f:
+        f.write(table)
+    print(table[:6000])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="qwen2-1.5b", choices=sorted(SHAPES))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--workloads", default="w1,w2")
+    p.add_argument("--hf", default="w1,w2", help="workloads to also run with transformers generate ('' for none)")
+    p.add_argument("--hf-max-new-tokens", type=int, default=256,
+                   help="new tokens for transformers on w2 (its full run would take many minutes)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--profile-kernels", action="store_true")
+    p.add_argument("--micro", action="store_true", help="time each decode operation")
+    p.add_argument("--sweep-attention", action="store_true", help="time decode attention launch settings")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                     "torch": torch.__version__, "argv": sys.argv}
+    config, hf, engine = build(args, device, dtype)
+    results["ops"] = engine.ops.chosen
+    try:  # diagnostics: a failure here must not cost the benchmark
+        if args.sweep_attention:
+            print("\n".join(sweep_attention(engine, device, os.path.join(args.out, "attention_sweep.txt"))), flush=True)
+        if args.micro:
+            for batch, ctx in ((128, 512), (512, 1280)):
+                print("\n".join(micro(engine, device, batch, ctx, os.path.join(args.out, "micro.txt"))), flush=True)
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        print(f"diagnostics failed: {exc}", flush=True)
+    results["weights"] = weight_load(engine, hf, device)
+    print("ops:", engine.ops.chosen, "| weights:", results["weights"], flush=True)
+    for name in args.workloads.split(","):
+        batch, prompt_len, new = WORKLOADS[name]
+        prompts = prompts_for(batch, prompt_len, config.vocab_size)
+        run_native(engine, prompts, 4, device)  # warm-up: compiles kernels, captures this batch's graph
+        res = {"native": run_native(engine, prompts, new, device)}
+        print(name, "native", res["native"], flush=True)
+        if name in args.hf.split(","):
+            hf_new = min(new, args.hf_max_new_tokens) if name == "w2" else new
+            res["hf"] = run_hf(hf, prompts, hf_new, device, full_new_tokens=new)
+            print(name, "hf", res["hf"], flush=True)
+        results[name] = res
+    results["release"] = release_check(engine, device)
+    if args.profile_kernels:
+        kernel_profile(engine, prompts_for(128, 256, config.vocab_size), device, os.path.join(args.out, "kernels.txt"))
+    with open(os.path.join(args.out, "bench_rollout.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    print_table(results, args)
+    return 0
+
+
+def print_table(r: dict, args) -> None:
+    print(f"\n== rollout benchmark: {r['device']}, torch {r['torch']}, shape {args.shape}")
+    w = r["weights"]
+    print(f"weight load: {w['parameters'] / 1e9:.2f}B params in {w['weight_load_s'] * 1e3:.1f} ms, "
+          f"checksum equal: {w['checksum_equal']}")
+    print(f"{'workload':8} {'native tok/s':>12} {'wall s':>8} {'roofline s':>10} {'frac e2e':>8} "
+          f"{'frac decode':>11} {'hf tok/s':>9} {'speed-up':>8}")
+    for name in args.workloads.split(","):
+        n, h = r[name]["native"], r[name].get("hf")
+        dec = n["roofline_s"] / n["decode_device_s"] if "decode_device_s" in n else float("nan")
+        hf_tps = h.get("extrapolated_tokens_per_s", h["tokens_per_s"]) if h else float("nan")
+        print(f"{name:8} {n['tokens_per_s']:12.0f} {n['wall_s']:8.2f} {n['roofline_s']:10.3f} "
+              f"{n['roofline_s'] / n['wall_s']:8.1%} {dec:11.1%} {hf_tps:9.0f} {n['tokens_per_s'] / hf_tps:8.1f}")
+    for name in args.workloads.split(","):
+        h = r[name].get("hf") or {}
+        if "extrapolated_tokens_per_s" in h:
+            print(f"{name}: hf measured {h['tokens']} tokens at {h['tokens_per_s']:.0f} tok/s (step "
+                  f"{h['step_ms_first']:.1f} -> {h['step_ms_last']:.1f} ms); the full run extrapolated from "
+                  f"step times: {h['extrapolated_wall_s']:.0f} s, {h['extrapolated_tokens_per_s']:.0f} tok/s (used above)")
+    if r["release"]:
+        rel = r["release"]
+        print(f"release_memory: reserved {rel['reserved_before_gb']:.1f} GB -> {rel['reserved_after_release_gb']:.1f} GB "
+              f"(KV cache {rel['kv_cache_gb']:.1f} GB)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

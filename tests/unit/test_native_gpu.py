@@ -1,0 +1,103 @@
+"""The native engine on CUDA: kernels pass their self-checks, CUDA-graph decode gives the eager
+and transformers' greedy tokens, the fused sampler samples the softmax, a weight load keeps the
+captured graphs valid, and release_memory() returns the KV cache to the device.
+"""
+
+import pytest
+import torch
+
+from minirl.protocols import SamplingParams
+from minirl_plugins.native import build_native_engine
+from minirl_plugins.native.layers.ops import select_ops
+from minirl_plugins.native.testing import engine_context, tiny_config, tiny_hf_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+CUDA = torch.device("cuda")
+PROMPTS = [[5, 17, 42], [7] * 16, list(range(100, 131)), [9, 8, 7, 6, 5, 4, 3]]
+
+
+class _Cfg:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _greedy(n=1, max_new=24):
+    return SamplingParams(n=n, temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fast_kernels_pass_self_checks(dtype):
+    ops = select_ops(CUDA, dtype)
+    print(dtype, ops.chosen)
+    expected = {"rmsnorm", "add_rmsnorm", "silu_mul", "rope_store", "decode_attention", "fast_sample"}
+    if dtype == torch.bfloat16:
+        expected.add("prefill_attention")
+    assert expected <= set(ops.chosen), ops.chosen
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_graph_decode_equals_eager_and_transformers(family):
+    cfg = tiny_config(family, num_attention_heads=4, num_key_value_heads=2, hidden_size=256,
+                      **({"head_dim": 64} if family == "qwen3" else {}))
+    hf = tiny_hf_model(cfg, seed=2, std=0.2, device="cuda")
+    graphs = build_native_engine(None, engine_context(cfg, actor=hf, device="cuda", num_kv_pages=512))
+    eager = build_native_engine(_Cfg(enforce_eager=True), engine_context(cfg, actor=hf, device="cuda", num_kv_pages=512))
+    assert graphs.runner.use_graphs
+    got = graphs.generate(PROMPTS, _greedy(n=2))
+    assert graphs.runner.graphs, "no CUDA graph was captured"
+    assert [c.token_ids for c in got] == [c.token_ids for c in eager.generate(PROMPTS, _greedy(n=2))]
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt], device="cuda"), do_sample=False, max_new_tokens=24,
+                              min_new_tokens=24, pad_token_id=0)[0, len(prompt):].tolist()
+        assert got[2 * i].token_ids == ref
+
+
+def test_bf16_logits_close_to_transformers():
+    cfg = tiny_config("qwen2", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    hf = tiny_hf_model(cfg, seed=1, std=0.05, dtype=torch.bfloat16, device="cuda")
+    eng = build_native_engine(None, engine_context(cfg, actor=hf, device="cuda", dtype=torch.bfloat16, num_kv_pages=64))
+    tokens = list(range(3, 200))
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens], device="cuda")).logits[0].float()
+    assert ((eng.logits(tokens).float() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_fused_sampler_frequencies():
+    from minirl_plugins.native.layers import ops_triton
+
+    logits = (torch.randn(1, 50, generator=torch.Generator().manual_seed(0)) * 2).cuda().repeat(200_000, 1)
+    tokens, logprobs = ops_triton.sample(logits.to(torch.bfloat16), 0.9, 1234)
+    probs = torch.softmax(logits[0].to(torch.bfloat16).float() / 0.9, -1).double()
+    counts = torch.bincount(tokens, minlength=50).double()
+    keep = probs * 200_000 > 5
+    chi2 = ((counts[keep] - probs[keep] * 200_000) ** 2 / (probs[keep] * 200_000)).sum().item()
+    df = int(keep.sum()) - 1
+    assert chi2 < df + 4.5 * (2 * df) ** 0.5, chi2
+
+
+def test_load_weights_keeps_graphs_valid():
+    cfg = tiny_config("qwen2", hidden_size=256)
+    a, b = (tiny_hf_model(cfg, seed=s, std=0.2, device="cuda") for s in (1, 2))
+    eng = build_native_engine(None, engine_context(cfg, actor=a, device="cuda", num_kv_pages=512))
+    eng.generate(PROMPTS, _greedy())  # captures graphs over a's weights
+    captured = {bs: id(g) for bs, (g, _) in eng.runner.graphs.items()}
+    eng.load_weights(b.named_parameters())
+    got = eng.generate(PROMPTS, _greedy())
+    assert {bs: id(g) for bs, (g, _) in eng.runner.graphs.items()} == captured, "graphs were re-captured"
+    fresh = build_native_engine(None, engine_context(cfg, actor=b, device="cuda", num_kv_pages=512))
+    assert [c.token_ids for c in got] == [c.token_ids for c in fresh.generate(PROMPTS, _greedy())]
+
+
+def test_release_memory_is_visible_in_reserved_memory():
+    cfg = tiny_config("qwen2", hidden_size=256)
+    eng = build_native_engine(None, engine_context(cfg, device="cuda", num_kv_pages=50_000))
+    eng.generate(PROMPTS, _greedy())
+    kv_bytes = eng.runner.kv.numel() * eng.runner.kv.element_size()
+    before = torch.cuda.memory_reserved()
+    eng.release_memory()
+    after = torch.cuda.memory_reserved()
+    assert before - after >= kv_bytes, (before, after, kv_bytes)
+    eng.resume_memory()
+    assert torch.cuda.memory_reserved() >= after + kv_bytes
