@@ -52,6 +52,8 @@ class FSDPConfig:
     param_offload: bool = False
     optimizer_offload: bool = False
     reshard_after_forward: bool = True
+    param_dtype: str = "auto"  # compute dtype of the sharded model; auto: bfloat16 on CUDA, else model.dtype
+    reduce_dtype: str = "float32"  # dtype of the gradient reduce-scatter
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,8 @@ class TrainerConfig:
     default_local_dir: str = "runs"  # run directories go under it
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     progress_bar: bool = True
-    save_freq: int = -1
-    test_freq: int = -1
+    test_freq: int = -1  # validate every N steps and after the last one (-1: never)
+    val_before_train: bool = False
     collective_timeout_s: int = 300
     peak_flops: float = 0.0  # per-GPU dense bf16 FLOP/s for MFU; 0: from the device name
 

@@ -22,6 +22,7 @@ CONSOLE_KEYS = (
     ("actor/grad_norm", "grad_norm"),
     ("timing_s/step", "step_s"),
     ("perf/throughput", "tok/s"),
+    ("val/score/mean", "val_score"),
 )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _make_data_module():
     spec = importlib.util.spec_from_file_location("make_data", ROOT / "scripts" / "make_data.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules["make_data"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -31,7 +33,7 @@ def data_dir(tmp_path_factory) -> Path:
     return out
 
 
-def run_job(tmp_path: Path, data_dir: Path, overrides: list[str], profile: str = "cpu"):
+def run_job(tmp_path: Path, data_dir: Path, overrides: list[str], profile: str = "cpu", device: str = "cpu"):
     """Run `python -m minirl --config bench.toml --profile cpu <overrides>` in this process."""
     base = [
         f'data.train_files=["{data_dir}/copy/train.parquet"]',
@@ -42,4 +44,4 @@ def run_job(tmp_path: Path, data_dir: Path, overrides: list[str], profile: str =
     cfg = load_config(str(ROOT / "bench.toml"), base + overrides, profile=profile)
     from minirl.trainer import Trainer
 
-    return Trainer(cfg, PluginManager(cfg.plugins.modules), DistContext(device=torch.device("cpu"))).fit()
+    return Trainer(cfg, PluginManager(cfg.plugins.modules), DistContext(device=torch.device(device))).fit()
