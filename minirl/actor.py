@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-from minirl.batch import RolloutBatch, mini_batches, scatter_tokens, split_micro
+from minirl.batch import (
+    RolloutBatch,
+    mini_batches,
+    scatter_tokens,
+    select_micro,
+    split_micro,
+)
 from minirl.dist import DistContext
 from minirl.forward import response_hidden, response_logprobs
 from minirl.loss_agg import aggregate, mini_batch_norm
@@ -25,10 +31,13 @@ def compute_logprobs(model, batch: RolloutBatch, temperature: float, micro, dist
     `micro` is (per_micro, dynamic, budget, key) of the phase's config section.
     """
     out_BT = torch.zeros(batch.mask_BT.shape, device=dist.device)
-    for idx in split_micro(batch, list(range(len(batch))), *micro):
-        sub = batch.select(idx)
+    for idx in split_micro(batch, list(range(len(batch))), *micro, dist.max_over_ranks, dist.sp_size):
+        sub = select_micro(batch, idx)  # an empty idx still runs its forward: FSDP ranks run in step
         logp_R, _ = response_logprobs(model, sub.prompts, sub.responses, temperature, dist.device)
-        out_BT[torch.tensor(idx, device=dist.device)] = scatter_tokens(logp_R.float(), sub.mask_BT)
+        if idx:
+            out_BT[torch.tensor(idx, device=dist.device)] = scatter_tokens(logp_R.float(), sub.mask_BT)
+    if hasattr(model, "reshard"):  # FSDP2 keeps the root gathered for a backward that never comes
+        model.reshard()
     return out_BT
 
 
@@ -77,10 +86,10 @@ def update_actor(model, optimizer, batch: RolloutBatch, cfg, temperature: float,
 def _mini_batch_step(model, optimizer, batch, mini, cfg, temperature, max_len, losses, dist, sums) -> float:
     mb = batch.select(mini)
     norm = mini_batch_norm([mb.mask_BT], dist.reduce_sum, cfg.loss_scale_factor, max_len)
-    micro = split_micro(mb, list(range(len(mb))), cfg.ppo_micro_batch_size_per_gpu,
-                        cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu, "actor.ppo_max_token_len_per_gpu")
+    micro = split_micro(mb, list(range(len(mb))), cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                        cfg.ppo_max_token_len_per_gpu, "actor.ppo_max_token_len_per_gpu", dist.max_over_ranks, dist.sp_size)
     for idx in micro:
-        loss = _micro_batch_loss(model, mb.select(idx), cfg, temperature, norm, losses, dist, sums)
+        loss = _micro_batch_loss(model, select_micro(mb, idx), cfg, temperature, norm, losses, dist, sums)
         (loss * dist.loss_scale).backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     if torch.isfinite(grad_norm):

@@ -51,5 +51,7 @@ def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, param in model.named_parameters():
         tensor = param.detach()
         if hasattr(tensor, "full_tensor"):
+            if tensor.device.type != tensor.device_mesh.device_type:  # a CPU-offloaded shard:
+                tensor = tensor.to(tensor.device_mesh.device_type)  # NCCL gathers device memory
             tensor = tensor.full_tensor()
         yield hf_name(name), tensor

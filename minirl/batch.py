@@ -95,8 +95,46 @@ def micro_batches_by_tokens(idx: list[int], lens: list[int], budget: int, key: s
     return [sorted(members) for _, _, members in sorted(bins, key=lambda x: x[1]) if members]
 
 
-def split_micro(batch: RolloutBatch, idx: list[int], per_micro: int, dynamic: bool, budget: int, key: str) -> list[list[int]]:
-    """Micro-batches by count (`per_micro` sequences) or by token budget (`use_dynamic_bsz`)."""
-    if dynamic:
-        return micro_batches_by_tokens(idx, batch.seq_lens(idx), budget, key)
-    return micro_batches_by_count(idx, per_micro)
+def split_micro(batch: RolloutBatch, idx: list[int], per_micro: int, dynamic: bool, budget: int, key: str,
+                agree=None, sp_size: int = 1) -> list[list[int]]:
+    """Micro-batches by count (`per_micro` sequences) or by token budget (`use_dynamic_bsz`).
+
+    With Ulysses each GPU holds 1/sp_size of a micro-batch's tokens, so the budget grows with it.
+    `agree(count)` returns the largest count over the data-parallel ranks: under FSDP every rank
+    must run the same number of forward passes (collectives inside). A rank left with fewer
+    micro-batches gets empty ones ([]); `select_micro` turns those into placeholders.
+    """
+    if not dynamic:
+        micro = micro_batches_by_count(idx, per_micro)
+        count = agree(len(micro)) if agree else len(micro)
+        return micro + [[] for _ in range(count - len(micro))]
+    lens = batch.seq_lens(idx)
+    if sp_size > 1:
+        _check_sp_budget(lens, budget, sp_size, key)
+        budget *= sp_size
+    micro = micro_batches_by_tokens(idx, lens, budget, key)
+    count = agree(len(micro)) if agree else len(micro)
+    if count > len(micro):
+        micro = micro_batches_by_tokens(idx, lens, budget, key, min_count=count)
+    return micro + [[] for _ in range(count - len(micro))]
+
+
+def _check_sp_budget(lens: list[int], budget: int, sp_size: int, key: str) -> None:
+    longest = max(lens, default=0)
+    if longest > budget * sp_size:
+        raise UserError(
+            f"{key} = {budget} (x ulysses_sequence_parallel_size {sp_size} = {budget * sp_size} tokens per "
+            f"micro-batch): a sequence has {longest} tokens (prompt + response); raise {key} to at least "
+            f"{-(-longest // sp_size)}"
+        )
+
+
+def select_micro(batch: RolloutBatch, idx: list[int]) -> RolloutBatch:
+    """batch.select(idx); for an empty idx a placeholder: sequence 0 with an all-zero mask. It runs
+    the same forward and backward as a real micro-batch and adds nothing to any loss, gradient or
+    metric (they are all sums over masked tokens)."""
+    if idx:
+        return batch.select(idx)
+    sub = batch.select([0])
+    sub.tensors["mask"] = torch.zeros_like(sub.tensors["mask"])
+    return sub

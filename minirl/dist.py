@@ -18,8 +18,9 @@ class DistContext:
     """rank/world of the data-parallel group; `loss_scale` undoes gradient averaging.
 
     minirl normalises every loss by global counts, so the gradient it wants is the SUM of the
-    ranks' gradients. A data-parallel wrapper that averages gradients over `world_size` ranks
-    (FSDP2, DDP) sets loss_scale = world_size to turn that mean back into the sum.
+    ranks' gradients. The FSDP2 plugin reduce-scatters sums, so loss_scale stays 1 with it; a
+    data-parallel wrapper that averages over `world_size` ranks (DDP) would set loss_scale =
+    world_size to turn that mean back into the sum.
     """
 
     device: torch.device
@@ -54,6 +55,19 @@ class DistContext:
         reduce_op = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}[op]
         tdist.all_reduce(out, op=reduce_op, group=self.dp_group)
         return out
+
+    def max_over_ranks(self, n: int) -> int:
+        """The largest n over the data-parallel ranks: counts of passes that must agree (FSDP)."""
+        return int(self.all_reduce(torch.tensor(n, device=self.device), "max"))
+
+    def sp_broadcast(self, obj: Any) -> Any:
+        """The first sp rank's `obj` on every rank of its sp group. Ranks of an sp group must hold
+        the same batch, and sampling on different GPUs need not be bit-identical."""
+        if self.sp_size == 1 or not tdist.is_initialized():
+            return obj
+        box = [obj]
+        tdist.broadcast_object_list(box, group=self.mesh["sp"].get_group(), group_src=0)
+        return box[0]
 
     def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         """The `Reducer` handed to the algorithm library."""

@@ -9,12 +9,22 @@ Legend: N packed tokens, R response tokens of the micro-batch, H hidden size.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from minirl.logprob import chunked_logprobs
 from minirl.models.attention import packed_forward_kwargs
 
 LOGIT_CHUNK = 2048  # response positions per output-projection chunk
+
+
+def mixed_precision(device: torch.device):
+    """bf16 matmuls over fp32 master weights on CUDA (what FSDP2's MixedPrecisionPolicy does
+    when sharded); the log-softmax stays float32 (chunked_logprobs upcasts each chunk)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def pack(prompts: list[list[int]], responses: list[list[int]], device) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor]:
@@ -38,6 +48,49 @@ def hidden_states(model: torch.nn.Module, input_ids_1N: torch.Tensor, seq_lens: 
     return out.last_hidden_state[0]
 
 
+def run_packed(model: torch.nn.Module, fn, *args):
+    """fn(model, *args), through `model.minirl_forward` when a data-parallel plugin installed one.
+
+    The packed passes call the decoder and the lm_head directly, never model.forward, so FSDP2's
+    root hooks would not gather the root's parameters (embeddings, lm_head); the FSDP2 plugin
+    registers `minirl_forward` as a forward method to run them around fn.
+    """
+    method = getattr(model, "minirl_forward", None)
+    return fn(model, *args) if method is None else method(fn, *args)
+
+
+def split(model: torch.nn.Module, input_ids_1N, seq_lens: list[int], pred_pos_R, labels_R):
+    """This rank's share of a packed row: (input_ids [1, n], forward kwargs, predicting positions
+    [r] within it, their labels [r], gather: [r, ...] -> [R, ...]).
+
+    Without sequence parallelism that is the whole row. A sequence-parallel plugin (Ulysses)
+    installs `model.minirl_sequence_parallel`, whose `split` cuts the row into slices.
+    """
+    sp = getattr(model, "minirl_sequence_parallel", None)
+    if sp is not None:
+        return sp.split(input_ids_1N, seq_lens, pred_pos_R, labels_R)
+    kwargs = packed_forward_kwargs(seq_lens, device=input_ids_1N.device)
+    return input_ids_1N, kwargs, pred_pos_R, labels_R, _whole
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _packed_logprobs(model, input_ids_1N, seq_lens, pred_pos_R, labels_R, temperature, with_entropy):
+    ids_1n, kwargs, pos_r, labels_r, gather = split(model, input_ids_1N, seq_lens, pred_pos_R, labels_R)
+    hidden_nH = model.get_decoder()(input_ids=ids_1n, **kwargs).last_hidden_state[0]
+    logp_r, ent_r = chunked_logprobs(
+        hidden_nH[pos_r], model.get_output_embeddings(), labels_r, temperature,
+        chunk_size=LOGIT_CHUNK, with_entropy=with_entropy, recompute=torch.is_grad_enabled(),
+    )
+    if pos_r.numel() == 0 and torch.is_grad_enabled():
+        # a slice that predicts no response token must still run its backward: the
+        # sequence-parallel all-to-alls inside it are collectives the other slices wait on
+        logp_r = logp_r + 0.0 * hidden_nH.sum()
+    return gather(logp_r), (None if ent_r is None else gather(ent_r))
+
+
 def response_logprobs(
     model: torch.nn.Module,
     prompts: list[list[int]],
@@ -48,14 +101,18 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [R] (and entropies [R]) of the response tokens, sequence-major, unpadded."""
     input_ids, lens, pred_pos, labels = pack(prompts, responses, device)
-    hidden_NH = hidden_states(model, input_ids, lens)
-    return chunked_logprobs(
-        hidden_NH[pred_pos], model.get_output_embeddings(), labels, temperature,
-        chunk_size=LOGIT_CHUNK, with_entropy=with_entropy, recompute=torch.is_grad_enabled(),
-    )
+    with mixed_precision(device):
+        return run_packed(model, _packed_logprobs, input_ids, lens, pred_pos, labels, temperature, with_entropy)
+
+
+def _packed_hidden(model, input_ids_1N, seq_lens, pred_pos_R, labels_R):
+    ids_1n, kwargs, pos_r, _, gather = split(model, input_ids_1N, seq_lens, pred_pos_R, labels_R)
+    hidden_nH = model.get_decoder()(input_ids=ids_1n, **kwargs).last_hidden_state[0]
+    return gather(hidden_nH[pos_r])
 
 
 def response_hidden(model: torch.nn.Module, prompts, responses, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Hidden states [R, H] that predict the response tokens, and the labels [R] (for full KL)."""
     input_ids, lens, pred_pos, labels = pack(prompts, responses, device)
-    return hidden_states(model, input_ids, lens)[pred_pos], labels
+    with mixed_precision(device):
+        return run_packed(model, _packed_hidden, input_ids, lens, pred_pos, labels), labels

@@ -1,28 +1,20 @@
-"""Start a job: in-process on one device or CPU.
-
-Multi-process start (one worker per GPU, or `trainer.world_size` CPU workers) is added by the
-scale-out work; one process is the embedded default.
-"""
+"""Start a job: in-process on one device or CPU, or one worker per device (minirl.spmd:
+trainer.n_gpus_per_node GPUs, trainer.world_size CPU processes, or under torchrun)."""
 
 from __future__ import annotations
 
-import sys
-
-from minirl.dist import DistContext, resolve_device
-from minirl.errors import UserError
+from minirl.dist import DistContext
 
 
 def launch(cfg, pm) -> int:
-    dist = DistContext(device=resolve_device(cfg.trainer.device))
-    return run_worker(cfg, pm, dist)
+    """Run the job; returns the exit status (0, 1 for a crash, 2 for a user error)."""
+    from minirl import spmd
+
+    return spmd.launch(cfg, pm, fit)
 
 
-def run_worker(cfg, pm, dist: DistContext) -> int:
+def fit(cfg, pm, dist: DistContext) -> None:
+    """The job every rank runs (module level, so spawned workers can unpickle it)."""
     from minirl.trainer import Trainer
 
-    try:
-        Trainer(cfg, pm, dist).fit()
-    except UserError as exc:
-        print(f"minirl: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    Trainer(cfg, pm, dist).fit()

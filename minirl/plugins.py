@@ -28,6 +28,8 @@ BUILTIN_MODULES = (
     "minirl_plugins.loggers",
     "minirl_plugins.optim",
     "minirl_plugins.checkpointing",
+    "minirl_plugins.ulysses",
+    "minirl_plugins.fsdp2",
 )
 
 ENTRY_POINT_GROUP = "minirl"

@@ -22,11 +22,11 @@ from minirl.dist import DistContext
 from minirl.errors import UserError
 from minirl.kl_control import apply_kl_in_reward, build_kl_controller
 from minirl.metrics import PhaseTimer, summary_table
-from minirl.models.loading import load_model
 from minirl.protocols import AdvantageInputs, EngineContext, SamplingParams
 from minirl.reward import RewardManager, place_scores
 from minirl.step_metrics import data_metrics, perf_metrics
-from minirl import assembly
+from minirl.validation import ValSet, load_val_set, validate
+from minirl import assembly, spmd
 
 
 class Trainer:
@@ -34,7 +34,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, pm, dist: DistContext):
         self.cfg, self.pm, self.dist = cfg, pm, dist
-        torch.manual_seed(cfg.trainer.seed + dist.rank)
+        torch.manual_seed(cfg.trainer.seed + dist.dp_rank)  # sp ranks share a batch: same draws
         self.run_dir = os.path.join(cfg.trainer.default_local_dir, cfg.trainer.experiment_name)
         self.tokenizer, self.actor, self.ref = self._build_models()
         self.loader = self._build_data()
@@ -45,6 +45,7 @@ class Trainer:
         self.estimator = pm["advantage_estimators"].get(cfg.algorithm.adv_estimator)
         self.losses = self._build_losses()
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
+        self.val = self._build_val()
         self.loggers = self._build_loggers()
         self.history: list[dict[str, float]] = []
 
@@ -55,7 +56,7 @@ class Trainer:
     def _build_models(self):
         cfg, dist = self.cfg, self.dist
         dtype = getattr(torch, cfg.model.dtype)
-        model, tokenizer = load_model(cfg.model, dist.device, dtype)
+        model, tokenizer = spmd.load_model_for_rank(cfg.model, dist, dtype)  # ranks > 0: meta for a checkpoint
         ref = None
         if self._needs_ref():
             ref = copy.deepcopy(model).eval().requires_grad_(False)
@@ -79,6 +80,15 @@ class Trainer:
         records = load_prompts(data.train_files, self.tokenizer, data)
         loader = PromptLoader(records, data.train_batch_size, data.shuffle, data.seed)
         return loader.shard(self.dist.dp_rank, self.dist.dp_size)
+
+    def _build_val(self) -> ValSet | None:
+        t, files = self.cfg.trainer, self.cfg.data.val_files
+        if not (t.val_before_train or t.test_freq > 0):
+            return None
+        if not files:
+            raise UserError("trainer.test_freq / trainer.val_before_train need data.val_files: list parquet "
+                            "files, or set trainer.test_freq = -1 and trainer.val_before_train = false")
+        return load_val_set(self.cfg.data, self.tokenizer, self.dist)
 
     def _total_steps(self) -> int:
         t = self.cfg.trainer
@@ -122,17 +132,41 @@ class Trainer:
 
     def fit(self) -> list[dict[str, float]]:
         self._print(effective_batch_line(self.cfg, self.dist, self.loader.steps_per_epoch, self.total_steps))
+        if self.cfg.trainer.val_before_train:
+            self._log(self.validate(), step=0)
         bar = tqdm(total=self.total_steps, desc="steps", disable=not (self.cfg.trainer.progress_bar and self.dist.is_main))
-        step = 0
-        for epoch in range(self.cfg.trainer.total_epochs if not self.cfg.trainer.total_training_steps else 10**9):
-            for records in self.loader.epoch_batches(epoch):
-                step += 1
-                metrics = self.train_step(records, step)
-                self._log(metrics, step)
-                bar.update(1)
-                if step >= self.total_steps:
-                    return self._finish(bar)
+        for step, records in enumerate(self._batches(), start=1):
+            metrics = self.train_step(records, step)
+            if self._validate_after(step):
+                metrics.update(self.validate())
+            self._log(metrics, step)
+            bar.update(1)
         return self._finish(bar)
+
+    def _batches(self):
+        """total_steps batches of prompts, epoch after epoch (each epoch reshuffled)."""
+        step, epoch = 0, 0
+        while True:
+            for records in self.loader.epoch_batches(epoch):
+                if step == self.total_steps:
+                    return
+                step += 1
+                yield records
+            epoch += 1
+
+    def _validate_after(self, step: int) -> bool:
+        freq = self.cfg.trainer.test_freq
+        return self.val is not None and freq > 0 and (step % freq == 0 or step == self.total_steps)
+
+    def validate(self) -> dict[str, float]:
+        """Greedy generation on the validation prompts (KV cache resumed and released around it)."""
+        free = self.cfg.rollout.free_cache_engine
+        if free:
+            self.engine.resume_memory()
+        metrics = validate(self.engine, self.rewards, self.tokenizer, self.val, self.cfg.data.max_response_length, self.dist)
+        if free:
+            self.engine.release_memory()
+        return metrics
 
     def train_step(self, records, step: int) -> dict[str, float]:
         timer = PhaseTimer(self.dist.device)
@@ -166,11 +200,11 @@ class Trainer:
         params = SamplingParams(
             n=n, temperature=r.temperature if r.do_sample else 0.0, top_k=r.top_k, top_p=r.top_p,
             max_new_tokens=self.cfg.data.max_response_length, ignore_eos=r.ignore_eos,
-            seed=self.cfg.trainer.seed * 1_000_003 + step * 1009 + self.dist.rank,
+            seed=self.cfg.trainer.seed * 1_000_003 + step * 1009 + self.dist.dp_rank,
         )
         if r.free_cache_engine:
             self.engine.resume_memory()
-        completions = self.engine.generate([rec.prompt_ids for rec in records], params)
+        completions = self.dist.sp_broadcast(self.engine.generate([rec.prompt_ids for rec in records], params))
         if r.free_cache_engine:
             self.engine.release_memory()
         first_uid = (step * self.dist.dp_size + self.dist.dp_rank) * len(records)
@@ -230,7 +264,8 @@ class Trainer:
     # -----------------------------------------------------------------------------------------
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
-        self.history.append(metrics)
+        if step > 0:  # step 0 is the validation before training
+            self.history.append(metrics)
         self.pm.hook.minirl_on_step_end(step=step, metrics=metrics)
         for logger in self.loggers:
             logger.log(metrics, step)
