@@ -45,7 +45,8 @@ def sequences(prompt_lens: list[int], response_lens: list[int], seed: int = 0):
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a = a.full_tensor() if hasattr(a, "full_tensor") else a
     b = b.full_tensor() if hasattr(b, "full_tensor") else b
-    return float((a.detach().float() - b.detach().float()).abs().max()) if a.numel() else 0.0
+    # .cpu(): a CPU-offloaded shard is compared with one that lives on the GPU
+    return float((a.detach().float().cpu() - b.detach().float().cpu()).abs().max()) if a.numel() else 0.0
 
 
 def max_param_err(model_a, model_b, grads: bool = False) -> float:

@@ -74,6 +74,10 @@ def test_straight_through_has_named_forward_and_k2_gradient(lp, ref, name):
 @given(seed=st.integers(0, 2**31 - 1), spread=st.floats(0.3, 1.5))
 def test_sample_means_of_k1_and_k3_approach_the_true_kl(seed, spread):
     """k1 and k3 are unbiased: their mean over tokens sampled from π approaches KL(π‖π_ref).
+
+    k3 is clamped to [-10, 10] (ALGORITHMS.md §3), which biases it where log π_ref − log π
+    exceeds about 2.6; there its sample mean must approach the exact expectation of the clamped
+    estimator, which equals the true KL whenever the clamp is inactive on every token.
     Tolerance: 6 standard errors of the sample mean (plus 1e-3), so a false alarm is negligible."""
     gen = torch.Generator().manual_seed(seed)
     log_pi = torch.log_softmax(spread * torch.randn(6, generator=gen, dtype=torch.float64), -1)
@@ -81,9 +85,13 @@ def test_sample_means_of_k1_and_k3_approach_the_true_kl(seed, spread):
     true_kl = (log_pi.exp() * (log_pi - log_ref)).sum().item()
     tokens = torch.multinomial(log_pi.exp(), 200_000, replacement=True, generator=gen)
     for name in ("k1", "k3"):
-        samples = KL[name](log_pi[tokens], log_ref[tokens])
+        per_token = KL[name](log_pi, log_ref)
+        expected = (log_pi.exp() * per_token).sum().item()
+        if name == "k1" or per_token.abs().max() < 10:
+            assert math.isclose(expected, true_kl, rel_tol=1e-9, abs_tol=1e-12), name
+        samples = per_token[tokens]
         tolerance = 6 * samples.std().item() / math.sqrt(samples.numel()) + 1e-3
-        assert abs(samples.mean().item() - true_kl) < tolerance, name
+        assert abs(samples.mean().item() - expected) < tolerance, name
 
 
 @FAST
