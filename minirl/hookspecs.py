@@ -134,7 +134,7 @@ def minirl_apply_sequence_parallel(model: torch.nn.Module, cfg: Any, mesh: Any) 
 
     :param model: the plain transformers model.
     :param cfg: the ``actor`` (or ``ref``) config section.
-    :param mesh: the device mesh (dims ``dp``, ``sp``), or None on one process.
+    :param mesh: the device mesh (dims ``dp``, ``sp``), or None on one CPU process.
 
     Built-in: ``minirl_plugins.ulysses`` (acts when ulysses_sequence_parallel_size > 1).
     """
@@ -159,10 +159,10 @@ def minirl_apply_data_parallel(model: torch.nn.Module, cfg: Any, mesh: Any) -> t
     Called third, for the actor and for the reference; the first non-None answer wins.
 
     :param cfg: the ``actor`` (or ``ref``) config section.
-    :param mesh: the device mesh, or None on one process.
+    :param mesh: the device mesh, or None on one CPU process.
     :return: the wrapped module, or None to leave it to another plugin.
 
-    Built-in: ``minirl_plugins.fsdp2`` (acts when the world size is above 1).
+    Built-in: ``minirl_plugins.fsdp2`` (acts whenever there is a mesh: on CUDA, one GPU too).
     """
 
 
