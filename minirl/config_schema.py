@@ -145,6 +145,7 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     progress_bar: bool = True
     test_freq: int = -1  # validate every N steps and after the last one (-1: never)
+    save_freq: int = -1  # save the actor as a HF directory every N steps and after the last (-1: never)
     val_before_train: bool = False
     collective_timeout_s: int = 300
     peak_flops: float = 0.0  # per-GPU dense bf16 FLOP/s for MFU; 0: from the device name

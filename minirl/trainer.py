@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from minirl import actor as actor_lib
 from minirl.batch import RolloutBatch, response_mask
+from minirl.checkpoint import save_hf_checkpoint
 from minirl.config import Config, to_toml
 from minirl.data import PromptLoader, expand_groups, load_prompts
 from minirl.dist import DistContext
@@ -140,6 +141,8 @@ class Trainer:
             if self._validate_after(step):
                 metrics.update(self.validate())
             self._log(metrics, step)
+            if self._is_due(self.cfg.trainer.save_freq, step):
+                self.save(step)
             bar.update(1)
         return self._finish(bar)
 
@@ -155,8 +158,16 @@ class Trainer:
             epoch += 1
 
     def _validate_after(self, step: int) -> bool:
-        freq = self.cfg.trainer.test_freq
-        return self.val is not None and freq > 0 and (step % freq == 0 or step == self.total_steps)
+        return self.val is not None and self._is_due(self.cfg.trainer.test_freq, step)
+
+    def _is_due(self, freq: int, step: int) -> bool:
+        """Every `freq` steps and after the last one; never when freq <= 0."""
+        return freq > 0 and (step % freq == 0 or step == self.total_steps)
+
+    def save(self, step: int) -> None:
+        path = save_hf_checkpoint(self.actor, self.tokenizer, os.path.join(self.run_dir, f"step_{step}"), self.dist)
+        if path is not None:
+            self.pm.hook.minirl_on_checkpoint_saved(step=step, path=path)
 
     def validate(self) -> dict[str, float]:
         """Greedy generation on the validation prompts (KV cache resumed and released around it)."""

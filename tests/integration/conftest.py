@@ -35,6 +35,11 @@ def data_dir(tmp_path_factory) -> Path:
 
 def run_job(tmp_path: Path, data_dir: Path, overrides: list[str], profile: str = "cpu", device: str = "cpu"):
     """Run `python -m minirl --config bench.toml --profile cpu <overrides>` in this process."""
+    return make_trainer(tmp_path, data_dir, overrides, profile, device).fit()
+
+
+def make_trainer(tmp_path: Path, data_dir: Path, overrides: list[str], profile: str = "cpu", device: str = "cpu"):
+    """The Trainer that `run_job` runs, for tests that inspect it after fit()."""
     base = [
         f'data.train_files=["{data_dir}/copy/train.parquet"]',
         f'data.val_files=["{data_dir}/copy/test.parquet"]',
@@ -44,4 +49,4 @@ def run_job(tmp_path: Path, data_dir: Path, overrides: list[str], profile: str =
     cfg = load_config(str(ROOT / "bench.toml"), base + overrides, profile=profile)
     from minirl.trainer import Trainer
 
-    return Trainer(cfg, PluginManager(cfg.plugins.modules), DistContext(device=torch.device(device))).fit()
+    return Trainer(cfg, PluginManager(cfg.plugins.modules), DistContext(device=torch.device(device)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.integration.conftest import run_job
 
@@ -38,3 +39,20 @@ def test_two_seeded_runs_are_identical(tmp_path, data_dir, engine):
     for m1, m2 in zip(first, second):
         stable = {k: v for k, v in m1.items() if not k.startswith(("timing_s/", "perf/", "memory_gib/"))}
         assert stable == {k: m2[k] for k in stable}
+
+
+def test_saved_checkpoint_loads_back_with_the_trained_weights(tmp_path, data_dir):
+    """trainer.save_freq writes a Hugging Face directory that `model.path` loads exactly."""
+    from minirl.config import load_config
+    from minirl.models.loading import load_model
+    from tests.integration.conftest import make_trainer
+
+    trainer = make_trainer(tmp_path, data_dir, ["trainer.total_training_steps=2", "trainer.save_freq=2"])
+    trainer.fit()
+    saved = tmp_path / "bench" / "step_2"
+    assert (saved / "model.safetensors").exists() and (saved / "config.json").exists()
+    model, tokenizer = load_model(load_config(None, [f"model.path={saved}"]).model, "cpu", "float32")
+    loaded = dict(model.named_parameters())
+    for name, param in trainer.actor.named_parameters():
+        assert torch.equal(loaded[name], param.detach()), name
+    assert tokenizer.decode(tokenizer.encode("copy 7")) == "copy 7"
