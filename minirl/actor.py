@@ -65,16 +65,28 @@ class MetricSums:
         return {f"actor/{k}": v / n_minis for k, v in zip(names, t.tolist())}
 
 
-def update_actor(model, optimizer, batch: RolloutBatch, cfg, temperature: float, max_response_length: int,
-                 losses: Losses, dist: DistContext, n: int) -> dict[str, float]:
+def update_actor(
+    model,
+    optimizer,
+    batch: RolloutBatch,
+    cfg,
+    temperature: float,
+    max_response_length: int,
+    losses: Losses,
+    dist: DistContext,
+    n: int,
+) -> dict[str, float]:
     """ppo_epochs passes over the batch in mini-batches of ppo_mini_batch_size prompts."""
     seqs_per_mini = cfg.ppo_mini_batch_size * n // dist.dp_size
     sums, grad_norms, n_minis = MetricSums(), [], 0
-    for epoch in range(cfg.ppo_epochs):
+    for _epoch in range(cfg.ppo_epochs):
         order = torch.randperm(len(batch)) if cfg.shuffle else None
         for mini in mini_batches(len(batch), seqs_per_mini, order):
-            grad_norms.append(_mini_batch_step(model, optimizer, batch, mini, cfg, temperature,
-                                               max_response_length, losses, dist, sums))
+            grad_norms.append(
+                _mini_batch_step(
+                    model, optimizer, batch, mini, cfg, temperature, max_response_length, losses, dist, sums
+                )
+            )
             n_minis += 1
     metrics = sums.reduced(dist, n_minis)
     finite = [g for g in grad_norms if torch.isfinite(torch.tensor(g))]
@@ -86,8 +98,16 @@ def update_actor(model, optimizer, batch: RolloutBatch, cfg, temperature: float,
 def _mini_batch_step(model, optimizer, batch, mini, cfg, temperature, max_len, losses, dist, sums) -> float:
     mb = batch.select(mini)
     norm = mini_batch_norm([mb.mask_BT], dist.reduce_sum, cfg.loss_scale_factor, max_len)
-    micro = split_micro(mb, list(range(len(mb))), cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                        cfg.ppo_max_token_len_per_gpu, "actor.ppo_max_token_len_per_gpu", dist.max_over_ranks, dist.sp_size)
+    micro = split_micro(
+        mb,
+        list(range(len(mb))),
+        cfg.ppo_micro_batch_size_per_gpu,
+        cfg.use_dynamic_bsz,
+        cfg.ppo_max_token_len_per_gpu,
+        "actor.ppo_max_token_len_per_gpu",
+        dist.max_over_ranks,
+        dist.sp_size,
+    )
     for idx in micro:
         loss = _micro_batch_loss(model, select_micro(mb, idx), cfg, temperature, norm, losses, dist, sums)
         (loss * dist.loss_scale).backward()
@@ -150,4 +170,3 @@ def _full_kl(model, mb, temperature, losses: Losses, dist, chunk: int = 1024) ->
         for i in range(0, h.shape[0], chunk)
     ]
     return torch.cat(parts).float()
-

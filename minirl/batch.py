@@ -72,7 +72,9 @@ def micro_batches_by_count(idx: list[int], per_micro: int) -> list[list[int]]:
     return [idx[i : i + per_micro] for i in range(0, len(idx), per_micro)]
 
 
-def micro_batches_by_tokens(idx: list[int], lens: list[int], budget: int, key: str, min_count: int = 1) -> list[list[int]]:
+def micro_batches_by_tokens(
+    idx: list[int], lens: list[int], budget: int, key: str, min_count: int = 1
+) -> list[list[int]]:
     """Balanced partition into the fewest micro-batches whose token counts stay near `budget`.
 
     Longest-first onto the lightest bin (LPT). `min_count` lets data-parallel ranks agree on one
@@ -95,8 +97,16 @@ def micro_batches_by_tokens(idx: list[int], lens: list[int], budget: int, key: s
     return [sorted(members) for _, _, members in sorted(bins, key=lambda x: x[1]) if members]
 
 
-def split_micro(batch: RolloutBatch, idx: list[int], per_micro: int, dynamic: bool, budget: int, key: str,
-                agree=None, sp_size: int = 1) -> list[list[int]]:
+def split_micro(
+    batch: RolloutBatch,
+    idx: list[int],
+    per_micro: int,
+    dynamic: bool,
+    budget: int,
+    key: str,
+    agree=None,
+    sp_size: int = 1,
+) -> list[list[int]]:
     """Micro-batches by count (`per_micro` sequences) or by token budget (`use_dynamic_bsz`).
 
     With Ulysses each GPU holds 1/sp_size of a micro-batch's tokens, so the budget grows with it.

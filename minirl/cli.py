@@ -39,7 +39,9 @@ def default_profile(path: str | None) -> str | None:
 
     wanted = "h200" if torch.cuda.is_available() else "cpu"
     if wanted in available:
-        print(f"minirl: no --profile given; CUDA {'found' if wanted == 'h200' else 'not found'}, using profile {wanted!r}")
+        print(
+            f"minirl: no --profile given; CUDA {'found' if wanted == 'h200' else 'not found'}, using profile {wanted!r}"
+        )
         return wanted
     return None
 

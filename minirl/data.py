@@ -15,8 +15,8 @@ from typing import Any, Iterator
 
 import torch
 
-from minirl.errors import UserError
 from minirl.config_schema import DataConfig
+from minirl.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +73,7 @@ def _read_columns(path: str, prompt_key: str) -> dict[str, list]:
     for name in (*REQUIRED_COLUMNS, prompt_key):
         if name not in table.column_names:
             hint = " (set data.prompt_key to the prompt column)" if name == prompt_key else ""
-            raise DataError(
-                f"{path}: missing column {name!r}{hint}; columns present: {table.column_names}"
-            )
+            raise DataError(f"{path}: missing column {name!r}{hint}; columns present: {table.column_names}")
     cols = {c: table.column(c).to_pylist() for c in (*REQUIRED_COLUMNS, prompt_key)}
     for optional in ("ability", "extra_info"):
         present = optional in table.column_names
@@ -94,12 +92,9 @@ def _check_messages(messages: Any, where: str, key: str) -> list[dict]:
     if not messages:
         raise DataError(f"{where}: field {key!r} is an empty list; every prompt needs a message")
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(
-            msg.get("content"), str
-        ):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
             raise DataError(
-                f"{where}: field {key!r} message {i} must have string 'role' and 'content', got "
-                f"{str(msg)[:80]!r}"
+                f"{where}: field {key!r} message {i} must have string 'role' and 'content', got {str(msg)[:80]!r}"
             )
     return messages
 
@@ -109,8 +104,7 @@ def _check_row(cols: dict[str, list], row: int, where: str, key: str) -> tuple[l
     source = cols["data_source"][row]
     if not isinstance(source, str) or not source:
         raise DataError(
-            f"{where}: field 'data_source' must be a non-empty string (it picks the reward "
-            f"function), got {source!r}"
+            f"{where}: field 'data_source' must be a non-empty string (it picks the reward function), got {source!r}"
         )
     messages = _check_messages(cols[key][row], where, key)
     reward_model = cols["reward_model"][row]
@@ -121,9 +115,7 @@ def _check_row(cols: dict[str, list], row: int, where: str, key: str) -> tuple[l
         )
     extra = cols["extra_info"][row]
     if extra is not None and not isinstance(extra, dict):
-        raise DataError(
-            f"{where}: field 'extra_info' must be a struct/dict or null, got {type(extra).__name__}"
-        )
+        raise DataError(f"{where}: field 'extra_info' must be a struct/dict or null, got {type(extra).__name__}")
     ability = cols["ability"][row]
     if ability is not None and not isinstance(ability, str):
         raise DataError(f"{where}: field 'ability' must be a string, got {type(ability).__name__}")
@@ -157,7 +149,7 @@ def _fit_length(ids: list[int], limit: int, mode: str, where: str) -> list[int]:
         return ids[:limit]
     if mode == "middle":
         head = limit // 2
-        return ids[:head] + ids[len(ids) - (limit - head):]
+        return ids[:head] + ids[len(ids) - (limit - head) :]
     raise DataError(
         f"{where}: the prompt is {len(ids)} tokens, longer than data.max_prompt_length = {limit}; "
         f"raise data.max_prompt_length, or set data.filter_overlong_prompts = true to drop such "
@@ -167,15 +159,14 @@ def _fit_length(ids: list[int], limit: int, mode: str, where: str) -> list[int]:
 
 def _check_config(cfg: DataConfig) -> None:
     if cfg.truncation not in TRUNCATIONS:
-        raise DataError(
-            f"data.truncation = {cfg.truncation!r}: not one of {', '.join(TRUNCATIONS)}"
-        )
+        raise DataError(f"data.truncation = {cfg.truncation!r}: not one of {', '.join(TRUNCATIONS)}")
     if cfg.max_prompt_length < 1:
         raise DataError(f"data.max_prompt_length = {cfg.max_prompt_length}: must be at least 1")
     if cfg.filter_overlong_prompts and cfg.truncation != "error":
         log.warning(
             "data.truncation = %r has no effect: data.filter_overlong_prompts = true drops "
-            "overlong prompts before any truncation", cfg.truncation,
+            "overlong prompts before any truncation",
+            cfg.truncation,
         )
 
 
@@ -223,12 +214,18 @@ def _report(stats: LoadStats, files: list[str], cfg: DataConfig) -> None:
         log.warning(
             "dropped %d of %d prompts longer than data.max_prompt_length = %d "
             "(data.filter_overlong_prompts = true); first: %s",
-            stats.n_filtered, stats.n_rows, cfg.max_prompt_length, stats.filtered_sources[0],
+            stats.n_filtered,
+            stats.n_rows,
+            cfg.max_prompt_length,
+            stats.filtered_sources[0],
         )
     if stats.n_truncated:
         log.warning(
             "truncated %d of %d prompts to data.max_prompt_length = %d (data.truncation = %r)",
-            stats.n_truncated, stats.n_rows, cfg.max_prompt_length, cfg.truncation,
+            stats.n_truncated,
+            stats.n_rows,
+            cfg.max_prompt_length,
+            cfg.truncation,
         )
     names = ", ".join(map(str, files))
     if stats.n_rows == 0:
@@ -264,8 +261,16 @@ class PromptLoader:
     each global batch: all ranks walk the same global order without communicating.
     """
 
-    def __init__(self, records: list[PromptRecord], batch_size: int, shuffle: bool = True,
-                 seed: int = 0, *, rank: int = 0, world: int = 1):
+    def __init__(
+        self,
+        records: list[PromptRecord],
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        *,
+        rank: int = 0,
+        world: int = 1,
+    ):
         if batch_size < 1:
             raise ValueError(f"data.train_batch_size = {batch_size}: must be at least 1")
         if len(records) < batch_size:
@@ -305,7 +310,7 @@ class PromptLoader:
         order, per_rank = self.order(epoch), self.batch_size // self.world
         for step in range(self.steps_per_epoch):
             start = step * self.batch_size + self.rank * per_rank
-            yield [self.records[i] for i in order[start:start + per_rank]]
+            yield [self.records[i] for i in order[start : start + per_rank]]
 
     def iter_steps(self, start_step: int = 0) -> Iterator[tuple[int, list[PromptRecord]]]:
         """(global step, batch) forever from start_step (0-based): resume lands on the same data."""

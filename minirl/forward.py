@@ -27,7 +27,9 @@ def mixed_precision(device: torch.device):
     return contextlib.nullcontext()
 
 
-def pack(prompts: list[list[int]], responses: list[list[int]], device) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor]:
+def pack(
+    prompts: list[list[int]], responses: list[list[int]], device
+) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor]:
     """Return input_ids [1, N], the sequence lengths, the predicting positions [R], the labels [R]."""
     ids, lens, pred_pos, labels, offset = [], [], [], [], 0
     for p, r in zip(prompts, responses):
@@ -81,8 +83,13 @@ def _packed_logprobs(model, input_ids_1N, seq_lens, pred_pos_R, labels_R, temper
     ids_1n, kwargs, pos_r, labels_r, gather = split(model, input_ids_1N, seq_lens, pred_pos_R, labels_R)
     hidden_nH = model.get_decoder()(input_ids=ids_1n, **kwargs).last_hidden_state[0]
     logp_r, ent_r = chunked_logprobs(
-        hidden_nH[pos_r], model.get_output_embeddings(), labels_r, temperature,
-        chunk_size=LOGIT_CHUNK, with_entropy=with_entropy, recompute=torch.is_grad_enabled(),
+        hidden_nH[pos_r],
+        model.get_output_embeddings(),
+        labels_r,
+        temperature,
+        chunk_size=LOGIT_CHUNK,
+        with_entropy=with_entropy,
+        recompute=torch.is_grad_enabled(),
     )
     if pos_r.numel() == 0 and torch.is_grad_enabled():
         # a slice that predicts no response token must still run its backward: the

@@ -55,8 +55,7 @@ def _adaptive(cfg: Any) -> AdaptiveKLController:
         )
     if not cfg.horizon > 0:
         raise ValueError(
-            f"algorithm.kl_ctrl.horizon = {cfg.horizon!r}: must be a positive number of sequences "
-            "(e.g. 10000)"
+            f"algorithm.kl_ctrl.horizon = {cfg.horizon!r}: must be a positive number of sequences (e.g. 10000)"
         )
     return AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.horizon)
 
@@ -68,8 +67,7 @@ def build_kl_controller(kl_ctrl_cfg: Any) -> FixedKLController | AdaptiveKLContr
     """The controller that algorithm.kl_ctrl (a KLCtrlConfig) describes."""
     if kl_ctrl_cfg.type not in KL_CONTROLLERS:
         raise ValueError(
-            f"algorithm.kl_ctrl.type = {kl_ctrl_cfg.type!r}: unknown controller; "
-            f"valid: {', '.join(KL_CONTROLLERS)}"
+            f"algorithm.kl_ctrl.type = {kl_ctrl_cfg.type!r}: unknown controller; valid: {', '.join(KL_CONTROLLERS)}"
         )
     if kl_ctrl_cfg.kl_coef < 0:
         raise ValueError(

@@ -30,9 +30,7 @@ def _check_temperature(temperature: float) -> None:
         )
 
 
-def logprobs_from_logits(
-    logits_NV: torch.Tensor, labels_N: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
+def logprobs_from_logits(logits_NV: torch.Tensor, labels_N: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / T)[label], in float32: the reference implementation (materialises
     the full float32 log-softmax; use chunked_logprobs on the hot path)."""
     _check_temperature(temperature)

@@ -105,9 +105,7 @@ LOSS_AGG_MODES: dict[str, Callable[[torch.Tensor, torch.Tensor, AggNorm], torch.
 def check_loss_agg_mode(mode: str) -> None:
     """Raise the user-facing error for an unknown actor.loss_agg_mode (call at start-up too)."""
     if mode not in LOSS_AGG_MODES:
-        raise ValueError(
-            f"actor.loss_agg_mode = {mode!r}: unknown mode; valid modes: {', '.join(LOSS_AGG_MODES)}"
-        )
+        raise ValueError(f"actor.loss_agg_mode = {mode!r}: unknown mode; valid modes: {', '.join(LOSS_AGG_MODES)}")
 
 
 def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, norm: AggNorm) -> torch.Tensor:

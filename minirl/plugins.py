@@ -127,8 +127,7 @@ class PluginManager:
                 plugin = ep.load()
             except Exception as exc:  # a broken third-party plugin must name itself
                 raise PluginError(
-                    f"entry point {ep.name!r} = {ep.value!r} (group {ENTRY_POINT_GROUP!r}) "
-                    f"failed to load: {exc}"
+                    f"entry point {ep.name!r} = {ep.value!r} (group {ENTRY_POINT_GROUP!r}) failed to load: {exc}"
                 ) from exc
             if not self.pm.is_registered(plugin):
                 self.pm.register(plugin, name=f"{ep.value}")

@@ -107,7 +107,10 @@ class RewardManager:
             log.warning(
                 "reward function for data_source %r failed on %s (%s: %s); scoring 0. Further "
                 "failures of this data_source are counted in the metrics, not logged.",
-                rec.data_source, rec.source, type(exc).__name__, exc,
+                rec.data_source,
+                rec.source,
+                type(exc).__name__,
+                exc,
             )
 
 

@@ -50,14 +50,18 @@ def job_world(cfg) -> tuple[str, int]:
     t = cfg.trainer
     device = resolve_device(t.device).type
     if t.nnodes > 1:
-        raise UserError(f"trainer.nnodes = {t.nnodes}: the built-in launcher starts the processes of one "
-                        "node; start several nodes with Ray (DESIGN.md §3) or torchrun on each node")
+        raise UserError(
+            f"trainer.nnodes = {t.nnodes}: the built-in launcher starts the processes of one "
+            "node; start several nodes with Ray (DESIGN.md §3) or torchrun on each node"
+        )
     if device != "cuda":
         return device, t.world_size
     world = t.n_gpus_per_node
     if world > torch.cuda.device_count():
-        raise UserError(f"trainer.n_gpus_per_node = {world}, but this machine has "
-                        f"{torch.cuda.device_count()} CUDA device(s); lower trainer.n_gpus_per_node")
+        raise UserError(
+            f"trainer.n_gpus_per_node = {world}, but this machine has "
+            f"{torch.cuda.device_count()} CUDA device(s); lower trainer.n_gpus_per_node"
+        )
     return device, world
 
 
@@ -65,18 +69,26 @@ def check_layout(cfg, world: int) -> None:
     """The user errors of a (dp, sp) layout, each naming the key and the fix."""
     sp = cfg.actor.ulysses_sequence_parallel_size
     if sp < 1 or world % sp:
-        raise UserError(f"actor.ulysses_sequence_parallel_size = {sp} does not divide the world size {world}; "
-                        f"use a divisor of {world}")
+        raise UserError(
+            f"actor.ulysses_sequence_parallel_size = {sp} does not divide the world size {world}; "
+            f"use a divisor of {world}"
+        )
     dp = world // sp
-    for key, value in (("data.train_batch_size", cfg.data.train_batch_size),
-                       ("actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size)):
+    for key, value in (
+        ("data.train_batch_size", cfg.data.train_batch_size),
+        ("actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size),
+    ):
         if value % dp:
-            raise UserError(f"{key} = {value} does not divide over {dp} data-parallel ranks (world {world} / "
-                            f"sp {sp}); data-parallel ranks take whole prompts, so use a multiple of {dp}")
+            raise UserError(
+                f"{key} = {value} does not divide over {dp} data-parallel ranks (world {world} / "
+                f"sp {sp}); data-parallel ranks take whole prompts, so use a multiple of {dp}"
+            )
     ref_sp = cfg.ref.ulysses_sequence_parallel_size
     if ref_sp not in (1, sp):
-        raise UserError(f"ref.ulysses_sequence_parallel_size = {ref_sp}: the reference runs on the actor's "
-                        f"mesh, so use 1 or the actor's {sp}")
+        raise UserError(
+            f"ref.ulysses_sequence_parallel_size = {ref_sp}: the reference runs on the actor's "
+            f"mesh, so use 1 or the actor's {sp}"
+        )
 
 
 def build_mesh(device_type: str, world: int, sp: int):
@@ -114,10 +126,21 @@ def init_rank(cfg, rank: int, world: int, local_rank: int, local_world: int, ini
     return DistContext(device=device, rank=rank, world_size=world, local_rank=local_rank, mesh=mesh, sp_size=sp)
 
 
-def init_process_group(device: torch.device, timeout_s: float, local_world: int = 1,
-                       init_method: str = "env://", rank: int = -1, world: int = -1) -> None:
+def init_process_group(
+    device: torch.device,
+    timeout_s: float,
+    local_world: int = 1,
+    init_method: str = "env://",
+    rank: int = -1,
+    world: int = -1,
+) -> None:
     """gloo on CPU, NCCL on CUDA (one device per local rank); collectives time out."""
-    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s), "init_method": init_method, "rank": rank, "world_size": world}
+    kwargs = {
+        "timeout": datetime.timedelta(seconds=timeout_s),
+        "init_method": init_method,
+        "rank": rank,
+        "world_size": world,
+    }
     if device.type == "cuda":
         torch.cuda.set_device(device)
         # a timed-out NCCL collective tears the process down instead of blocking it forever
@@ -160,7 +183,8 @@ def load_model_for_rank(model_cfg, dist: DistContext, dtype: torch.dtype):
     config = AutoConfig.from_pretrained(model_cfg.path, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=model_cfg.attn_implementation or ATTN_NAME, dtype=dtype)
+            config, attn_implementation=model_cfg.attn_implementation or ATTN_NAME, dtype=dtype
+        )
     return model.eval(), load_tokenizer(model_cfg)
 
 
@@ -229,10 +253,19 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple = (), env: dict[str, s
     # errors travel through files: a pipe could fill up with a long traceback and block the
     # worker's exit, which is what the supervisor waits for
     error_dir = tempfile.mkdtemp(prefix="minirl-errors-")
-    base_env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
-                    LOCAL_WORLD_SIZE=str(world), **(env or {}))
-    procs = [ctx.Process(target=_worker_main, args=(fn, rank, args, base_env, error_dir, os.getpid()),
-                         name=f"minirl-rank{rank}") for rank in range(world)]
+    base_env = dict(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        **(env or {}),
+    )
+    procs = [
+        ctx.Process(
+            target=_worker_main, args=(fn, rank, args, base_env, error_dir, os.getpid()), name=f"minirl-rank{rank}"
+        )
+        for rank in range(world)
+    ]
     try:
         for p in procs:
             p.start()
@@ -299,7 +332,9 @@ def _report(rank: int, exitcode: int, error_dir: str) -> int:
     if kind == "user":
         print(f"minirl: error: (rank {rank}) {text}", file=sys.stderr)
         return 2
-    print(f"minirl: worker rank {rank} failed; all workers stopped. Its traceback:\n{text}", file=sys.stderr, flush=True)
+    print(
+        f"minirl: worker rank {rank} failed; all workers stopped. Its traceback:\n{text}", file=sys.stderr, flush=True
+    )
     return 1
 
 

@@ -20,11 +20,19 @@ def reduced_stats(prefix: str, x: torch.Tensor, dist: DistContext) -> dict[str, 
     big = torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
     hi = dist.all_reduce(x.max() if x.numel() else -big, "max")
     lo = dist.all_reduce(x.min() if x.numel() else big, "min")
-    return {f"{prefix}/mean": float(sums[0] / sums[1].clamp(min=1)), f"{prefix}/max": float(hi), f"{prefix}/min": float(lo)}
+    return {
+        f"{prefix}/mean": float(sums[0] / sums[1].clamp(min=1)),
+        f"{prefix}/max": float(hi),
+        f"{prefix}/min": float(lo),
+    }
 
 
 def share(name: str, flags: torch.Tensor, dist: DistContext) -> dict[str, float]:
-    t = dist.all_reduce(torch.stack([flags.double().sum(), torch.tensor(float(flags.numel()), dtype=torch.float64, device=flags.device)]))
+    t = dist.all_reduce(
+        torch.stack(
+            [flags.double().sum(), torch.tensor(float(flags.numel()), dtype=torch.float64, device=flags.device)]
+        )
+    )
     return {name: float(t[0] / t[1].clamp(min=1))}
 
 

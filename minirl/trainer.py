@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from minirl import actor as actor_lib
+from minirl import assembly, spmd
 from minirl.batch import RolloutBatch, response_mask
 from minirl.checkpoint import save_hf_checkpoint
 from minirl.config import Config, to_toml
@@ -27,7 +28,6 @@ from minirl.protocols import AdvantageInputs, EngineContext, SamplingParams
 from minirl.reward import RewardManager, place_scores
 from minirl.step_metrics import data_metrics, perf_metrics
 from minirl.validation import ValSet, load_val_set, validate
-from minirl import assembly, spmd
 
 
 class Trainer:
@@ -77,7 +77,9 @@ class Trainer:
     def _build_data(self) -> PromptLoader:
         data = self.cfg.data
         if not data.train_files:
-            raise UserError("data.train_files is empty: list one or more parquet files (make data writes data/*/train.parquet)")
+            raise UserError(
+                "data.train_files is empty: list one or more parquet files (make data writes data/*/train.parquet)"
+            )
         records = load_prompts(data.train_files, self.tokenizer, data)
         loader = PromptLoader(records, data.train_batch_size, data.shuffle, data.seed)
         return loader.shard(self.dist.dp_rank, self.dist.dp_size)
@@ -87,8 +89,10 @@ class Trainer:
         if not (t.val_before_train or t.test_freq > 0):
             return None
         if not files:
-            raise UserError("trainer.test_freq / trainer.val_before_train need data.val_files: list parquet "
-                            "files, or set trainer.test_freq = -1 and trainer.val_before_train = false")
+            raise UserError(
+                "trainer.test_freq / trainer.val_before_train need data.val_files: list parquet "
+                "files, or set trainer.test_freq = -1 and trainer.val_before_train = false"
+            )
         return load_val_set(self.cfg.data, self.tokenizer, self.dist)
 
     def _total_steps(self) -> int:
@@ -98,12 +102,22 @@ class Trainer:
     def _build_engine(self):
         cfg, dist = self.cfg, self.dist
         dtype = cfg.rollout.dtype
-        dtype = (torch.bfloat16 if dist.device.type == "cuda" else torch.float32) if dtype == "auto" else getattr(torch, dtype)
+        dtype = (
+            (torch.bfloat16 if dist.device.type == "cuda" else torch.float32)
+            if dtype == "auto"
+            else getattr(torch, dtype)
+        )
         ctx = EngineContext(
-            model_config=self._plain_config(), actor=self.actor, device=dist.device, dtype=dtype,
-            eos_token_ids=eos_ids(self.tokenizer, self._plain_config()), pad_token_id=pad_id(self.tokenizer),
-            extra={"progress": cfg.trainer.progress_bar and dist.is_main,
-                   "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length},
+            model_config=self._plain_config(),
+            actor=self.actor,
+            device=dist.device,
+            dtype=dtype,
+            eos_token_ids=eos_ids(self.tokenizer, self._plain_config()),
+            pad_token_id=pad_id(self.tokenizer),
+            extra={
+                "progress": cfg.trainer.progress_bar and dist.is_main,
+                "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
+            },
         )
         factory = self.pm["rollout_engines"].get(cfg.rollout.name)
         engine = factory(cfg.rollout, ctx)
@@ -135,7 +149,9 @@ class Trainer:
         self._print(effective_batch_line(self.cfg, self.dist, self.loader.steps_per_epoch, self.total_steps))
         if self.cfg.trainer.val_before_train:
             self._log(self.validate(), step=0)
-        bar = tqdm(total=self.total_steps, desc="steps", disable=not (self.cfg.trainer.progress_bar and self.dist.is_main))
+        bar = tqdm(
+            total=self.total_steps, desc="steps", disable=not (self.cfg.trainer.progress_bar and self.dist.is_main)
+        )
         for step, records in enumerate(self._batches(), start=1):
             metrics = self.train_step(records, step)
             if self._validate_after(step):
@@ -174,7 +190,9 @@ class Trainer:
         free = self.cfg.rollout.free_cache_engine
         if free:
             self.engine.resume_memory()
-        metrics = validate(self.engine, self.rewards, self.tokenizer, self.val, self.cfg.data.max_response_length, self.dist)
+        metrics = validate(
+            self.engine, self.rewards, self.tokenizer, self.val, self.cfg.data.max_response_length, self.dist
+        )
         if free:
             self.engine.release_memory()
         return metrics
@@ -209,8 +227,12 @@ class Trainer:
     def generate(self, records, step: int) -> RolloutBatch:
         r, n = self.cfg.rollout, self.cfg.rollout.n
         params = SamplingParams(
-            n=n, temperature=r.temperature if r.do_sample else 0.0, top_k=r.top_k, top_p=r.top_p,
-            max_new_tokens=self.cfg.data.max_response_length, ignore_eos=r.ignore_eos,
+            n=n,
+            temperature=r.temperature if r.do_sample else 0.0,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            max_new_tokens=self.cfg.data.max_response_length,
+            ignore_eos=r.ignore_eos,
             seed=self.cfg.trainer.seed * 1_000_003 + step * 1009 + self.dist.dp_rank,
         )
         if r.free_cache_engine:
@@ -221,8 +243,10 @@ class Trainer:
         first_uid = (step * self.dist.dp_size + self.dist.dp_rank) * len(records)
         expanded, uids = expand_groups(records, n, first_uid)
         batch = RolloutBatch(
-            prompts=[rec.prompt_ids for rec in expanded], responses=[c.token_ids for c in completions],
-            group_B=torch.tensor(uids, dtype=torch.long), records=expanded,
+            prompts=[rec.prompt_ids for rec in expanded],
+            responses=[c.token_ids for c in completions],
+            group_B=torch.tensor(uids, dtype=torch.long),
+            records=expanded,
             finish_reasons=[c.finish_reason for c in completions],
         )
         batch.tensors["mask"] = response_mask(batch.responses, self.dist.device)
@@ -239,8 +263,12 @@ class Trainer:
         return {"reward/errors": float(errors)}
 
     def log_probs(self, model, section, batch: RolloutBatch) -> torch.Tensor:
-        micro = (section.log_prob_micro_batch_size_per_gpu, section.log_prob_use_dynamic_bsz,
-                 section.log_prob_max_token_len_per_gpu, f"{section_name(self.cfg, section)}.log_prob_max_token_len_per_gpu")
+        micro = (
+            section.log_prob_micro_batch_size_per_gpu,
+            section.log_prob_use_dynamic_bsz,
+            section.log_prob_max_token_len_per_gpu,
+            f"{section_name(self.cfg, section)}.log_prob_max_token_len_per_gpu",
+        )
         return actor_lib.compute_logprobs(model, batch, self.logprob_temperature, micro, self.dist)
 
     def advantages(self, batch: RolloutBatch) -> dict[str, float]:
@@ -248,11 +276,19 @@ class Trainer:
         if self.kl_ctrl is not None:
             kl_fn = self.pm["kl_estimators"].get(self.cfg.algorithm.kl_penalty)
             rewards_BT, mean_kl = apply_kl_in_reward(
-                rewards_BT, batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"],
-                batch.mask_BT, self.kl_ctrl.value, kl_fn, reduce=self.dist.reduce_sum)
+                rewards_BT,
+                batch.tensors["old_log_probs"],
+                batch.tensors["ref_log_probs"],
+                batch.mask_BT,
+                self.kl_ctrl.value,
+                kl_fn,
+                reduce=self.dist.reduce_sum,
+            )
             metrics = {"critic/kl": float(mean_kl), "critic/kl_coef": self.kl_ctrl.value}
             self.kl_ctrl.update(float(mean_kl), len(batch) * self.dist.dp_size)
-        inputs = AdvantageInputs(rewards_BT, batch.mask_BT, batch.group_B.to(self.dist.device), reduce=self.dist.reduce_sum)
+        inputs = AdvantageInputs(
+            rewards_BT, batch.mask_BT, batch.group_B.to(self.dist.device), reduce=self.dist.reduce_sum
+        )
         adv_BT, ret_BT = self.estimator(inputs, self.cfg.algorithm)
         batch.tensors.update(rewards=rewards_BT, advantages=adv_BT, returns=ret_BT)
         return metrics
@@ -260,8 +296,16 @@ class Trainer:
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         self.actor.train()
         metrics = actor_lib.update_actor(
-            self.actor, self.optimizer, batch, self.cfg.actor, self.logprob_temperature,
-            self.cfg.data.max_response_length, self.losses, self.dist, self.cfg.rollout.n)
+            self.actor,
+            self.optimizer,
+            batch,
+            self.cfg.actor,
+            self.logprob_temperature,
+            self.cfg.data.max_response_length,
+            self.losses,
+            self.dist,
+            self.cfg.rollout.n,
+        )
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.actor.eval()
@@ -313,9 +357,14 @@ def effective_batch_line(cfg: Config, dist: DistContext, steps_per_epoch: int, t
     """The one line that spells out the effective batch (DESIGN.md §7)."""
     d, a, n = cfg.data, cfg.actor, cfg.rollout.n
     minis = d.train_batch_size // a.ppo_mini_batch_size
-    micro = (f"dynamic, <= {a.ppo_max_token_len_per_gpu} tokens/GPU" if a.use_dynamic_bsz
-             else f"{a.ppo_micro_batch_size_per_gpu} sequences/GPU")
-    return (f"batch: {d.train_batch_size} prompts x n={n} = {d.train_batch_size * n} sequences/step; "
-            f"{minis} mini-batch(es) of {a.ppo_mini_batch_size} prompts x {a.ppo_epochs} epoch(s) = "
-            f"{minis * a.ppo_epochs} optimizer steps/step; micro-batches: {micro}; world {dist.world_size} "
-            f"(dp {dist.dp_size}, sp {dist.sp_size}); {steps_per_epoch} steps/epoch, {total_steps} steps")
+    micro = (
+        f"dynamic, <= {a.ppo_max_token_len_per_gpu} tokens/GPU"
+        if a.use_dynamic_bsz
+        else f"{a.ppo_micro_batch_size_per_gpu} sequences/GPU"
+    )
+    return (
+        f"batch: {d.train_batch_size} prompts x n={n} = {d.train_batch_size * n} sequences/step; "
+        f"{minis} mini-batch(es) of {a.ppo_mini_batch_size} prompts x {a.ppo_epochs} epoch(s) = "
+        f"{minis * a.ppo_epochs} optimizer steps/step; micro-batches: {micro}; world {dist.world_size} "
+        f"(dp {dist.dp_size}, sp {dist.sp_size}); {steps_per_epoch} steps/epoch, {total_steps} steps"
+    )

@@ -65,8 +65,13 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, fsdp_cfg) -> None:
     """Shard `model` in place over the 1-D `mesh`; weights of a meta-device model come from rank 0."""
     from_rank0 = _needs_rank0_weights(model, mesh)
     full_state = model.state_dict() if from_rank0 and mesh.get_rank() == 0 else {}
-    apply_fsdp(model, mesh, mixed_precision(fsdp_cfg, mesh.device_type, model),
-               offload_policy(fsdp_cfg, mesh.device_type), fsdp_cfg.reshard_after_forward)
+    apply_fsdp(
+        model,
+        mesh,
+        mixed_precision(fsdp_cfg, mesh.device_type, model),
+        offload_policy(fsdp_cfg, mesh.device_type),
+        fsdp_cfg.reshard_after_forward,
+    )
     sum_gradients(model)
     install_packed_forward(model)
     if from_rank0:
@@ -89,8 +94,9 @@ def world_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     layers = getattr(model.get_decoder(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise TypeError(f"the FSDP2 plugin shards `model.get_decoder().layers`, which "
-                         f"{type(model).__name__} does not have")
+        raise TypeError(
+            f"the FSDP2 plugin shards `model.get_decoder().layers`, which {type(model).__name__} does not have"
+        )
     return list(layers)
 
 
@@ -100,8 +106,13 @@ def apply_fsdp(model, mesh, mp: MixedPrecisionPolicy, offload: OffloadPolicy, re
     layers = decoder_layers(model)
     trained = any(p.requires_grad for p in model.parameters())
     for i, layer in enumerate(layers):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard and (i < len(layers) - 1 or not trained))
+        fully_shard(
+            layer,
+            mesh=mesh,
+            mp_policy=mp,
+            offload_policy=offload,
+            reshard_after_forward=reshard and (i < len(layers) - 1 or not trained),
+        )
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
 
 

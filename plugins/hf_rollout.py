@@ -48,11 +48,18 @@ class HFEngine:
         ids_BP, attn_BP = left_pad(prompts, self.pad, self.device)
         greedy = params.temperature == 0
         gen = self.model.generate(
-            input_ids=ids_BP, attention_mask=attn_BP, max_new_tokens=params.max_new_tokens,
-            do_sample=not greedy, temperature=None if greedy else params.temperature,
-            top_k=params.top_k if params.top_k > 0 else None, top_p=params.top_p if not greedy else None,
-            num_return_sequences=params.n, eos_token_id=None if params.ignore_eos else list(self.eos) + list(params.stop_token_ids),
-            pad_token_id=self.pad, output_logits=True, return_dict_in_generate=True,
+            input_ids=ids_BP,
+            attention_mask=attn_BP,
+            max_new_tokens=params.max_new_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else params.temperature,
+            top_k=params.top_k if params.top_k > 0 else None,
+            top_p=params.top_p if not greedy else None,
+            num_return_sequences=params.n,
+            eos_token_id=None if params.ignore_eos else list(self.eos) + list(params.stop_token_ids),
+            pad_token_id=self.pad,
+            output_logits=True,
+            return_dict_in_generate=True,
             min_new_tokens=params.max_new_tokens if params.ignore_eos else None,
         )
         new_BT = gen.sequences[:, ids_BP.shape[1] :]

@@ -60,7 +60,9 @@ class TensorboardLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise UserError("trainer.logger has 'tensorboard': install the extra, pip install 'minirl[tensorboard]'") from exc
+            raise UserError(
+                "trainer.logger has 'tensorboard': install the extra, pip install 'minirl[tensorboard]'"
+            ) from exc
         self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
 
     def log(self, metrics: dict, step: int) -> None:

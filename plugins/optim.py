@@ -33,7 +33,11 @@ def build_adamw(model: torch.nn.Module, cfg, total_steps: int):
     params = [p for p in model.parameters() if p.requires_grad]
     fused = all(p.is_cuda for p in params) and bool(params)
     optimizer = torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+        params,
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
         **({"fused": True} if fused else {}),
     )
     warmup = warmup_steps(cfg, total_steps)

@@ -144,7 +144,7 @@ def extract_answer(response: str) -> str | None:
     end = response.find("</answer>", start)
     if end < 0:
         return None
-    return TRAILING_RESULT.sub("", response[start + len("<answer>"):end]).strip()
+    return TRAILING_RESULT.sub("", response[start + len("<answer>") : end]).strip()
 
 
 def _target_and_numbers(ground_truth: Any) -> tuple[int, list[int]]:
@@ -153,8 +153,9 @@ def _target_and_numbers(ground_truth: Any) -> tuple[int, list[int]]:
     return int(ground_truth["target"]), [int(n) for n in ground_truth["numbers"]]
 
 
-def countdown_reward(response: str, ground_truth: Any, extra_info: dict | None = None, *,
-                     format_score: float = 0.1, score: float = 1.0) -> float:
+def countdown_reward(
+    response: str, ground_truth: Any, extra_info: dict | None = None, *, format_score: float = 0.1, score: float = 1.0
+) -> float:
     """Score one response; see the module docstring for the scale."""
     target, numbers = _target_and_numbers(ground_truth)
     equation = extract_answer(response)

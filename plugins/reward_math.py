@@ -42,7 +42,7 @@ def brace_group(text: str, open_at: int) -> tuple[str, int] | None:
         elif ch == "}":
             depth -= 1
             if depth == 0:
-                return text[open_at + 1:i], i + 1
+                return text[open_at + 1 : i], i + 1
         i += 1
     return None
 
@@ -52,7 +52,7 @@ def last_boxed(text: str) -> str | None:
     at, command = max((text.rfind(c), c) for c in BOX_COMMANDS)
     if at < 0:
         return None
-    rest = text[at + len(command):]
+    rest = text[at + len(command) :]
     if rest.startswith("{"):
         group = brace_group(rest, 0)
         return group[0] if group else None
@@ -73,10 +73,10 @@ def _unwrap_text(s: str) -> str:
         if group is None:
             return s
         content, end = group
-        if not s[end:].strip() and s[:m.start()].strip():  # "5\text{ cm}" -> "5"
-            s = s[:m.start()]
+        if not s[end:].strip() and s[: m.start()].strip():  # "5\text{ cm}" -> "5"
+            s = s[: m.start()]
         else:
-            s = s[:m.start()] + content + s[end:]
+            s = s[: m.start()] + content + s[end:]
 
 
 def _fix_fracs(s: str) -> str:
@@ -84,7 +84,7 @@ def _fix_fracs(s: str) -> str:
     s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)
     out, i = [], 0
     while (at := s.find("\\frac", i)) >= 0:
-        out.append(s[i:at + 5])
+        out.append(s[i : at + 5])
         i = at + 5
         for _ in range(2):
             if i < len(s) and s[i] == "{":
@@ -122,7 +122,7 @@ def _canonical(value: Fraction) -> str:
 
 
 def _strip_variable(s: str) -> str:
-    """"x=5" -> "5": a single "=" after a short variable name is answer decoration."""
+    """ "x=5" -> "5": a single "=" after a short variable name is answer decoration."""
     if s.count("=") == 1:
         left, right = s.split("=")
         if VARIABLE.fullmatch(left):

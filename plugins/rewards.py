@@ -19,13 +19,14 @@ GSM8K_ANSWER = re.compile(r"####\s*(-?\s*\$?\s*-?[0-9][0-9.,]*)")
 
 
 def _clean_number(text: str) -> str:
-    """"$1,234." -> "1234": currency signs, thousands commas, spaces and a sentence's final
+    """ "$1,234." -> "1234": currency signs, thousands commas, spaces and a sentence's final
     "." are decoration, not part of the number."""
     return re.sub(r"[\s$,]", "", text).rstrip(".")
 
 
-def gsm8k_reward(response: str, ground_truth: Any, extra_info: dict | None = None, *,
-                 format_score: float = 0.0, score: float = 1.0) -> float:
+def gsm8k_reward(
+    response: str, ground_truth: Any, extra_info: dict | None = None, *, format_score: float = 0.0, score: float = 1.0
+) -> float:
     """score when the last "#### <number>" in the last 300 characters equals the ground truth
     (as text, after stripping "$" and commas), else format_score; 0.0 without any "####"."""
     matches = GSM8K_ANSWER.findall(response[-GSM8K_TAIL:])

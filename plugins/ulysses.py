@@ -56,11 +56,14 @@ def check_heads(config, sp: int, key: str) -> None:
     """Heads must split evenly over sp; key/value heads too, or be repeatable up to sp."""
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if heads % sp:
-        raise UserError(f"{key} = {sp}: the model's {heads} attention heads do not divide over {sp} ranks; "
-                        f"use a divisor of {heads}")
+        raise UserError(
+            f"{key} = {sp}: the model's {heads} attention heads do not divide over {sp} ranks; use a divisor of {heads}"
+        )
     if kv % sp and sp % kv:
-        raise UserError(f"{key} = {sp}: the model's {kv} key/value heads neither divide over {sp} ranks nor "
-                        f"repeat evenly up to {sp}; use a divisor or a multiple of {kv} that divides {heads}")
+        raise UserError(
+            f"{key} = {sp}: the model's {kv} key/value heads neither divide over {sp} ranks nor "
+            f"repeat evenly up to {sp}; use a divisor or a multiple of {kv} that divides {heads}"
+        )
 
 
 def register_attention() -> None:
@@ -137,16 +140,28 @@ class _GatherSlices(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
-def ulysses_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                              sliding_window=None, **kwargs):
+def ulysses_attention_forward(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs
+):
     """transformers' attention signature. Calls that carry no SequenceParallel (generate, padded
     batches, a model used whole) are minirl's own attention unchanged."""
     sp = kwargs.pop(_KWARG, None)
     if sp is None or sp.size == 1:
-        return minirl_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                        dropout=dropout, sliding_window=sliding_window, **kwargs)
+        return minirl_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=scaling,
+            dropout=dropout,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
     if dropout or sliding_window is not None:  # let minirl's attention raise its clear errors
-        minirl_attention_forward(module, query, key, value, attention_mask, dropout=dropout, sliding_window=sliding_window)
+        minirl_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, sliding_window=sliding_window
+        )
     q_nHD = query[0].transpose(0, 1)
     k_nKD, v_nKD = (_repeat_kv_to(t[0].transpose(0, 1), sp.size) for t in (key, value))
     q_NhD = _SeqToHeads.apply(q_nHD, sp)

@@ -32,11 +32,27 @@ from minirl_plugins.native import build_native_engine, weights_checksum
 BANDWIDTH = 4.28e12
 WORKLOADS = {"w1": (128, 256, 512), "w2": (512, 256, 2048), "smoke": (8, 16, 12)}
 SHAPES = {
-    "qwen2-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                       intermediate_size=8960, vocab_size=151936, max_position_embeddings=131072,
-                       rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=300, max_position_embeddings=4096),
+    "qwen2-1.5b": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        max_position_embeddings=131072,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=300,
+        max_position_embeddings=4096,
+    ),
 }
 
 
@@ -52,8 +68,11 @@ def build(args, device, dtype):
     torch.manual_seed(0)
     with torch.device(device):
         hf = Qwen2ForCausalLM(config).to(dtype).eval()
-    rollout = RolloutConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                            enforce_eager=args.enforce_eager)
+    rollout = RolloutConfig(
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
+    )
     ctx = EngineContext(config, hf, device, dtype, (), 0, extra={"max_model_len": 4096})
     return config, hf, build_native_engine(rollout, ctx)
 
@@ -67,8 +86,11 @@ def weight_load(engine, hf, device) -> dict:
         sync(device)
         times.append(time.perf_counter() - start)
     same = engine.checksum() == weights_checksum(hf.named_parameters(), engine.dtype)
-    return {"weight_load_s": statistics.median(times), "checksum_equal": same,
-            "parameters": sum(p.numel() for p in hf.parameters())}
+    return {
+        "weight_load_s": statistics.median(times),
+        "checksum_equal": same,
+        "parameters": sum(p.numel() for p in hf.parameters()),
+    }
 
 
 def prompts_for(batch, prompt_len, vocab, seed=0):
@@ -93,12 +115,16 @@ def run_native(engine, prompts, new_tokens, device) -> dict:
 
 def roofline(engine, device) -> dict:
     spec, records = engine.spec, engine.runner.profile.records
-    weight_bytes = (spec.num_parameters() - spec.vocab_size * spec.hidden_size * (not spec.tie_word_embeddings))
+    weight_bytes = spec.num_parameters() - spec.vocab_size * spec.hidden_size * (not spec.tie_word_embeddings)
     weight_bytes *= engine.dtype.itemsize
     decode = [r for r in records if r.kind == "decode"]
     floor = sum(r.steps * weight_bytes + r.kv_tokens * engine.runner.kv_bytes_per_token for r in decode) / BANDWIDTH
-    res = {"decode_steps": sum(r.steps for r in decode), "roofline_s": floor, "weight_bytes_per_step": weight_bytes,
-           "host_wait_s": engine.last_stats.get("host_wait_s")}
+    res = {
+        "decode_steps": sum(r.steps for r in decode),
+        "roofline_s": floor,
+        "weight_bytes_per_step": weight_bytes,
+        "host_wait_s": engine.last_stats.get("host_wait_s"),
+    }
     if device.type == "cuda":
         res["decode_device_s"] = sum(r.start.elapsed_time(r.end) for r in decode) / 1e3
         res["prefill_device_s"] = sum(r.start.elapsed_time(r.end) for r in records if r.kind == "prefill") / 1e3
@@ -122,9 +148,18 @@ def run_hf(hf, prompts, new_tokens, device, full_new_tokens=None) -> dict:
     sync(device)
     start = time.perf_counter()
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-                          top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
-                          stopping_criteria=StoppingCriteriaList([StepClock()]))
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+            stopping_criteria=StoppingCriteriaList([StepClock()]),
+        )
     sync(device)
     wall = time.perf_counter() - start
     generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
@@ -135,9 +170,13 @@ def run_hf(hf, prompts, new_tokens, device, full_new_tokens=None) -> dict:
         slope, intercept = torch.linalg.lstsq(torch.stack([x, torch.ones_like(x)], 1), steps[:, None]).solution[:, 0]
         rest = torch.arange(len(stamps), full_new_tokens, dtype=torch.float64)
         total = (stamps[-1] - start) + float((intercept + slope * rest).sum())
-        res.update(extrapolated_new_tokens=full_new_tokens, extrapolated_wall_s=total,
-                   extrapolated_tokens_per_s=full_new_tokens * ids.shape[0] / total,
-                   step_ms_first=float(steps[:8].mean()) * 1e3, step_ms_last=float(steps[-8:].mean()) * 1e3)
+        res.update(
+            extrapolated_new_tokens=full_new_tokens,
+            extrapolated_wall_s=total,
+            extrapolated_tokens_per_s=full_new_tokens * ids.shape[0] / total,
+            step_ms_first=float(steps[:8].mean()) * 1e3,
+            step_ms_last=float(steps[-8:].mean()) * 1e3,
+        )
     return res
 
 
@@ -166,11 +205,22 @@ def micro(engine, device, batch, ctx, path) -> list[str]:
         "down_proj": lambda: torch.nn.functional.linear(h_mid, layer.mlp.down_proj.weight),
         "lm_head": lambda: engine.model.compute_logits(x),
         "add_rmsnorm": lambda: ops.add_rmsnorm(x, res, layer.input_layernorm.weight, 1e-6),
-        "rope_store": lambda: ops.rope_store(qkv, pos, cos, sin, case[3].slot_mapping_N, case[1], case[2],
-                                             spec.num_heads, spec.num_kv_heads, spec.head_dim),
+        "rope_store": lambda: ops.rope_store(
+            qkv,
+            pos,
+            cos,
+            sin,
+            case[3].slot_mapping_N,
+            case[1],
+            case[2],
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+        ),
         "silu_mul": lambda: ops.silu_mul(gu),
-        "decode_attention": lambda: ops.decode_attention(case[0], case[1], case[2], case[3], spec.num_heads,
-                                                         spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5),
+        "decode_attention": lambda: ops.decode_attention(
+            case[0], case[1], case[2], case[3], spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5
+        ),
         "sample (fused)": lambda: ops.fast_sample(logits, engine.runner.sample_params, engine.runner.sample_seed),
     }
     lines = [f"-- decode ops, batch {batch}, context {ctx} (us; graph replay; bytes = weights/KV read)"]
@@ -195,8 +245,9 @@ def paged_case(spec, batch, ctx, device, dtype, page=16):
     qkv = torch.randn(batch, spec.q_size + 2 * spec.kv_size, device=device, dtype=dtype)
     lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
     slots = table[:, -1].long() * page + (ctx - 1) % page
-    meta = StepMeta(False, slots, None, rows_B=torch.arange(batch, device=device), ctx_lens_B=lens,
-                    page_table=table, page_size=page)
+    meta = StepMeta(
+        False, slots, None, rows_B=torch.arange(batch, device=device), ctx_lens_B=lens, page_table=table, page_size=page
+    )
     return qkv, kc, vc, meta
 
 
@@ -214,19 +265,27 @@ def sweep_attention(engine, device, path) -> list[str]:
         kv_bytes = 2 * batch * ctx * spec.num_kv_heads * spec.head_dim * engine.dtype.itemsize
         for splits in (1, 2, 4, 8, 16):
             for block_n, warps, stages in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 3)):
-                for min_chunk in ((64, 256) if splits > 1 else (1 << 20,)):
+                for min_chunk in (64, 256) if splits > 1 else (1 << 20,):
                     cfg = dict(block_n=block_n, num_warps=warps, num_stages=stages, min_chunk=min_chunk)
                     case[3].num_splits = splits
                     try:
-                        fn = lambda: ops_triton.decode_attention(*case, spec.num_heads, spec.num_kv_heads,  # noqa: E731
-                                                                 spec.head_dim, spec.head_dim**-0.5, config=cfg)
+                        fn = lambda case=case, cfg=cfg: ops_triton.decode_attention(
+                            *case,
+                            spec.num_heads,
+                            spec.num_kv_heads,  # noqa: E731
+                            spec.head_dim,
+                            spec.head_dim**-0.5,
+                            config=cfg,
+                        )
                         fn()
                         us = triton.testing.do_bench_cudagraph(fn) * 1e3
                     except Exception as exc:  # a config that does not compile (resources)
                         lines.append(f"{batch} {ctx} {splits} {cfg} failed: {type(exc).__name__}")
                         continue
-                    lines.append(f"{batch:4} {ctx:5} {splits:3} {block_n:4} {warps} {stages} {min_chunk:7} "
-                                 f"{us:8.1f} {kv_bytes / us / 1e6:6.2f}")
+                    lines.append(
+                        f"{batch:4} {ctx:5} {splits:3} {block_n:4} {warps} {stages} {min_chunk:7} "
+                        f"{us:8.1f} {kv_bytes / us / 1e6:6.2f}"
+                    )
                     if us < best.get((batch, ctx), (1e9,))[0]:
                         best[(batch, ctx)] = (us, splits, cfg)
     lines += [f"best {k}: {v[0]:.1f} us, splits {v[1]}, {v[2]}" for k, v in best.items()]
@@ -243,8 +302,11 @@ def release_check(engine, device) -> dict:
     engine.release_memory()
     after = torch.cuda.memory_reserved(device)
     engine.resume_memory()
-    return {"reserved_before_gb": before / 1e9, "reserved_after_release_gb": after / 1e9,
-            "kv_cache_gb": engine.runner.num_pages * engine.cfg.page_size * engine.runner.kv_bytes_per_token / 1e9}
+    return {
+        "reserved_before_gb": before / 1e9,
+        "reserved_after_release_gb": after / 1e9,
+        "kv_cache_gb": engine.runner.num_pages * engine.cfg.page_size * engine.runner.kv_bytes_per_token / 1e9,
+    }
 
 
 def kernel_profile(engine, prompts, device, path) -> None:
@@ -272,8 +334,12 @@ def main() -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--workloads", default="w1,w2")
     p.add_argument("--hf", default="w1,w2", help="workloads to also run with transformers generate ('' for none)")
-    p.add_argument("--hf-max-new-tokens", type=int, default=256,
-                   help="new tokens for transformers on w2 (its full run would take many minutes)")
+    p.add_argument(
+        "--hf-max-new-tokens",
+        type=int,
+        default=256,
+        help="new tokens for transformers on w2 (its full run would take many minutes)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -284,8 +350,11 @@ def main() -> int:
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                     "torch": torch.__version__, "argv": sys.argv}
+    results: dict = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "argv": sys.argv,
+    }
     config, hf, engine = build(args, device, dtype)
     results["ops"] = engine.ops.chosen
     try:  # diagnostics: a failure here must not cost the benchmark
@@ -324,26 +393,36 @@ def main() -> int:
 def print_table(r: dict, args) -> None:
     print(f"\n== rollout benchmark: {r['device']}, torch {r['torch']}, shape {args.shape}")
     w = r["weights"]
-    print(f"weight load: {w['parameters'] / 1e9:.2f}B params in {w['weight_load_s'] * 1e3:.1f} ms, "
-          f"checksum equal: {w['checksum_equal']}")
-    print(f"{'workload':8} {'native tok/s':>12} {'wall s':>8} {'roofline s':>10} {'frac e2e':>8} "
-          f"{'frac decode':>11} {'hf tok/s':>9} {'speed-up':>8}")
+    print(
+        f"weight load: {w['parameters'] / 1e9:.2f}B params in {w['weight_load_s'] * 1e3:.1f} ms, "
+        f"checksum equal: {w['checksum_equal']}"
+    )
+    print(
+        f"{'workload':8} {'native tok/s':>12} {'wall s':>8} {'roofline s':>10} {'frac e2e':>8} "
+        f"{'frac decode':>11} {'hf tok/s':>9} {'speed-up':>8}"
+    )
     for name in args.workloads.split(","):
         n, h = r[name]["native"], r[name].get("hf")
         dec = n["roofline_s"] / n["decode_device_s"] if "decode_device_s" in n else float("nan")
         hf_tps = h.get("extrapolated_tokens_per_s", h["tokens_per_s"]) if h else float("nan")
-        print(f"{name:8} {n['tokens_per_s']:12.0f} {n['wall_s']:8.2f} {n['roofline_s']:10.3f} "
-              f"{n['roofline_s'] / n['wall_s']:8.1%} {dec:11.1%} {hf_tps:9.0f} {n['tokens_per_s'] / hf_tps:8.1f}")
+        print(
+            f"{name:8} {n['tokens_per_s']:12.0f} {n['wall_s']:8.2f} {n['roofline_s']:10.3f} "
+            f"{n['roofline_s'] / n['wall_s']:8.1%} {dec:11.1%} {hf_tps:9.0f} {n['tokens_per_s'] / hf_tps:8.1f}"
+        )
     for name in args.workloads.split(","):
         h = r[name].get("hf") or {}
         if "extrapolated_tokens_per_s" in h:
-            print(f"{name}: hf measured {h['tokens']} tokens at {h['tokens_per_s']:.0f} tok/s (step "
-                  f"{h['step_ms_first']:.1f} -> {h['step_ms_last']:.1f} ms); the full run extrapolated from "
-                  f"step times: {h['extrapolated_wall_s']:.0f} s, {h['extrapolated_tokens_per_s']:.0f} tok/s (used above)")
+            print(
+                f"{name}: hf measured {h['tokens']} tokens at {h['tokens_per_s']:.0f} tok/s (step "
+                f"{h['step_ms_first']:.1f} -> {h['step_ms_last']:.1f} ms); the full run extrapolated from "
+                f"step times: {h['extrapolated_wall_s']:.0f} s, {h['extrapolated_tokens_per_s']:.0f} tok/s (used above)"
+            )
     if r["release"]:
         rel = r["release"]
-        print(f"release_memory: reserved {rel['reserved_before_gb']:.1f} GB -> {rel['reserved_after_release_gb']:.1f} GB "
-              f"(KV cache {rel['kv_cache_gb']:.1f} GB)")
+        print(
+            f"release_memory: reserved {rel['reserved_before_gb']:.1f} GB -> {rel['reserved_after_release_gb']:.1f} GB "
+            f"(KV cache {rel['kv_cache_gb']:.1f} GB)"
+        )
 
 
 if __name__ == "__main__":

@@ -25,13 +25,38 @@ from pathlib import Path
 from typing import Any, Callable
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-NAMES = ["Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Isla", "Jamal",
-         "Kira", "Liam", "Mia", "Noah", "Olga", "Priya", "Quinn", "Rosa", "Sam", "Tariq"]
+NAMES = [
+    "Ava",
+    "Ben",
+    "Chloe",
+    "Diego",
+    "Emma",
+    "Farid",
+    "Grace",
+    "Hiro",
+    "Isla",
+    "Jamal",
+    "Kira",
+    "Liam",
+    "Mia",
+    "Noah",
+    "Olga",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sam",
+    "Tariq",
+]
 ITEMS = ["apples", "marbles", "stickers", "pencils", "cookies", "stamps", "shells", "cards"]
 # The digit stands 8 times so that even a randomly initialised model's near-uniform attention
 # carries it to the answer position: that is what makes the task learnable in a few CPU minutes.
-COPY_TEMPLATES = ["Repeat the digit: {r}", "Copy this digit: {r}", "Say the digit {r}",
-                  "Echo: {r}", "Write the digit {r}"]
+COPY_TEMPLATES = [
+    "Repeat the digit: {r}",
+    "Copy this digit: {r}",
+    "Say the digit {r}",
+    "Echo: {r}",
+    "Write the digit {r}",
+]
 COPY_REPEATS = 8
 
 
@@ -52,11 +77,15 @@ def _story_bags(rng: random.Random) -> tuple[str, list[str], int]:
     have, bags, per = rng.randint(5, 60), rng.randint(2, 9), rng.randint(3, 12)
     total = have + bags * per
     give = rng.randint(1, total - 1)
-    question = (f"{name} has {have} {item}. {name} buys {bags} bags with {per} {item} in each bag, "
-                f"then gives {give} {item} to a friend. How many {item} does {name} have now?")
-    steps = [f"{name} buys {bags} * {per} = {bags * per} {item}.",
-             f"{name} then has {have} + {bags * per} = {total} {item}.",
-             f"After giving {give} away, {name} has {total} - {give} = {total - give} {item}."]
+    question = (
+        f"{name} has {have} {item}. {name} buys {bags} bags with {per} {item} in each bag, "
+        f"then gives {give} {item} to a friend. How many {item} does {name} have now?"
+    )
+    steps = [
+        f"{name} buys {bags} * {per} = {bags * per} {item}.",
+        f"{name} then has {have} + {bags * per} = {total} {item}.",
+        f"After giving {give} away, {name} has {total} - {give} = {total - give} {item}.",
+    ]
     return question, steps, total - give
 
 
@@ -65,20 +94,26 @@ def _story_change(rng: random.Random) -> tuple[str, list[str], int]:
     price, count, extra = rng.randint(2, 15), rng.randint(2, 9), rng.randint(1, 9)
     cost = price * count + extra
     bill = next(b for b in (20, 50, 100, 200) if b > cost)
-    question = (f"A shop sells {item} for ${price} each. {name} buys {count} {item} and a ${extra} "
-                f"bag, and pays with a ${bill} bill. How much change does {name} get in dollars?")
-    steps = [f"The {item} cost {count} * {price} = {price * count} dollars.",
-             f"With the bag, {price * count} + {extra} = {cost} dollars.",
-             f"The change is {bill} - {cost} = {bill - cost} dollars."]
+    question = (
+        f"A shop sells {item} for ${price} each. {name} buys {count} {item} and a ${extra} "
+        f"bag, and pays with a ${bill} bill. How much change does {name} get in dollars?"
+    )
+    steps = [
+        f"The {item} cost {count} * {price} = {price * count} dollars.",
+        f"With the bag, {price * count} + {extra} = {cost} dollars.",
+        f"The change is {bill} - {cost} = {bill - cost} dollars.",
+    ]
     return question, steps, bill - cost
 
 
 def _story_legs(rng: random.Random) -> tuple[str, list[str], int]:
     cows, hens = rng.randint(2, 40), rng.randint(2, 60)
     question = f"A farm has {cows} cows and {hens} chickens. How many legs do the animals have in total?"
-    steps = [f"The cows have {cows} * 4 = {4 * cows} legs.",
-             f"The chickens have {hens} * 2 = {2 * hens} legs.",
-             f"In total {4 * cows} + {2 * hens} = {4 * cows + 2 * hens} legs."]
+    steps = [
+        f"The cows have {cows} * 4 = {4 * cows} legs.",
+        f"The chickens have {hens} * 2 = {2 * hens} legs.",
+        f"In total {4 * cows} + {2 * hens} = {4 * cows + 2 * hens} legs.",
+    ]
     return question, steps, 4 * cows + 2 * hens
 
 
@@ -87,11 +122,15 @@ def _story_wages(rng: random.Random) -> tuple[str, list[str], int]:
     wage, hours, days = rng.randint(8, 30), rng.randint(2, 8), rng.randint(2, 6)
     earned = wage * hours * days
     spent = rng.randint(1, earned - 1)
-    question = (f"{name} earns ${wage} per hour and works {hours} hours a day for {days} days. "
-                f"{name} then spends ${spent}. How many dollars does {name} have left?")
-    steps = [f"{name} works {hours} * {days} = {hours * days} hours.",
-             f"{name} earns {hours * days} * {wage} = {earned} dollars.",
-             f"{name} has {earned} - {spent} = {earned - spent} dollars left."]
+    question = (
+        f"{name} earns ${wage} per hour and works {hours} hours a day for {days} days. "
+        f"{name} then spends ${spent}. How many dollars does {name} have left?"
+    )
+    steps = [
+        f"{name} works {hours} * {days} = {hours * days} hours.",
+        f"{name} earns {hours * days} * {wage} = {earned} dollars.",
+        f"{name} has {earned} - {spent} = {earned - spent} dollars left.",
+    ]
     return question, steps, earned - spent
 
 
@@ -99,10 +138,14 @@ def _story_pages(rng: random.Random) -> tuple[str, list[str], int]:
     name = rng.choice(NAMES)
     per_day, days = rng.randint(5, 40), rng.randint(2, 9)
     pages = per_day * days + rng.randint(5, 120)
-    question = (f"A book has {pages} pages. {name} reads {per_day} pages a day for {days} days. "
-                f"How many pages are left to read?")
-    steps = [f"{name} reads {per_day} * {days} = {per_day * days} pages.",
-             f"{pages} - {per_day * days} = {pages - per_day * days} pages are left."]
+    question = (
+        f"A book has {pages} pages. {name} reads {per_day} pages a day for {days} days. "
+        f"How many pages are left to read?"
+    )
+    steps = [
+        f"{name} reads {per_day} * {days} = {per_day * days} pages.",
+        f"{pages} - {per_day * days} = {pages - per_day * days} pages are left.",
+    ]
     return question, steps, pages - per_day * days
 
 
@@ -112,8 +155,7 @@ STORIES = [_story_bags, _story_change, _story_legs, _story_wages, _story_pages]
 def make_gsm8k(rng: random.Random) -> Problem:
     question, steps, answer = rng.choice(STORIES)(rng)
     solution = "\n".join(steps) + f"\n#### {answer}"
-    return Problem(f"{question} {GSM8K_INSTRUCTION}", str(answer),
-                   {"question": question, "answer": solution})
+    return Problem(f"{question} {GSM8K_INSTRUCTION}", str(answer), {"question": question, "answer": solution})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,10 +186,12 @@ def make_countdown(rng: random.Random) -> Problem:
             value, expr = _combine(rng, value, expr, n)
         if 1 <= value <= 999:
             break
-    prompt = (f"Using the numbers {numbers}, create an equation that equals {value}. You can use "
-              f"+, -, *, / and each number exactly once. Show your work in <think> </think> tags "
-              f"and give the final equation in <answer> </answer> tags, for example "
-              f"<answer> (1 + 2) / 3 </answer>.")
+    prompt = (
+        f"Using the numbers {numbers}, create an equation that equals {value}. You can use "
+        f"+, -, *, / and each number exactly once. Show your work in <think> </think> tags "
+        f"and give the final equation in <answer> </answer> tags, for example "
+        f"<answer> (1 + 2) / 3 </answer>."
+    )
     return Problem(prompt, {"target": value, "numbers": numbers}, {"solution": expr})
 
 
@@ -201,13 +245,16 @@ def make_splits(task: str, n_train: int, n_test: int, seed: int) -> dict[str, li
 
 def to_rows(task: str, problems: list[Problem], split: str) -> list[dict]:
     data_source, ability, _ = TASKS[task]
-    return [{
-        "data_source": data_source,
-        "prompt": [{"role": "user", "content": p.prompt}],
-        "ability": ability,
-        "reward_model": {"style": "rule", "ground_truth": p.ground_truth},
-        "extra_info": {"split": split, "index": i, **p.extra},
-    } for i, p in enumerate(problems)]
+    return [
+        {
+            "data_source": data_source,
+            "prompt": [{"role": "user", "content": p.prompt}],
+            "ability": ability,
+            "reward_model": {"style": "rule", "ground_truth": p.ground_truth},
+            "extra_info": {"split": split, "index": i, **p.extra},
+        }
+        for i, p in enumerate(problems)
+    ]
 
 
 def write_task(task: str, out_dir: str | Path, n_train: int, n_test: int, seed: int) -> dict[str, Path]:

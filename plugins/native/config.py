@@ -54,4 +54,6 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"rollout.max_num_seqs = {self.max_num_seqs}: must be at least 1")
         if min(self.page_size, self.max_model_len, self.max_num_batched_tokens, self.decode_steps) < 1:
-            raise ValueError("ctx.extra page_size, max_model_len, max_num_batched_tokens, decode_steps must be positive")
+            raise ValueError(
+                "ctx.extra page_size, max_model_len, max_num_batched_tokens, decode_steps must be positive"
+            )

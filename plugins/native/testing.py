@@ -6,8 +6,16 @@ import torch
 
 from minirl.protocols import EngineContext
 
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=300, max_position_embeddings=512, rms_norm_eps=1e-6)
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=300,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
 
 
 def tiny_config(family: str, **overrides):
@@ -18,8 +26,14 @@ def tiny_config(family: str, **overrides):
     if family == "qwen2":
         return Qwen2Config(**kwargs)
     if family == "llama":
-        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+        rope = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0,
+        }
         return LlamaConfig(**{"rope_scaling": rope, **kwargs})
     if family == "qwen3":
         return Qwen3Config(**{"head_dim": 32, **kwargs})

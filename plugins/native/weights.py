@@ -48,7 +48,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             continue
         tensor = full_tensor(tensor)
         if tensor.shape != param.shape:
-            raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} does not match the model's {tuple(param.shape)}")
+            raise ValueError(
+                f"weight {name}: shape {tuple(tensor.shape)} does not match the model's {tuple(param.shape)}"
+            )
         param.copy_(tensor)
         count += 1
     if unknown:
@@ -92,7 +94,7 @@ def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: t
     total = 0
     items = sorted((canonical_name(n), t) for n, t in named_tensors)
     items = [(n, t) for n, t in items if not n.endswith(_IGNORED_SUFFIXES)]
-    for i, (name, tensor) in enumerate(items):
+    for i, (_name, tensor) in enumerate(items):
         total = (total + (i + 1) * _tensor_checksum(full_tensor(tensor).detach(), dtype)) & _MASK64
     return total
 

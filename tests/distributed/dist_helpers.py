@@ -70,14 +70,30 @@ def read_results(path) -> dict:
         return json.load(f)
 
 
-def run_cli(tmp_path: Path, data_dir: Path, *overrides: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    tmp_path: Path, data_dir: Path, *overrides: str, launcher: list[str] | None = None
+) -> subprocess.CompletedProcess:
     """`python -m minirl --config bench.toml --profile cpu` at world size 2, made small: 4 prompts
     x 2 samples per step, 2 mini-batches. This directory is on PYTHONPATH (for test plugins).
     `launcher` replaces `python -m` (e.g. torchrun's command line ending in -m)."""
-    args = [*(launcher or [sys.executable, "-m"]), "minirl", "--config", str(ROOT / "bench.toml"), "--profile", "cpu",
-            f'data.train_files=["{data_dir}/copy/train.parquet"]', f"trainer.default_local_dir={tmp_path}",
-            "trainer.progress_bar=false", "trainer.world_size=2", "trainer.collective_timeout_s=120",
-            "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "rollout.n=2", *overrides]
+    args = [
+        *(launcher or [sys.executable, "-m"]),
+        "minirl",
+        "--config",
+        str(ROOT / "bench.toml"),
+        "--profile",
+        "cpu",
+        f'data.train_files=["{data_dir}/copy/train.parquet"]',
+        f"trainer.default_local_dir={tmp_path}",
+        "trainer.progress_bar=false",
+        "trainer.world_size=2",
+        "trainer.collective_timeout_s=120",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=2",
+        "rollout.n=2",
+        *overrides,
+    ]
     path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")) if p)
-    return subprocess.run(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": path},
-                          capture_output=True, text=True, timeout=400, check=False)
+    return subprocess.run(
+        args, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=400, check=False
+    )

@@ -32,6 +32,7 @@ ONE_PROCESS_ORDER = [0, 2, 1, 3]
 RANK_PROMPTS = {0: [0, 1], 1: [2, 3]}
 BUDGET = 40  # actor.ppo_max_token_len_per_gpu
 
+
 def _full_batch(plain) -> RolloutBatch:
     """All 4 prompts x N samples, prompt-major; ranks and the one process select from it."""
     prompts, responses, groups = [], [], []
@@ -67,10 +68,20 @@ def _update(model, batch, cfg, pm, dist, losses) -> dict[str, float]:
 
 
 def _compare(mode: str, rank: int, dist, pm, results) -> None:
-    cfg = h.config("trainer.world_size=2", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
-                   f"rollout.n={N}", "actor.use_dynamic_bsz=true", f"actor.ppo_max_token_len_per_gpu={BUDGET}",
-                   "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1", "actor.clip_ratio=0.1",
-                   "actor.optim.lr=0.01", "actor.optim.eps=1e-4", f"actor.loss_agg_mode='{mode}'")
+    cfg = h.config(
+        "trainer.world_size=2",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=2",
+        f"rollout.n={N}",
+        "actor.use_dynamic_bsz=true",
+        f"actor.ppo_max_token_len_per_gpu={BUDGET}",
+        "actor.use_kl_loss=true",
+        "actor.kl_loss_coef=0.1",
+        "actor.clip_ratio=0.1",
+        "actor.optim.lr=0.01",
+        "actor.optim.eps=1e-4",
+        f"actor.loss_agg_mode='{mode}'",
+    )
     plain = h.tiny_model()
     full = _full_batch(plain)
     losses = actor_lib.Losses(pm["policy_losses"].get("vanilla"), pm["kl_estimators"].get("low_var_kl"))
@@ -102,7 +113,9 @@ def _count_micro_batches() -> list[tuple[int, int]]:
 
 
 def _worker(rank: int, out_path: str) -> None:
-    dist = spmd.init_from_env(h.config("trainer.world_size=2", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2"))
+    dist = spmd.init_from_env(
+        h.config("trainer.world_size=2", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2")
+    )
     pm = PluginManager(entry_points=False)
     results = {}
     for mode in ("token-mean", "seq-mean-token-mean"):

@@ -12,11 +12,20 @@ from minirl import assembly, spmd
 from minirl.forward import response_logprobs
 from minirl.plugins import PluginManager
 
-pytestmark = [pytest.mark.gpu, pytest.mark.distributed,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.distributed,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
 
-BASE = ("trainer.device='cuda'", "trainer.n_gpus_per_node=2", "data.train_batch_size=2",
-        "actor.ppo_mini_batch_size=2", "actor.optim.lr=0.01", "actor.optim.eps=1e-4")
+BASE = (
+    "trainer.device='cuda'",
+    "trainer.n_gpus_per_node=2",
+    "data.train_batch_size=2",
+    "actor.ppo_mini_batch_size=2",
+    "actor.optim.lr=0.01",
+    "actor.optim.eps=1e-4",
+)
 PROMPT_LENS, RESPONSE_LENS = [5, 9, 3, 12], [7, 2, 11, 4]
 
 
@@ -52,12 +61,14 @@ def _worker(rank: int, out_path: str) -> None:
     offloaded, _, _ = _variant(pm, dist, rank, ("actor.fsdp_config.param_offload=true",), prompts, responses)
     results["param_offload_is_on_cpu"] = all(p.to_local().device.type == "cpu" for p in offloaded.parameters())
     results["param_offload_err"] = h.max_param_err(offloaded, base)
-    results["param_offload_sync_matches"] = (weights_checksum(assembly.full_weights(offloaded), torch.float32)
-                                             == weights_checksum(assembly.full_weights(base), torch.float32))
+    results["param_offload_sync_matches"] = weights_checksum(
+        assembly.full_weights(offloaded), torch.float32
+    ) == weights_checksum(assembly.full_weights(base), torch.float32)
     opt_off, _, optimizer = _variant(pm, dist, rank, ("actor.fsdp_config.optimizer_offload=true",), prompts, responses)
     results["optimizer_offload_err"] = h.max_param_err(opt_off, base)
     results["optimizer_state_on_cpu"] = all(
-        v.device.type == "cpu" for state in optimizer.state.values() for v in state.values() if v.dim() > 0)
+        v.device.type == "cpu" for state in optimizer.state.values() for v in state.values() if v.dim() > 0
+    )
     h.write_results(out_path, rank, results)
     spmd.shutdown()
 

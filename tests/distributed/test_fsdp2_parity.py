@@ -95,10 +95,9 @@ def h_max(x: torch.Tensor) -> torch.Tensor:
 def _rank0_loading(pm, cfg, dist, rank, ckpt_dir, results):
     """A checkpoint directory is read by rank 0 only; rank 1 builds the model on the meta device
     (spmd.load_model_for_rank) and FSDP2 fills its shards from rank 0's weights."""
-    from minirl_plugins.native import weights_checksum
-
     from minirl.config_schema import ModelConfig
     from minirl.models.tokenizers import byte_tokenizer
+    from minirl_plugins.native import weights_checksum
 
     want = h.tiny_model(seed=7)
     if rank == 0:
@@ -106,35 +105,45 @@ def _rank0_loading(pm, cfg, dist, rank, ckpt_dir, results):
         byte_tokenizer().save_pretrained(ckpt_dir)
     tdist.barrier()
     model, _ = spmd.load_model_for_rank(ModelConfig(path=ckpt_dir), dist, torch.float32)
-    results["rank1_model_was_meta"] = bool(h_max(torch.tensor(float(
-        all(p.is_meta for p in model.parameters()) if rank == 1 else 0.0))).item())
+    results["rank1_model_was_meta"] = bool(
+        h_max(torch.tensor(float(all(p.is_meta for p in model.parameters()) if rank == 1 else 0.0))).item()
+    )
     sharded = assembly.assemble_actor(pm, model, cfg, dist)
-    mismatch = weights_checksum(assembly.full_weights(sharded), torch.float32) != weights_checksum(want.named_parameters(), torch.float32)
+    mismatch = weights_checksum(assembly.full_weights(sharded), torch.float32) != weights_checksum(
+        want.named_parameters(), torch.float32
+    )
     results["rank0_load_checksum_matches"] = not bool(h_max(torch.tensor(float(mismatch))).item())
     prompts, responses = h.sequences([6, 4], [5, 3], seed=2)
     with torch.no_grad():
-        err = h.max_err(response_logprobs(sharded, prompts, responses, 1.0, CPU)[0],
-                        response_logprobs(want, prompts, responses, 1.0, CPU)[0])
+        err = h.max_err(
+            response_logprobs(sharded, prompts, responses, 1.0, CPU)[0],
+            response_logprobs(want, prompts, responses, 1.0, CPU)[0],
+        )
     results["rank0_load_logprob_err"] = float(h_max(torch.tensor(err)))  # RoPE buffers came along too
 
 
 def _worker(rank: int, out_path: str, ckpt_dir: str) -> None:
-    from minirl_plugins.native import build_native_engine
-
     from minirl.protocols import EngineContext
+    from minirl_plugins.native import build_native_engine
 
     # Adam's first step is lr·g/(|g| + eps): near-zero gradients turn float noise into large
     # relative differences; a larger eps keeps the comparison about sharding, not about that
-    cfg = h.config("trainer.world_size=2", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2",
-                   "actor.optim.lr=0.01", "actor.optim.eps=1e-4")
+    cfg = h.config(
+        "trainer.world_size=2",
+        "data.train_batch_size=2",
+        "actor.ppo_mini_batch_size=2",
+        "actor.optim.lr=0.01",
+        "actor.optim.eps=1e-4",
+    )
     dist = spmd.init_from_env(cfg)
     pm = PluginManager(entry_points=False)
     results = {}
     plain = h.tiny_model()
     actor = assembly.assemble_actor(pm, h.tiny_model(), cfg, dist)
     results["actor_is_sharded"] = all(hasattr(p, "full_tensor") for p in actor.parameters())
-    ctx = EngineContext(plain.config, actor, CPU, torch.float32, (plain.config.eos_token_id,), 0,
-                        extra={"max_model_len": 64})
+    ctx = EngineContext(
+        plain.config, actor, CPU, torch.float32, (plain.config.eos_token_id,), 0, extra={"max_model_len": 64}
+    )
     engine = build_native_engine(cfg.rollout, ctx)
     _train_step(plain, actor, pm, cfg, rank, results)
     _weight_sync(actor, plain, engine, results)
@@ -199,16 +208,18 @@ def test_weight_sync_gives_the_engine_the_actor_weights(results):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("device, param_dtype, model_dtype, want", [
-    ("cuda", "auto", torch.float32, (torch.bfloat16, torch.float32)),  # bf16 compute, fp32 reduce
-    ("cpu", "auto", torch.float32, (None, None)),  # CPU: the model's own dtype, no cast at all
-    ("cpu", "auto", torch.bfloat16, (None, torch.float32)),  # bf16 weights still reduce in fp32
-    ("cpu", "float16", torch.float32, (torch.float16, torch.float32)),
-])
+@pytest.mark.parametrize(
+    "device, param_dtype, model_dtype, want",
+    [
+        ("cuda", "auto", torch.float32, (torch.bfloat16, torch.float32)),  # bf16 compute, fp32 reduce
+        ("cpu", "auto", torch.float32, (None, None)),  # CPU: the model's own dtype, no cast at all
+        ("cpu", "auto", torch.bfloat16, (None, torch.float32)),  # bf16 weights still reduce in fp32
+        ("cpu", "float16", torch.float32, (torch.float16, torch.float32)),
+    ],
+)
 def test_mixed_precision_policy(device, param_dtype, model_dtype, want):
-    from minirl_plugins import fsdp2
-
     from minirl.config_schema import FSDPConfig
+    from minirl_plugins import fsdp2
 
     model = torch.nn.Linear(2, 2).to(model_dtype)
     mp = fsdp2.mixed_precision(FSDPConfig(param_dtype=param_dtype), device, model)
@@ -216,10 +227,9 @@ def test_mixed_precision_policy(device, param_dtype, model_dtype, want):
 
 
 def test_unknown_fsdp_dtype_is_a_user_error():
-    from minirl_plugins import fsdp2
-
     from minirl.config_schema import FSDPConfig
     from minirl.errors import UserError
+    from minirl_plugins import fsdp2
 
     with pytest.raises(UserError, match=r"fsdp_config\.param_dtype = 'fp8'"):
         fsdp2.mixed_precision(FSDPConfig(param_dtype="fp8"), "cuda", torch.nn.Linear(2, 2))

@@ -9,7 +9,6 @@ import dist_helpers as h
 import pytest
 import torch
 import torch.distributed as tdist
-from minirl_plugins import ulysses
 
 from minirl import assembly, spmd
 from minirl.batch import RolloutBatch, response_mask, split_micro
@@ -17,12 +16,19 @@ from minirl.errors import UserError
 from minirl.forward import response_logprobs
 from minirl.models.presets import preset_config
 from minirl.plugins import PluginManager
+from minirl_plugins import ulysses
 
 pytestmark = pytest.mark.distributed
 
 CPU = torch.device("cpu")
-SP_CFG = ("trainer.world_size=2", "actor.ulysses_sequence_parallel_size=2", "data.train_batch_size=2",
-          "actor.ppo_mini_batch_size=2", "actor.optim.lr=0.01", "actor.optim.eps=1e-4")
+SP_CFG = (
+    "trainer.world_size=2",
+    "actor.ulysses_sequence_parallel_size=2",
+    "data.train_batch_size=2",
+    "actor.ppo_mini_batch_size=2",
+    "actor.optim.lr=0.01",
+    "actor.optim.eps=1e-4",
+)
 
 
 def _loss(model, prompts, responses):
@@ -78,7 +84,8 @@ def _worker(rank: int, out_path: str) -> None:
     plain = h.tiny_model()
     actor = assembly.assemble_actor(pm, h.tiny_model(), cfg, dist)
     results["sharded_and_sp"] = hasattr(actor, "minirl_sequence_parallel") and all(
-        hasattr(p, "full_tensor") for p in actor.parameters())
+        hasattr(p, "full_tensor") for p in actor.parameters()
+    )
     prompts, responses = h.sequences([5, 9, 3, 12], [7, 2, 11, 4])  # 53 tokens: padded to 54
     _compare_training(plain, actor, pm, cfg, prompts, responses, results, "mixed")
     _plain_forward(plain, actor, results)
@@ -88,8 +95,10 @@ def _worker(rank: int, out_path: str) -> None:
     _compare_training(plain, actor, pm, cfg, prompts, responses, results, "empty_slice")
     ref = assembly.assemble_reference(pm, h.tiny_model().requires_grad_(False), cfg.ref, dist)
     with torch.no_grad():
-        results["ref_logprob_err"] = h.max_err(response_logprobs(ref, prompts, responses, 1.0, CPU)[0],
-                                               response_logprobs(h.tiny_model(), prompts, responses, 1.0, CPU)[0])
+        results["ref_logprob_err"] = h.max_err(
+            response_logprobs(ref, prompts, responses, 1.0, CPU)[0],
+            response_logprobs(h.tiny_model(), prompts, responses, 1.0, CPU)[0],
+        )
     _kv_repeat(dist, results)
     h.write_results(out_path, rank, results)
     spmd.shutdown()
@@ -132,10 +141,13 @@ def test_reference_is_sequence_parallel_too(results):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("heads, kv, sp, match", [
-    (4, 2, 3, r"4 attention heads do not divide over 3 ranks; use a divisor of 4"),
-    (12, 3, 2, r"3 key/value heads neither divide over 2 ranks nor repeat evenly up to 2"),
-])
+@pytest.mark.parametrize(
+    "heads, kv, sp, match",
+    [
+        (4, 2, 3, r"4 attention heads do not divide over 3 ranks; use a divisor of 4"),
+        (12, 3, 2, r"3 key/value heads neither divide over 2 ranks nor repeat evenly up to 2"),
+    ],
+)
 def test_heads_that_do_not_split_are_a_user_error(heads, kv, sp, match):
     """The error names actor.ulysses_sequence_parallel_size, the heads and the fix."""
     cfg = preset_config("tiny")

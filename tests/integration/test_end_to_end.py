@@ -19,8 +19,18 @@ def test_cpu_profile_three_steps_pass_through_every_phase(tmp_path, data_dir, ca
     for metrics in history:
         for phase in PHASES:
             assert metrics[f"timing_s/{phase}"] > 0, phase
-        for key in ("score/mean", "response_length/mean", "advantages/mean", "actor/pg_loss", "actor/kl_loss",
-                    "actor/entropy", "actor/grad_norm", "actor/lr", "perf/throughput", "batch/solve_none_or_all_share"):
+        for key in (
+            "score/mean",
+            "response_length/mean",
+            "advantages/mean",
+            "actor/pg_loss",
+            "actor/kl_loss",
+            "actor/entropy",
+            "actor/grad_norm",
+            "actor/lr",
+            "perf/throughput",
+            "batch/solve_none_or_all_share",
+        ):
             assert key in metrics, key
     out = capsys.readouterr().out
     assert "batch: 16 prompts x n=8 = 128 sequences/step" in out

@@ -14,8 +14,12 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("engine", ["native", "hf"])
 def test_tiny_job_on_cuda(tmp_path, data_dir, engine):
-    history = run_job(tmp_path, data_dir, ["trainer.total_training_steps=2", "trainer.device=cuda",
-                                            f"rollout.name={engine}"], device="cuda")
+    history = run_job(
+        tmp_path,
+        data_dir,
+        ["trainer.total_training_steps=2", "trainer.device=cuda", f"rollout.name={engine}"],
+        device="cuda",
+    )
     assert len(history) == 2
     for metrics in history:
         assert metrics["timing_s/gen"] > 0 and metrics["perf/gen_throughput_per_gpu"] > 0

@@ -46,9 +46,7 @@ def grouped_batches(draw, min_group=1, min_len=1, int_scores=True):
     """Interleaved groups with arbitrary (non-positional) uids; returns the inputs and, per
     row, its group number 0..G−1 (for tests that change one group)."""
     sizes = draw(st.lists(st.integers(min_group, 5), min_size=1, max_size=5))
-    uid_values = draw(
-        st.lists(st.integers(-(10**6), 10**6), min_size=len(sizes), max_size=len(sizes), unique=True)
-    )
+    uid_values = draw(st.lists(st.integers(-(10**6), 10**6), min_size=len(sizes), max_size=len(sizes), unique=True))
     member = [g for g, n in enumerate(sizes) for _ in range(n)]
     member = draw(st.permutations(member))
     B, T = len(member), draw(st.integers(1, 6))

@@ -37,7 +37,7 @@ def _packed_batch(seq_lens, vocab=256, seed=0, device="cpu"):
 def _unpacked_logits(model, ids_1N, seq_lens):
     outs, start = [], 0
     for n in seq_lens:
-        outs.append(model(input_ids=ids_1N[:, start:start + n], use_cache=False).logits)
+        outs.append(model(input_ids=ids_1N[:, start : start + n], use_cache=False).logits)
         start += n
     return torch.cat(outs, dim=1)
 
@@ -48,7 +48,7 @@ def _dense_causal_reference(q_NHD, k_NKD, v_NKD, seq_lens, scale):
     k_NHD, v_NHD = k_NKD.repeat_interleave(groups, 1), v_NKD.repeat_interleave(groups, 1)
     outs, start = [], 0
     for n in seq_lens:
-        q, k, v = (t[start:start + n].transpose(0, 1).float() for t in (q_NHD, k_NHD, v_NHD))
+        q, k, v = (t[start : start + n].transpose(0, 1).float() for t in (q_NHD, k_NHD, v_NHD))
         scores_HQL = q @ k.transpose(1, 2) * scale
         future_QL = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
         scores_HQL = scores_HQL.masked_fill(future_QL, float("-inf"))
@@ -250,7 +250,7 @@ def test_cuda_varlen_kernels_match_segment_sdpa_bf16(backend):
     results = {}
     for name, dtype in ((backend, torch.bfloat16), ("sdpa", torch.bfloat16), ("sdpa", torch.float32)):
         inputs = [t.to(dtype).requires_grad_() for t in base]
-        out = varlen_attention(*inputs, cu, max(seq_lens), 128 ** -0.5, backend=name)
+        out = varlen_attention(*inputs, cu, max(seq_lens), 128**-0.5, backend=name)
         out.backward(grad.to(dtype))
         results[(name, dtype)] = [out.detach()] + [t.grad for t in inputs]
     exact = results[("sdpa", torch.float32)]
@@ -275,6 +275,7 @@ def test_cuda_packed_model_forward_matches_unpacked_sdpa_bf16():
         got = packed(input_ids=ids, **packed_forward_kwargs(seq_lens, device="cuda")).logits
         baseline = _unpacked_logits(bf16_sdpa, ids, seq_lens)
     assert _max_err(got, ref) <= 2 * _max_err(baseline, ref) + 1e-2
+
 
 def test_a_model_can_swap_the_varlen_core():
     """Sequence parallelism installs its wrapper of varlen_attention on one model only."""

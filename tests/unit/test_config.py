@@ -22,14 +22,17 @@ def write(tmp_path: Path, text: str) -> str:
 
 def test_precedence_defaults_file_profile_command_line(tmp_path):
     """defaults < file < [profiles.X] < command line, key by key."""
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         [actor]
         ppo_epochs = 2
         clip_ratio = 0.3
         [profiles.small.actor]
         clip_ratio = 0.25
         entropy_coeff = 0.01
-    """.replace("        ", ""))
+    """.replace("        ", ""),
+    )
     cfg = load_config(path, ["actor.entropy_coeff=0.05"], profile="small")
     assert cfg.actor.ppo_epochs == 2  # file
     assert cfg.actor.clip_ratio == 0.25  # profile over file

@@ -110,8 +110,10 @@ def test_real_transformers_tokenizer(tmp_path):
     backend.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>")
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     recs = load_prompts([write(tmp_path, [row("hi")])], tok, cfg())
     ids = recs[0].prompt_ids
     assert isinstance(ids, list) and all(isinstance(i, int) for i in ids)
@@ -236,12 +238,14 @@ def test_truncation_error_names_row_length_and_both_keys(tmp_path):
 def test_truncation_modes_keep_the_right_tokens(tmp_path, mode, caplog):
     """left keeps the end, right the start, middle both ends (verl's meanings), counted."""
     path = write(tmp_path, [row("0123456789")])
-    full = TOK.encode(TOK.apply_chat_template(row("0123456789")["prompt"], add_generation_prompt=True),
-                      add_special_tokens=False)
+    full = TOK.encode(
+        TOK.apply_chat_template(row("0123456789")["prompt"], add_generation_prompt=True), add_special_tokens=False
+    )
     limit = 9
     with caplog.at_level(logging.WARNING, logger="minirl.data"):
         recs, stats = load_prompts_with_stats(
-            [path], TOK, cfg(max_prompt_length=limit, filter_overlong_prompts=False, truncation=mode))
+            [path], TOK, cfg(max_prompt_length=limit, filter_overlong_prompts=False, truncation=mode)
+        )
     expected = {"left": full[-9:], "right": full[:9], "middle": full[:4] + full[-5:]}[mode]
     assert recs[0].prompt_ids == expected and stats.n_truncated == 1
     assert "truncated 1 of 1" in caplog.text
@@ -270,7 +274,9 @@ def test_batches_are_full_and_last_partial_is_dropped():
 
 def test_shuffle_is_deterministic_per_seed_and_epoch():
     """Same (seed, epoch) -> same order (resumable); epochs and seeds differ; no shuffle = file order."""
-    order = lambda seed, epoch: [r.index for b in PromptLoader(records(32), 8, True, seed).epoch_batches(epoch) for r in b]
+    order = lambda seed, epoch: [
+        r.index for b in PromptLoader(records(32), 8, True, seed).epoch_batches(epoch) for r in b
+    ]
     assert order(3, 0) == order(3, 0)
     assert order(3, 0) != order(3, 1) and order(3, 0) != order(4, 0)
     assert sorted(order(3, 1)) == list(range(32))

@@ -95,9 +95,7 @@ def test_sample_means_of_k1_and_k3_approach_the_true_kl(seed, spread):
 
 
 @FAST
-@given(
-    seed=st.integers(0, 2**31 - 1), n=st.integers(1, 11), chunk=st.integers(1, 5), scale=st.floats(0.1, 8.0)
-)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 11), chunk=st.integers(1, 5), scale=st.floats(0.1, 8.0))
 def test_full_kl_equals_exact_float64_sum_values_and_gradients(seed, n, chunk, scale):
     """`full` (chunked, checkpointed) must equal Σ_v π(log π − log π_ref) in float64, and so must
     its gradient to the policy logits; it is >= 0 up to rounding and needs_logits is set."""

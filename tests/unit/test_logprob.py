@@ -32,9 +32,7 @@ def _problem(seed: int, n: int, hidden: int = 8, vocab: int = 37):
     recompute=st.booleans(),
     with_entropy=st.booleans(),
 )
-def test_chunked_logprobs_match_reference_values_and_gradients(
-    seed, n, chunk, temperature, recompute, with_entropy
-):
+def test_chunked_logprobs_match_reference_values_and_gradients(seed, n, chunk, temperature, recompute, with_entropy):
     """chunked_logprobs (any chunk size, with or without checkpoint recomputation, any temperature)
     must give the values and the gradients (to the hidden states and to the head weight) of
     log_softmax(head(h) / T) + gather; the entropy too when asked for."""

@@ -100,22 +100,14 @@ def test_two_rank_split_gives_the_global_value_and_gradient(batch, mode, data):
     loss_BT, mask_BT = batch
     rows = data.draw(st.permutations(range(loss_BT.shape[0])))
     cut = data.draw(st.integers(0, len(rows)))
-    ranks = [
-        [_micro_batch(loss_BT, mask_BT, p) for p in _split(data.draw, part)]
-        for part in (rows[:cut], rows[cut:])
-    ]
-    counts = [
-        _local_counts([m for _, m in micro]) if micro else torch.zeros(2, dtype=torch.float64)
-        for micro in ranks
-    ]
+    ranks = [[_micro_batch(loss_BT, mask_BT, p) for p in _split(data.draw, part)] for part in (rows[:cut], rows[cut:])]
+    counts = [_local_counts([m for _, m in micro]) if micro else torch.zeros(2, dtype=torch.float64) for micro in ranks]
     total = 0.0
     for rank, micro in enumerate(ranks):
         if not micro:
             continue  # a rank with no sequence contributes nothing (and has no mask to count)
         other = counts[1 - rank]
-        norm = mini_batch_norm(
-            [m for _, m in micro], lambda x, other=other: x + other, None, loss_BT.shape[1]
-        )
+        norm = mini_batch_norm([m for _, m in micro], lambda x, other=other: x + other, None, loss_BT.shape[1])
         total = total + sum(aggregate(loss, mask, mode, norm) for loss, mask in micro)
     total.backward()
     ref_value, ref_grad = _global_grad(loss_BT, mask_BT, mode, float(loss_BT.shape[1]))

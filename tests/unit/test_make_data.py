@@ -78,15 +78,19 @@ def test_outputs_load_and_their_solutions_score_one(written, task):
 def test_train_and_test_share_no_prompt(written, task):
     """Evaluation on the test split must measure held-out prompts, not memorised ones."""
     _, paths = written
-    prompts = {split: {row[0]["content"] for row in pq.read_table(p).column("prompt").to_pylist()}
-               for split, p in paths[task].items()}
+    prompts = {
+        split: {row[0]["content"] for row in pq.read_table(p).column("prompt").to_pylist()}
+        for split, p in paths[task].items()
+    }
     assert not prompts["train"] & prompts["test"]
 
 
 @pytest.mark.parametrize("task", TASKS)
 def test_deterministic_by_seed(tmp_path, task):
     """Same seed -> identical rows (reproducible runs); another seed -> different rows."""
-    rows = lambda seed, sub: pq.read_table(make_data.write_task(task, tmp_path / sub, 30, 10, seed)["train"]).to_pylist()
+    rows = lambda seed, sub: pq.read_table(
+        make_data.write_task(task, tmp_path / sub, 30, 10, seed)["train"]
+    ).to_pylist()
     assert rows(1, "a") == rows(1, "b")
     assert rows(1, "a") != rows(2, "c")
 
@@ -117,8 +121,7 @@ def test_countdown_and_copy_shapes(written):
 
 def test_cli_writes_every_task(tmp_path, capsys):
     """The documented command line works end to end."""
-    make_data.main(["--out", str(tmp_path), "--seed", "0", "--train", "8", "--test", "4",
-                    "--tasks", "gsm8k", "copy"])
+    make_data.main(["--out", str(tmp_path), "--seed", "0", "--train", "8", "--test", "4", "--tasks", "gsm8k", "copy"])
     assert (tmp_path / "gsm8k" / "train.parquet").exists()
     assert pq.read_table(tmp_path / "copy" / "test.parquet").num_rows == 4
     assert not (tmp_path / "countdown").exists()

@@ -50,9 +50,15 @@ def _greedy(n=1, max_new=12, **kw):
 
 def _hf_greedy(hf, prompt, max_new):
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_greedy_equals_transformers(qwen2):
@@ -79,8 +85,9 @@ def test_stop_on_eos_and_stop_tokens(qwen2):
     eng = _engine(cfg, hf, eos=(eos,))
     [c] = eng.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=12))
     assert c.token_ids == ref[: ref.index(eos) + 1] and c.finish_reason == "stop"
-    [c] = eng.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True,
-                                                   stop_token_ids=(ref[2],)))
+    [c] = eng.generate(
+        PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, stop_token_ids=(ref[2],))
+    )
     assert c.token_ids == ref[: ref.index(ref[2]) + 1] and c.finish_reason == "stop"
 
 
@@ -104,8 +111,11 @@ def test_n_samples_share_prefill_and_preemption_keeps_output(qwen2):
     """Prompt lengths on and off page boundaries; a cache too small for all forces preemption."""
     cfg, hf = qwen2
     ref = [c.token_ids for c in _engine(cfg, hf, page_size=4).generate(PROMPTS, _greedy(max_new=24))]
-    for extra, preempts in (({"page_size": 4}, False), ({"page_size": 4, "num_kv_pages": 24}, True),
-                            ({"page_size": 4, "num_kv_pages": 24, "decode_steps": 5}, True)):
+    for extra, preempts in (
+        ({"page_size": 4}, False),
+        ({"page_size": 4, "num_kv_pages": 24}, True),
+        ({"page_size": 4, "num_kv_pages": 24, "decode_steps": 5}, True),
+    ):
         eng = _engine(cfg, hf, **extra)
         got = eng.generate(PROMPTS, _greedy(n=3, max_new=24))
         assert [c.token_ids for c in got] == [t for t in ref for _ in range(3)]
@@ -138,8 +148,9 @@ def test_sampled_frequencies_match_softmax(top_k, top_p):
     hf = tiny_hf_model(cfg, seed=5, std=0.5)
     eng = _engine(cfg, hf)
     prompt, temperature, n = [1, 2, 3], 0.9, 6000
-    out = eng.generate([prompt], SamplingParams(n=n, temperature=temperature, top_k=top_k, top_p=top_p,
-                                                max_new_tokens=1, seed=11))
+    out = eng.generate(
+        [prompt], SamplingParams(n=n, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1, seed=11)
+    )
     counts = torch.bincount(torch.tensor([c.token_ids[0] for c in out]), minlength=16).double()
     logits = eng.logits(prompt)[-1:].float() / temperature
     probs = torch.softmax(filter_top_k_top_p(logits, top_k, top_p), -1)[0].double()

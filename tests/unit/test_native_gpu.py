@@ -38,19 +38,31 @@ def test_fast_kernels_pass_self_checks(dtype):
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
 def test_graph_decode_equals_eager_and_transformers(family):
-    cfg = tiny_config(family, num_attention_heads=4, num_key_value_heads=2, hidden_size=256,
-                      **({"head_dim": 64} if family == "qwen3" else {}))
+    cfg = tiny_config(
+        family,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=256,
+        **({"head_dim": 64} if family == "qwen3" else {}),
+    )
     hf = tiny_hf_model(cfg, seed=2, std=0.2, device="cuda")
     graphs = build_native_engine(None, engine_context(cfg, actor=hf, device="cuda", num_kv_pages=512))
-    eager = build_native_engine(_Cfg(enforce_eager=True), engine_context(cfg, actor=hf, device="cuda", num_kv_pages=512))
+    eager = build_native_engine(
+        _Cfg(enforce_eager=True), engine_context(cfg, actor=hf, device="cuda", num_kv_pages=512)
+    )
     assert graphs.runner.use_graphs
     got = graphs.generate(PROMPTS, _greedy(n=2))
     assert graphs.runner.graphs, "no CUDA graph was captured"
     assert [c.token_ids for c in got] == [c.token_ids for c in eager.generate(PROMPTS, _greedy(n=2))]
     for i, prompt in enumerate(PROMPTS):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt], device="cuda"), do_sample=False, max_new_tokens=24,
-                              min_new_tokens=24, pad_token_id=0)[0, len(prompt):].tolist()
+            ref = hf.generate(
+                torch.tensor([prompt], device="cuda"),
+                do_sample=False,
+                max_new_tokens=24,
+                min_new_tokens=24,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
         assert got[2 * i].token_ids == ref
 
 

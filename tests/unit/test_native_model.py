@@ -11,8 +11,13 @@ import torch
 from minirl_plugins.native import build_native_engine
 from minirl_plugins.native.testing import engine_context, tiny_config, tiny_hf_model
 
-FAMILIES = [("qwen2", {}), ("qwen2", {"tie_word_embeddings": True}), ("llama", {}),
-            ("llama", {"attention_bias": True, "mlp_bias": True}), ("qwen3", {})]
+FAMILIES = [
+    ("qwen2", {}),
+    ("qwen2", {"tie_word_embeddings": True}),
+    ("llama", {}),
+    ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("qwen3", {}),
+]
 
 
 @pytest.fixture(autouse=True, scope="module")

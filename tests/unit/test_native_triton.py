@@ -93,4 +93,6 @@ def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch):
         for a, b in zip(got, ref):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)
     sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=3)
-    assert [c.token_ids for c in eng.generate(prompts, sampled)] == [c.token_ids for c in eng.generate(prompts, sampled)]
+    assert [c.token_ids for c in eng.generate(prompts, sampled)] == [
+        c.token_ids for c in eng.generate(prompts, sampled)
+    ]

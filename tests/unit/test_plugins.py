@@ -45,12 +45,16 @@ def test_builtins_register_every_core_component():
 
 def test_duplicate_name_names_both_providers(module_dir):
     """Two plugins claiming one name must fail loudly, naming both, instead of one silently winning."""
-    write_module(module_dir, "tmp_plugin_dup", """
+    write_module(
+        module_dir,
+        "tmp_plugin_dup",
+        """
         from minirl import hookimpl
         @hookimpl
         def minirl_advantage_estimators():
             return {"grpo": lambda inputs, cfg: None}
-    """)
+    """,
+    )
     with pytest.raises(PluginError, match=r"'grpo' is registered twice.*minirl_plugins.advantage.*tmp_plugin_dup"):
         PluginManager(["tmp_plugin_dup"], entry_points=False)
 
@@ -64,12 +68,16 @@ def test_unknown_name_lists_registered_and_suggests():
 
 def test_misspelled_hook_is_caught_by_check_pending(module_dir):
     """A hook implementation with a typo in its name would otherwise be silently ignored."""
-    write_module(module_dir, "tmp_plugin_typo", """
+    write_module(
+        module_dir,
+        "tmp_plugin_typo",
+        """
         from minirl import hookimpl
         @hookimpl
         def minirl_advantage_estimator():
             return {}
-    """)
+    """,
+    )
     with pytest.raises(Exception, match="minirl_advantage_estimator"):
         PluginManager(["tmp_plugin_typo"], entry_points=False)
 
@@ -81,12 +89,16 @@ def test_missing_config_module_is_a_clear_error():
 
 
 def test_non_dict_answer_is_rejected(module_dir):
-    write_module(module_dir, "tmp_plugin_list", """
+    write_module(
+        module_dir,
+        "tmp_plugin_list",
+        """
         from minirl import hookimpl
         @hookimpl
         def minirl_loggers():
             return ["console"]
-    """)
+    """,
+    )
     with pytest.raises(PluginError, match="must return a dict"):
         PluginManager(["tmp_plugin_list"], entry_points=False)
 

@@ -104,7 +104,7 @@ def test_math_oversized_answer_scores_zero_fast():
 
 def test_math_normalize_is_idempotent_on_the_cases():
     """normalize(normalize(x)) == normalize(x): canonical forms are fixed points."""
-    for response, truth, _ in MATH_CASES:
+    for _response, truth, _ in MATH_CASES:
         once = normalize(truth)
         assert normalize(once) == once
 
@@ -147,13 +147,16 @@ def test_countdown_format_score_is_a_keyword():
     assert countdown_reward("<answer>2 + 3 + 4</answer>", GT, {}, format_score=0.0) == 0.0
 
 
-@pytest.mark.parametrize("attack", [
-    "__import__('os').system('touch /tmp/pwned')",
-    "().__class__.__bases__[0]",
-    "2 * 3 * 4 + len('x')",
-    "9" * 5000,
-    "(" * 400 + "2" + ")" * 400,
-])
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "__import__('os').system('touch /tmp/pwned')",
+        "().__class__.__bases__[0]",
+        "2 * 3 * 4 + len('x')",
+        "9" * 5000,
+        "(" * 400 + "2" + ")" * 400,
+    ],
+)
 def test_countdown_injection_scores_zero_without_evaluation(attack, monkeypatch):
     """Hostile text is rejected by the tokenizer or parser: evaluate() is never reached, eval()
     is never used, and huge or deeply nested input cannot exhaust the stack."""
@@ -195,8 +198,9 @@ def render(tree, minimal):
     ls, rs = render(left, minimal), render(right, minimal)
     if not minimal or (not isinstance(left, int) and PREC[left[0]] < PREC[op]):
         ls = f"({ls})"
-    if not minimal or (not isinstance(right, int) and (
-            PREC[right[0]] < PREC[op] or PREC[right[0]] == PREC[op] and op in "-/")):
+    if not minimal or (
+        not isinstance(right, int) and (PREC[right[0]] < PREC[op] or PREC[right[0]] == PREC[op] and op in "-/")
+    ):
         rs = f"({rs})"
     return f"{ls} {op} {rs}"
 
@@ -238,8 +242,15 @@ def test_copy_reward():
 def test_hook_registers_all_names():
     """verl's data_source strings must resolve, so verl-prepared parquet files score unchanged."""
     names = set(rewards.minirl_reward_functions())
-    assert names == {"gsm8k", "openai/gsm8k", "math", "lighteval/MATH",
-                     "DigitalLearningGmbH/MATH-lighteval", "countdown", "copy"}
+    assert names == {
+        "gsm8k",
+        "openai/gsm8k",
+        "math",
+        "lighteval/MATH",
+        "DigitalLearningGmbH/MATH-lighteval",
+        "countdown",
+        "copy",
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,8 +272,7 @@ def rec(source, truth, row=0):
 def test_manager_dispatches_by_data_source():
     """Each row's data_source picks its function; scores come back in record order."""
     records = [rec("openai/gsm8k", "4"), rec("copy", "7"), rec("countdown", GT), rec("math", "2")]
-    result = RewardManager(registry()).score(
-        records, ["#### 4", "8", "<answer>2*3*4</answer>", r"\boxed{2}"])
+    result = RewardManager(registry()).score(records, ["#### 4", "8", "<answer>2*3*4</answer>", r"\boxed{2}"])
     assert result.scores == [1.0, 0.0, 1.0, 1.0] and result.n_errors == 0
 
 

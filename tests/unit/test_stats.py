@@ -119,9 +119,7 @@ def test_shift_mean_false_only_rescales():
     x = torch.tensor([[1.0, 2.0, 3.0, 100.0]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
     got = masked_whiten(x, mask, shift_mean=False)
-    torch.testing.assert_close(
-        got, torch.tensor([[1.0, 2.0, 3.0, 0.0]], dtype=torch.float64) / np.sqrt(1.0 + 1e-8)
-    )
+    torch.testing.assert_close(got, torch.tensor([[1.0, 2.0, 3.0, 0.0]], dtype=torch.float64) / np.sqrt(1.0 + 1e-8))
 
 
 def test_one_or_zero_valid_entries_give_zero_variance_not_nan():

@@ -35,11 +35,11 @@ FIXED_TEXTS = [
 
 
 def _random_texts(n: int, seed: int = 0) -> list[str]:
-    alphabet = ("abcdefgxyz ABZ \n\t\r0123456789.,;:!?()[]{}<>'\"-_=+*/\\|@#$%^&~`"
-                "éàü中文日本語한국어😀\u00a0")
+    alphabet = "abcdefgxyz ABZ \n\t\r0123456789.,;:!?()[]{}<>'\"-_=+*/\\|@#$%^&~`éàü中文日本語한국어😀\u00a0"
     rng = random.Random(seed)
-    return [unicodedata.normalize("NFC", "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60))))
-            for _ in range(n)]
+    return [
+        unicodedata.normalize("NFC", "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60)))) for _ in range(n)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,8 +64,9 @@ def test_byte_tokenizer_chat_template_is_chatml():
     tok = byte_tokenizer()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = tok.encode(text)
     assert ids[0] == 257 and ids.count(258) == 2  # <|im_start|> and <|im_end|> are single tokens
     assert tok.decode(ids, skip_special_tokens=True) == "system\nBe brief.\nuser\n2+2?\nassistant\n"
@@ -132,9 +133,11 @@ def test_qwen2_chat_template_is_r1_distill(qwen):
         {"role": "user", "content": "2+2?"},
     ]
     text = qwen.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == ("<｜begin▁of▁sentence｜>S.<｜User｜>1+1?"
-                    "<｜Assistant｜>\n\n2<｜end▁of▁sentence｜>"
-                    "<｜User｜>2+2?<｜Assistant｜><think>\n")
+    assert text == (
+        "<｜begin▁of▁sentence｜>S.<｜User｜>1+1?"
+        "<｜Assistant｜>\n\n2<｜end▁of▁sentence｜>"
+        "<｜User｜>2+2?<｜Assistant｜><think>\n"
+    )
     # transformers 5 returns a BatchEncoding from tokenize=True unless return_dict=False.
     ids = qwen.apply_chat_template(messages[:2], tokenize=True, add_generation_prompt=True, return_dict=False)
     assert ids[0] == 151646 and ids.count(151646) == 1 and ids[-2:] == [151648, 198]

@@ -97,7 +97,9 @@ class NativeEngine:
         if params.n < 1 or params.max_new_tokens < 1:
             raise ValueError(f"SamplingParams n={params.n}, max_new_tokens={params.max_new_tokens}: both must be >= 1")
         if params.temperature < 0 or not 0 < params.top_p <= 1:
-            raise ValueError(f"SamplingParams temperature={params.temperature} must be >= 0 and top_p={params.top_p} in (0, 1]")
+            raise ValueError(
+                f"SamplingParams temperature={params.temperature} must be >= 0 and top_p={params.top_p} in (0, 1]"
+            )
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise ValueError(f"prompt {i} is empty")

@@ -121,8 +121,15 @@ class ModelRunner:
         if not self.num_pages:
             self.num_pages = self.plan_num_pages()
         s = self.spec
-        self.kv = torch.zeros(2, s.num_layers, self.num_pages * self.page, s.num_kv_heads, s.head_dim,
-                              dtype=self.dtype, device=self.device)
+        self.kv = torch.zeros(
+            2,
+            s.num_layers,
+            self.num_pages * self.page,
+            s.num_kv_heads,
+            s.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     @torch.inference_mode()
     def full_logits(self, tokens: list[int]) -> torch.Tensor:
@@ -159,8 +166,9 @@ class ModelRunner:
         rows = dev["rows"]
         self.page_table[rows, : host["table"].shape[1]] = dev["table"]
         record = self._start("prefill", len(host["ids"]))
-        meta = StepMeta(True, dev["slots"], self.kv, cu_seqlens_S1=dev["cu"], seqlens=host["lens"],
-                        max_seqlen=max(host["lens"]))
+        meta = StepMeta(
+            True, dev["slots"], self.kv, cu_seqlens_S1=dev["cu"], seqlens=host["lens"], max_seqlen=max(host["lens"])
+        )
         h = self.model(dev["ids"], dev["positions"], meta, self.rope)
         logits = self.model.compute_logits(h[dev["last"]])
         if batch.copies:
@@ -191,10 +199,18 @@ class ModelRunner:
         for i, t in enumerate(tables):
             table[i, : len(t)] = t
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        return dict(ids=np.concatenate(ids), positions=np.concatenate(positions), slots=np.concatenate(slots),
-                    cu=cu, last=cu[1:].astype(np.int64) - 1, rows=np.asarray(rows, dtype=np.int64),
-                    seq_lens=np.asarray(seq_lens, dtype=np.int32), sample_rows=np.asarray(sample_rows, dtype=np.int64),
-                    table=table, lens=lens)
+        return dict(
+            ids=np.concatenate(ids),
+            positions=np.concatenate(positions),
+            slots=np.concatenate(slots),
+            cu=cu,
+            last=cu[1:].astype(np.int64) - 1,
+            rows=np.asarray(rows, dtype=np.int64),
+            seq_lens=np.asarray(seq_lens, dtype=np.int32),
+            sample_rows=np.asarray(sample_rows, dtype=np.int64),
+            table=table,
+            lens=lens,
+        )
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
         s = self.spec
@@ -261,8 +277,16 @@ class ModelRunner:
         pos = self.seq_lens[rows].long()
         ctx = (pos + 1).to(torch.int32)
         slots = self.page_table[rows, pos // self.page].long() * self.page + pos % self.page
-        meta = StepMeta(False, slots, self.kv, rows_B=rows, ctx_lens_B=ctx, page_table=self.page_table,
-                        page_size=self.page, num_splits=self._num_splits(n))
+        meta = StepMeta(
+            False,
+            slots,
+            self.kv,
+            rows_B=rows,
+            ctx_lens_B=ctx,
+            page_table=self.page_table,
+            page_size=self.page,
+            num_splits=self._num_splits(n),
+        )
         h = self.model(self.last_tok[rows], pos, meta, self.rope)
         self.seq_lens[rows] = ctx
         self.seq_lens[self.dummy_row :].zero_()

@@ -17,8 +17,14 @@ class SamplerState:
     seeded generator, outside the graph.
     """
 
-    def __init__(self, params: SamplingParams, seed: int, device: torch.device, fused=None,
-                 buffers: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        params: SamplingParams,
+        seed: int,
+        device: torch.device,
+        fused=None,
+        buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         self.temperature, self.top_k, self.top_p = params.temperature, params.top_k, params.top_p
         self.steps = 0
         self.generator = torch.Generator(device=device)

@@ -42,8 +42,10 @@ def select_ops(device: torch.device, dtype: torch.dtype, use_triton: bool = True
     if device.type != "cuda":
         return ops
     # (name, implementation), best first: the first that passes its check is used
-    candidates = [("prefill_attention", _varlen_prefill(repeat_kv=False)),
-                  ("prefill_attention", _varlen_prefill(repeat_kv=True))]
+    candidates = [
+        ("prefill_attention", _varlen_prefill(repeat_kv=False)),
+        ("prefill_attention", _varlen_prefill(repeat_kv=True)),
+    ]
     if use_triton:
         try:
             from minirl_plugins.native.layers import ops_triton
@@ -58,8 +60,10 @@ def select_ops(device: torch.device, dtype: torch.dtype, use_triton: bool = True
         try:
             CHECKS[name](fn, device, dtype)
         except Exception as exc:
-            warnings.warn(f"native engine: {name} kernel {getattr(fn, '__module__', '?')} rejected "
-                          f"({type(exc).__name__}: {str(exc)[:200]}); trying the next or torch")
+            warnings.warn(
+                f"native engine: {name} kernel {getattr(fn, '__module__', '?')} rejected "
+                f"({type(exc).__name__}: {str(exc)[:200]}); trying the next or torch"
+            )
             continue
         setattr(ops, name, fn)
         ops.chosen[name] = getattr(fn, "__module__", "?").rsplit(".", 1)[-1]
@@ -161,9 +165,16 @@ def random_paged_case(device, dtype, b=5, h=12, hk=2, d=128, page=16, max_len=30
     kc = torch.randn(slots, hk, d, device=device, dtype=dtype)
     vc = torch.randn_like(kc)
     qkv = torch.randn(b, (h + 2 * hk) * d, device=device, dtype=dtype)
-    meta = StepMeta(False, torch.zeros(b, dtype=torch.long, device=device), kv_cache=kc,
-                    rows_B=torch.arange(b, device=device), ctx_lens_B=lens.to(device=device, dtype=torch.int32),
-                    page_table=table.to(device), page_size=page, max_ctx=int(lens.max()))
+    meta = StepMeta(
+        False,
+        torch.zeros(b, dtype=torch.long, device=device),
+        kv_cache=kc,
+        rows_B=torch.arange(b, device=device),
+        ctx_lens_B=lens.to(device=device, dtype=torch.int32),
+        page_table=table.to(device),
+        page_size=page,
+        max_ctx=int(lens.max()),
+    )
     return qkv, kc, vc, meta
 
 
@@ -182,8 +193,12 @@ def _check_prefill(fn, device, dtype):
     qkv = torch.randn(sum(lens), (h + 2 * hk) * d, device=device, dtype=dtype)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
     meta = StepMeta(True, cu, None, cu_seqlens_S1=cu, seqlens=lens, max_seqlen=max(lens))
-    _close(fn(qkv, meta, h, hk, d, d**-0.5), ops_torch.prefill_attention(qkv, meta, h, hk, d, d**-0.5),
-           dtype, "prefill_attention")
+    _close(
+        fn(qkv, meta, h, hk, d, d**-0.5),
+        ops_torch.prefill_attention(qkv, meta, h, hk, d, d**-0.5),
+        dtype,
+        "prefill_attention",
+    )
 
 
 def _check_sample(sample_from, device, dtype):

@@ -35,8 +35,21 @@ def _rotate(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-def rope_store(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, heads, kv_heads, head_dim,
-               q_norm=None, k_norm=None, eps=1e-6):
+def rope_store(
+    qkv,
+    positions,
+    cos,
+    sin,
+    slot_mapping,
+    k_cache,
+    v_cache,
+    heads,
+    kv_heads,
+    head_dim,
+    q_norm=None,
+    k_norm=None,
+    eps=1e-6,
+):
     """In place on qkv_N(H+2Hk)D: (q/k norm,) rotary on q and k; k and v written to the cache."""
     n = qkv.shape[0]
     q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
@@ -71,8 +84,12 @@ def prefill_attention(qkv, meta: StepMeta, heads, kv_heads, head_dim, scale):
     for length in meta.seqlens:
         sl = slice(start, start + length)
         o = F.scaled_dot_product_attention(
-            q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1),
-            is_causal=True, scale=scale, enable_gqa=heads != kv_heads,
+            q[sl].transpose(0, 1),
+            k[sl].transpose(0, 1),
+            v[sl].transpose(0, 1),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=heads != kv_heads,
         )
         out[sl] = o.transpose(0, 1)
         start += length

@@ -22,8 +22,19 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n_cols, stride_x, stride_r, stride_y, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    y_ptr,
+    n_cols,
+    stride_x,
+    stride_r,
+    stride_y,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -42,16 +53,38 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, n_cols, stride_x, stride_r, stri
 def rmsnorm(x, weight, eps):
     y = torch.empty_like(x)
     x2, y2 = x.view(-1, x.shape[-1]), y.view(-1, x.shape[-1])
-    _rmsnorm_kernel[(x2.shape[0],)](x2, x2, weight, y2, x2.shape[1], x2.stride(0), x2.stride(0),
-                                    y2.stride(0), eps, HAS_RESIDUAL=False, BLOCK=_pow2(x2.shape[1]))
+    _rmsnorm_kernel[(x2.shape[0],)](
+        x2,
+        x2,
+        weight,
+        y2,
+        x2.shape[1],
+        x2.stride(0),
+        x2.stride(0),
+        y2.stride(0),
+        eps,
+        HAS_RESIDUAL=False,
+        BLOCK=_pow2(x2.shape[1]),
+    )
     return y
 
 
 def add_rmsnorm(x, residual, weight, eps):
     """In place: residual <- x + residual; returns (rmsnorm(residual), residual)."""
     y = torch.empty_like(x)
-    _rmsnorm_kernel[(x.shape[0],)](x, residual, weight, y, x.shape[1], x.stride(0), residual.stride(0),
-                                   y.stride(0), eps, HAS_RESIDUAL=True, BLOCK=_pow2(x.shape[1]))
+    _rmsnorm_kernel[(x.shape[0],)](
+        x,
+        residual,
+        weight,
+        y,
+        x.shape[1],
+        x.stride(0),
+        residual.stride(0),
+        y.stride(0),
+        eps,
+        HAS_RESIDUAL=True,
+        BLOCK=_pow2(x.shape[1]),
+    )
     return y, residual
 
 
@@ -71,16 +104,32 @@ def silu_mul(gate_up):
     n, two_i = gate_up.shape
     y = torch.empty(n, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(n, triton.cdiv(two_i // 2, block))](gate_up, y, two_i // 2, gate_up.stride(0),
-                                                           y.stride(0), BLOCK=block)
+    _silu_mul_kernel[(n, triton.cdiv(two_i // 2, block))](
+        gate_up, y, two_i // 2, gate_up.stride(0), y.stride(0), BLOCK=block
+    )
     return y
 
 
 @triton.jit
-def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-                       qn_ptr, kn_ptr, stride_tok, stride_slot, eps,
-                       H: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                       QK_NORM: tl.constexpr):
+def _rope_store_kernel(
+    qkv_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    qn_ptr,
+    kn_ptr,
+    stride_tok,
+    stride_slot,
+    eps,
+    H: tl.constexpr,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    QK_NORM: tl.constexpr,
+):
     tok = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads
     offs = tl.arange(0, HALF)
@@ -117,14 +166,41 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr
         tl.store(v_cache_ptr + dst + HALF + offs, tl.load(v + HALF + offs))
 
 
-def rope_store(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, heads, kv_heads, head_dim,
-               q_norm=None, k_norm=None, eps=1e-6):
+def rope_store(
+    qkv,
+    positions,
+    cos,
+    sin,
+    slot_mapping,
+    k_cache,
+    v_cache,
+    heads,
+    kv_heads,
+    head_dim,
+    q_norm=None,
+    k_norm=None,
+    eps=1e-6,
+):
     assert head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0, "head_dim/2 must be a power of 2"
     norm = q_norm is not None
     _rope_store_kernel[(qkv.shape[0], heads + kv_heads)](
-        qkv, positions, cos, sin, slot_mapping, k_cache, v_cache,
-        q_norm if norm else qkv, k_norm if norm else qkv, qkv.stride(0), k_cache.stride(0), eps,
-        H=heads, HK=kv_heads, D=head_dim, HALF=head_dim // 2, QK_NORM=norm,
+        qkv,
+        positions,
+        cos,
+        sin,
+        slot_mapping,
+        k_cache,
+        v_cache,
+        q_norm if norm else qkv,
+        k_norm if norm else qkv,
+        qkv.stride(0),
+        k_cache.stride(0),
+        eps,
+        H=heads,
+        HK=kv_heads,
+        D=head_dim,
+        HALF=head_dim // 2,
+        QK_NORM=norm,
     )
 
 
@@ -137,11 +213,31 @@ DECODE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "min_chunk": 2
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, rows_ptr, lens_ptr, o_ptr, lse_ptr,
-                   stride_q, stride_slot, stride_pt, stride_o, scale, min_chunk,
-                   H: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-                   SPLITS: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr):
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pt_ptr,
+    rows_ptr,
+    lens_ptr,
+    o_ptr,
+    lse_ptr,
+    stride_q,
+    stride_slot,
+    stride_pt,
+    stride_o,
+    scale,
+    min_chunk,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -187,8 +283,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, rows_ptr, lens_ptr, o_ptr, lse_p
 
 
 @triton.jit
-def _merge_kernel(part_ptr, lse_ptr, lens_ptr, o_ptr, stride_o, min_chunk,
-                  H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+def _merge_kernel(
+    part_ptr, lse_ptr, lens_ptr, o_ptr, stride_o, min_chunk, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     length = tl.load(lens_ptr + b)
@@ -218,22 +315,54 @@ def decode_attention(qkv, k_cache, v_cache, meta: StepMeta, heads, kv_heads, hea
         part = torch.empty(b * heads * splits, head_dim, dtype=torch.float32, device=qkv.device)
         lse = torch.empty(b * heads * splits, dtype=torch.float32, device=qkv.device)
     _decode_kernel[(b, kv_heads, splits)](
-        qkv, k_cache, v_cache, meta.page_table, meta.rows_B, meta.ctx_lens_B, part, lse,
-        qkv.stride(0), k_cache.stride(0), meta.page_table.stride(0), out.stride(0), scale, cfg["min_chunk"],
-        H=heads, D=head_dim, G=group, BLOCK_G=max(16, _pow2(group)), BLOCK_N=cfg["block_n"],
-        PAGE=meta.page_size, SPLITS=splits, DIRECT=splits == 1,
+        qkv,
+        k_cache,
+        v_cache,
+        meta.page_table,
+        meta.rows_B,
+        meta.ctx_lens_B,
+        part,
+        lse,
+        qkv.stride(0),
+        k_cache.stride(0),
+        meta.page_table.stride(0),
+        out.stride(0),
+        scale,
+        cfg["min_chunk"],
+        H=heads,
+        D=head_dim,
+        G=group,
+        BLOCK_G=max(16, _pow2(group)),
+        BLOCK_N=cfg["block_n"],
+        PAGE=meta.page_size,
+        SPLITS=splits,
+        DIRECT=splits == 1,
         PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     if splits > 1:
-        _merge_kernel[(b, heads)](part, lse, meta.ctx_lens_B, out, out.stride(0), cfg["min_chunk"],
-                                  H=heads, D=head_dim, SPLITS=splits)
+        _merge_kernel[(b, heads)](
+            part, lse, meta.ctx_lens_B, out, out.stride(0), cfg["min_chunk"], H=heads, D=head_dim, SPLITS=splits
+        )
     return out
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_row, vocab, params_ptr, seed_ptr, max_ptr, sum_ptr, best_ptr, idx_ptr,
-                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+def _sample_kernel(
+    logits_ptr,
+    stride_row,
+    vocab,
+    params_ptr,
+    seed_ptr,
+    max_ptr,
+    sum_ptr,
+    best_ptr,
+    idx_ptr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):
     # params: (1/temperature, sample?) ; seed: (seed, step). Read from device memory so that
     # the sampler can live inside the decode step's CUDA graph.
     row = tl.program_id(0)
@@ -288,8 +417,20 @@ def sample_from(logits_MV, params: torch.Tensor, seed: torch.Tensor):
     f32 = dict(dtype=torch.float32, device=logits_MV.device)
     part_max, part_sum, part_best = (torch.empty(m, chunks, **f32) for _ in range(3))
     part_idx = torch.empty(m, chunks, dtype=torch.int32, device=logits_MV.device)
-    _sample_kernel[(m, chunks)](logits_MV, logits_MV.stride(0), vocab, params, seed, part_max, part_sum,
-                                part_best, part_idx, CHUNK=chunk, BLOCK=block, CHUNKS=chunks)
+    _sample_kernel[(m, chunks)](
+        logits_MV,
+        logits_MV.stride(0),
+        vocab,
+        params,
+        seed,
+        part_max,
+        part_sum,
+        part_best,
+        part_idx,
+        CHUNK=chunk,
+        BLOCK=block,
+        CHUNKS=chunks,
+    )
     seed[1:].add_(1)
     lse = torch.logsumexp(part_max + part_sum.log(), dim=1)
     tokens = part_idx.gather(1, part_best.argmax(dim=1, keepdim=True)).long()

@@ -64,8 +64,19 @@ class Attention(nn.Module):
         qkv = F.linear(x_NE, self.qkv_weight, self.qkv_bias)
         k_cache, v_cache = meta.kv_cache[0, self.layer], meta.kv_cache[1, self.layer]
         norms = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
-        ops.rope_store(qkv, positions_N, *rope, meta.slot_mapping_N, k_cache, v_cache,
-                       s.num_heads, s.num_kv_heads, s.head_dim, *norms, s.rms_norm_eps)
+        ops.rope_store(
+            qkv,
+            positions_N,
+            *rope,
+            meta.slot_mapping_N,
+            k_cache,
+            v_cache,
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            *norms,
+            s.rms_norm_eps,
+        )
         args = (s.num_heads, s.num_kv_heads, s.head_dim, self.scale)
         if meta.is_prefill:
             o = ops.prefill_attention(qkv, meta, *args)
