@@ -2,6 +2,7 @@
 # Builds minirl as a normal wheel and checks that both packages import from it (not the source).
 set -euo pipefail
 PY=${1:-python}
+[[ "$PY" == */* ]] && PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"  # it runs from a temp dir
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$tmp/dist" .
