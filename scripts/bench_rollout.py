@@ -31,29 +31,7 @@ from minirl_plugins.native import build_native_engine, weights_checksum
 
 BANDWIDTH = 4.28e12
 WORKLOADS = {"w1": (128, 256, 512), "w2": (512, 256, 2048), "smoke": (8, 16, 12)}
-SHAPES = {
-    "qwen2-1.5b": dict(
-        hidden_size=1536,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        intermediate_size=8960,
-        vocab_size=151936,
-        max_position_embeddings=131072,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=300,
-        max_position_embeddings=4096,
-    ),
-}
+SHAPES = ("qwen2-1.5b", "tiny")  # minirl.models presets (random weights)
 
 
 def sync(device):
@@ -62,9 +40,11 @@ def sync(device):
 
 
 def build(args, device, dtype):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    config = Qwen2Config(**SHAPES[args.shape])
+    from minirl.models.presets import preset_config
+
+    config = preset_config(args.shape)
     torch.manual_seed(0)
     with torch.device(device):
         hf = Qwen2ForCausalLM(config).to(dtype).eval()
