@@ -15,29 +15,35 @@ import pytest
 
 from tests.integration.conftest import run_job
 
-STEPS = 200
+STEPS = 300
 RECIPE = [
     f"trainer.total_training_steps={STEPS}",
     "data.max_response_length=2",
     "rollout.n=16",
     "actor.use_kl_loss=false",
     "actor.optim.lr=2e-3",
-    "actor.entropy_coeff=0.05",  # keeps exploring: without it the policy can lock onto wrong digits
     "trainer.val_before_train=true",
     f"trainer.test_freq={STEPS}",
     'trainer.logger=["jsonl"]',
 ]
 
 
+# The entropy bonus keeps the policy exploring (without it, it can lock onto wrong digits). Its
+# weight follows each estimator's advantage scale: grpo and reinforce_plus_plus advantages are
+# normalised to about unit size, rloo's are raw score differences, about a quarter of that.
+ENTROPY_COEFF = {"grpo": 0.05, "reinforce_plus_plus": 0.05, "rloo": 0.0125}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus"])
+@pytest.mark.parametrize("estimator", sorted(ENTROPY_COEFF))
 def test_tiny_model_learns_copy_task(tmp_path, data_dir, estimator):
-    history = run_job(tmp_path, data_dir, RECIPE + [f"algorithm.adv_estimator={estimator}"])
+    overrides = [f"algorithm.adv_estimator={estimator}", f"actor.entropy_coeff={ENTROPY_COEFF[estimator]}"]
+    history = run_job(tmp_path, data_dir, RECIPE + overrides)
     logged = [json.loads(line) for line in (tmp_path / "bench" / "metrics.jsonl").read_text().splitlines()]
     before, after = logged[0]["val/score/mean"], history[-1]["val/score/mean"]
     scores = [m["score/mean"] for m in history]
-    curve = " ".join(f"{s:.2f}" for s in scores[::20])
-    print(f"{estimator}: val {before:.3f} -> {after:.3f}; sampled score every 20 steps: {curve}")
+    curve = " ".join(f"{s:.2f}" for s in scores[::30])
+    print(f"{estimator}: val {before:.3f} -> {after:.3f}; sampled score every 30 steps: {curve}")
     assert logged[0]["step"] == 0 and before < 0.05, "the random-init model should start near chance"
     assert sum(scores[:5]) / 5 < 0.05
     assert after >= 0.9, f"{estimator} did not learn: greedy val score {after:.3f}; sampled curve {curve}"
