@@ -73,3 +73,12 @@ def test_unknown_weight_name_is_an_error():
     hf, eng = _pair("qwen2", {})
     with pytest.raises(ValueError, match="no parameter"):
         eng.load_weights([("model.layers.0.self_attn.nope.weight", torch.zeros(1))])
+
+
+def test_unsupported_rope_type_is_a_user_error_naming_the_fix():
+    """A checkpoint with a rope scaling the engine lacks must say so and point to rollout.name = 'hf'."""
+    from minirl.errors import UserError
+    from minirl_plugins.native.layers.rotary import inv_frequencies
+
+    with pytest.raises(UserError, match=r"rope_type = 'yarn'.*rollout.name = 'hf'"):
+        inv_frequencies({"rope_theta": 10000.0, "rope_type": "yarn"}, 64)

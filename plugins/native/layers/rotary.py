@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from minirl.errors import UserError
+
 
 def rope_parameters(config) -> dict:
     params = dict(getattr(config, "rope_parameters", None) or {})
@@ -30,7 +32,10 @@ def inv_frequencies(params: dict, head_dim: int) -> torch.Tensor:
         return inv_freq
     if kind == "llama3":
         return _llama3(inv_freq, params)
-    raise NotImplementedError(f"rope_type {kind!r} is not supported by the native engine (default, llama3)")
+    raise UserError(
+        f"the model's rope_parameters.rope_type = {kind!r} is not supported by rollout.name = 'native' "
+        "(it supports default and llama3); use rollout.name = 'hf' for this model"
+    )
 
 
 def _llama3(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
