@@ -120,17 +120,17 @@ def _mini_batch_step(model, optimizer, batch, mini, cfg, temperature, max_len, l
 
 def _micro_batch_loss(model, mb: RolloutBatch, cfg, temperature, norm, losses: Losses, dist, sums) -> torch.Tensor:
     mask_BT = mb.mask_BT
-    need_entropy = cfg.entropy_coeff != 0
     logp_R, ent_R = response_logprobs(model, mb.prompts, mb.responses, temperature, dist.device, with_entropy=True)
     logp_BT = scatter_tokens(logp_R.float(), mask_BT)
+    ent_BT = scatter_tokens(ent_R.float(), mask_BT)
     pg = losses.policy_loss(logp_BT, mb.tensors["old_log_probs"], mb.tensors["advantages"], mask_BT, cfg)
     mode = cfg.loss_agg_mode
-    loss = aggregate(pg.loss_BT, mask_BT, mode, norm)
-    entropy = aggregate(scatter_tokens(ent_R.float().detach(), mask_BT), mask_BT, "token-mean", norm)
-    if need_entropy:
-        loss = loss - cfg.entropy_coeff * aggregate(scatter_tokens(ent_R.float(), mask_BT), mask_BT, mode, norm)
-    sums.add("pg_loss", aggregate(pg.loss_BT, mask_BT, mode, norm))
-    sums.add("entropy", entropy)
+    pg_loss = aggregate(pg.loss_BT, mask_BT, mode, norm)
+    loss = pg_loss
+    if cfg.entropy_coeff != 0:
+        loss = loss - cfg.entropy_coeff * aggregate(ent_BT, mask_BT, mode, norm)
+    sums.add("pg_loss", pg_loss)
+    sums.add("entropy", aggregate(ent_BT.detach(), mask_BT, "token-mean", norm))
     sums.add("pg_clipfrac", aggregate(pg.clipped_BT, mask_BT, "token-mean", norm))
     sums.add("pg_clipfrac_lower", aggregate(pg.clipped_lower_BT, mask_BT, "token-mean", norm))
     sums.add("ppo_kl", aggregate(pg.approx_kl_BT, mask_BT, "token-mean", norm))

@@ -80,11 +80,6 @@ def flops_params(model: torch.nn.Module) -> int:
     return total - embed.numel() + (head.numel() if tied else 0)
 
 
-def stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
-    x = x.float()
-    return {f"{prefix}/mean": x.mean().item(), f"{prefix}/max": x.max().item(), f"{prefix}/min": x.min().item()}
-
-
 TABLE_ROWS = (
     ("response length", "response_length/mean", "tokens", "mean generated tokens per response (to EOS)"),
     ("generation time", "timing_s/gen", "s", ""),
@@ -97,7 +92,6 @@ TABLE_ROWS = (
     ("prev logprob throughput", "perf/old_log_prob_throughput_per_gpu", "tok/s/GPU", "prompt+response tokens"),
     ("step throughput", "perf/throughput", "tok/s", "prompt+response tokens, all GPUs"),
     ("actor MFU", "perf/mfu/actor", "", "6·N·tokens + attention, over peak bf16"),
-    ("gen roofline fraction", "perf/gen_roofline_fraction", "", "engine-reported, decode"),
 )
 
 
