@@ -7,6 +7,7 @@ Legend: B sequences, T response positions, R response tokens of a micro-batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,9 @@ from minirl.batch import (
     split_micro,
 )
 from minirl.dist import DistContext
+from minirl.errors import UserError
 from minirl.forward import response_hidden, response_logprobs
+from minirl.guard import PHASE_METRIC, STEPS_METRIC, first_nonfinite_input, phase_code
 from minirl.loss_agg import aggregate, mini_batch_norm
 
 
@@ -76,26 +79,47 @@ def update_actor(
     dist: DistContext,
     n: int,
 ) -> dict[str, float]:
-    """ppo_epochs passes over the batch in mini-batches of ppo_mini_batch_size prompts."""
+    """ppo_epochs passes over the batch in mini-batches of ppo_mini_batch_size prompts.
+
+    An optimizer step whose loss or gradient norm is non-finite on any rank is skipped
+    (minirl.guard); the metrics count those and name the phase of the first non-finite value.
+    """
+    check_advantages(batch)
+    input_phase = first_nonfinite_input(batch.tensors, dist.reduce_sum)
     seqs_per_mini = cfg.ppo_mini_batch_size * n // dist.dp_size
-    sums, grad_norms, n_minis = MetricSums(), [], 0
+    sums, grad_norms, bad_phases = MetricSums(), [], []
     for _epoch in range(cfg.ppo_epochs):
         order = torch.randperm(len(batch)) if cfg.shuffle else None
         for mini in mini_batches(len(batch), seqs_per_mini, order):
-            grad_norms.append(
-                _mini_batch_step(
-                    model, optimizer, batch, mini, cfg, temperature, max_response_length, losses, dist, sums
-                )
+            grad_norm, bad = _mini_batch_step(
+                model, optimizer, batch, mini, cfg, temperature, max_response_length, losses, dist, sums
             )
-            n_minis += 1
-    metrics = sums.reduced(dist, n_minis)
-    finite = [g for g in grad_norms if torch.isfinite(torch.tensor(g))]
+            grad_norms.append(grad_norm)
+            bad_phases += [bad] if bad else []
+    metrics = sums.reduced(dist, len(grad_norms))
+    finite = [g for g in grad_norms if math.isfinite(g)]
     metrics["actor/grad_norm"] = sum(finite) / max(1, len(finite))
-    metrics["actor/skipped_updates"] = float(len(grad_norms) - len(finite))
+    metrics[STEPS_METRIC] = float(len(bad_phases))
+    metrics[PHASE_METRIC] = phase_code((input_phase or bad_phases[0]) if bad_phases else "")
     return metrics
 
 
-def _mini_batch_step(model, optimizer, batch, mini, cfg, temperature, max_len, losses, dist, sums) -> float:
+def check_advantages(batch: RolloutBatch) -> None:
+    """The estimator's output must be [B, T] like the mask (a plugin may return anything)."""
+    adv, mask = batch.tensors.get("advantages"), batch.mask_BT
+    if not isinstance(adv, torch.Tensor) or adv.shape != mask.shape:
+        got = tuple(adv.shape) if isinstance(adv, torch.Tensor) else type(adv).__name__
+        raise UserError(
+            f"algorithm.adv_estimator: the estimator returned advantages of shape {got}, expected "
+            f"[B, T] = {tuple(mask.shape)} (one value per response token); fix the estimator"
+        )
+
+
+def _mini_batch_step(model, optimizer, batch, mini, cfg, temperature, max_len, losses, dist, sums):
+    """Backward over the micro-batches, then one optimizer step unless a number is non-finite.
+
+    Returns (grad_norm, "" or the phase of the first non-finite value: "loss" or "grad_norm").
+    """
     mb = batch.select(mini)
     norm = mini_batch_norm([mb.mask_BT], dist.reduce_sum, cfg.loss_scale_factor, max_len)
     micro = split_micro(
@@ -108,14 +132,26 @@ def _mini_batch_step(model, optimizer, batch, mini, cfg, temperature, max_len, l
         dist.max_over_ranks,
         dist.sp_size,
     )
+    loss_sum = torch.zeros((), device=dist.device)
     for idx in micro:
         loss = _micro_batch_loss(model, select_micro(mb, idx), cfg, temperature, norm, losses, dist, sums)
         (loss * dist.loss_scale).backward()
+        loss_sum = loss_sum + loss.detach().float()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    if torch.isfinite(grad_norm):
-        optimizer.step()  # a non-finite gradient skips the update instead of poisoning the weights
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
+        grad_norm = grad_norm.full_tensor()
+    bad = _nonfinite(loss_sum, grad_norm, dist)
+    if not bad:
+        optimizer.step()  # a skipped step keeps NaN and inf out of the weights and the optimizer state
     optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm)
+    return float(grad_norm), bad
+
+
+def _nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor, dist: DistContext) -> str:
+    """ "loss" or "grad_norm" when either is non-finite on any rank (all ranks agree), else ""."""
+    flags = torch.stack([(~torch.isfinite(loss)).float(), (~torch.isfinite(grad_norm.to(loss.device))).float()])
+    loss_bad, grad_bad = dist.reduce_sum(flags).tolist()
+    return "loss" if loss_bad else ("grad_norm" if grad_bad else "")
 
 
 def _micro_batch_loss(model, mb: RolloutBatch, cfg, temperature, norm, losses: Losses, dist, sums) -> torch.Tensor:

@@ -1,7 +1,14 @@
-"""The command line: ``python -m minirl --config FILE [--profile P] [section.key=value ...]``.
+"""The command line.
 
-``python -m minirl plugins`` prints every plugin and every registered component by kind.
-User mistakes (config, data, plugins) print one clear error line and exit with status 2.
+    python -m minirl --config FILE [--profile P] [--print-config] [section.key=value ...]
+    python -m minirl plugins [--config FILE] [section.key=value ...]
+
+The first runs a job (or prints the resolved config as TOML); `plugins` prints every plugin and
+every registered component by kind, including the config's own plugin modules. The resolved
+config is validated as a whole before any model loads (minirl.validate). A user mistake
+(config, data, model files, plugins) prints one clear error line per mistake on stderr and exits
+with status 2; Ctrl-C during start-up exits with 130. Notices go to stderr, so
+`--print-config > job.toml` writes valid TOML.
 """
 
 from __future__ import annotations
@@ -9,15 +16,29 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minirl.config import ConfigError, load_config, parse_overrides, profiles_in, to_toml
-from minirl.plugins import PluginError, PluginManager
+from minirl.config import load_config, parse_overrides, profiles_in, to_toml
+from minirl.errors import UserError
+from minirl.plugins import PluginManager
+
+USAGE = """python -m minirl --config FILE [--profile P] [--print-config] [section.key=value ...]
+       python -m minirl plugins [--config FILE] [section.key=value ...]"""
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minirl", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m minirl",
+        usage=USAGE,
+        description="Reinforcement-learning post-training of LLMs (GRPO, RLOO, REINFORCE++, PPO).",
+        epilog="commands:\n  plugins    list every plugin and registered component (with --config: its "
+        "[plugins] modules too)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", help="a TOML config file (see bench.toml)")
     p.add_argument("--profile", help="a [profiles.NAME] table of the config; default: cpu without CUDA, else h200")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    p.add_argument("--print-config", action="store_true", help="validate, print the resolved config as TOML, exit")
     p.add_argument("overrides", nargs="*", help="section.key=value (value parsed as TOML)")
     return p
 
@@ -27,6 +48,11 @@ def plugin_modules(path: str | None, overrides: list[str]) -> list[str]:
     modules = load_config(path, []).plugins.modules if path else []
     from_cli = parse_overrides(overrides).get("plugins", {}).get("modules")
     return list(from_cli) if from_cli is not None else modules
+
+
+def notice(text: str) -> None:
+    """Messages for the user that are not the command's output: stderr."""
+    print(f"minirl: {text}", file=sys.stderr, flush=True)
 
 
 def default_profile(path: str | None) -> str | None:
@@ -39,9 +65,7 @@ def default_profile(path: str | None) -> str | None:
 
     wanted = "h200" if torch.cuda.is_available() else "cpu"
     if wanted in available:
-        print(
-            f"minirl: no --profile given; CUDA {'found' if wanted == 'h200' else 'not found'}, using profile {wanted!r}"
-        )
+        notice(f"no --profile given; CUDA {'found' if wanted == 'h200' else 'not found'}, using profile {wanted!r}")
         return wanted
     return None
 
@@ -55,22 +79,38 @@ def resolve(args: argparse.Namespace):
     return pm, cfg
 
 
+def list_plugins(argv: list[str]) -> int:
+    """`python -m minirl plugins [--config X] [overrides]`: the config's plugin modules included."""
+    args = build_parser().parse_args(argv)
+    print(PluginManager(plugin_modules(args.config, args.overrides)).describe())
+    return 0
+
+
+def run(argv: list[str]) -> int:
+    if argv[:1] == ["plugins"]:
+        return list_plugins(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.config is None and not args.print_config:
+        build_parser().error("--config is required to run a job")
+    pm, cfg = resolve(args)
+    from minirl.validate import validate
+
+    validate(cfg, pm)
+    if args.print_config:
+        print(to_toml(cfg), end="")
+        return 0
+    from minirl.launch import launch
+
+    return launch(cfg, pm)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv[:1] == ["plugins"]:
-            print(PluginManager().describe())
-            return 0
-        args = build_parser().parse_args(argv)
-        pm, cfg = resolve(args)
-        if args.print_config:
-            print(to_toml(cfg), end="")
-            return 0
-        if args.config is None:
-            build_parser().error("--config is required to run a job")
-        from minirl.launch import launch
-
-        return launch(cfg, pm)
-    except (ConfigError, PluginError) as exc:
+        return run(argv)
+    except UserError as exc:
         print(f"minirl: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        notice("interrupted (Ctrl-C); stopped")
+        return EXIT_INTERRUPTED

@@ -35,6 +35,11 @@ class Config:
     sections: dict[str, Any]
     profile: str | None = None
     source: str = "(defaults)"
+    origins: dict[str, str] = dataclasses.field(default_factory=dict)  # "actor.optim.lr" -> its layer
+
+    def origin(self, key: str) -> str:
+        """Where `key` (dotted) got its value: a file, a profile table, the command line, or default."""
+        return self.origins.get(key, "default")
 
     def __getattr__(self, name: str) -> Any:
         sections = self.__dict__.get("sections", {})
@@ -71,11 +76,22 @@ def load_config(
         layers.append((f"{path} [profiles.{profile}]", profiles[profile]))
     layers.append(("command line", parse_overrides(overrides)))
     merged: dict[str, Any] = {}
+    origins: dict[str, str] = {}
     for source, data in layers:
         _check_layer(data, schema, source)
         _deep_merge(merged, data)
+        origins.update(dict.fromkeys(_dotted_keys(data), source))
     sections = {name: _build(cls, merged.get(name, {}), name, "merged config") for name, cls in schema.items()}
-    return Config(sections=sections, profile=profile, source=path or "(defaults)")
+    return Config(sections=sections, profile=profile, source=path or "(defaults)", origins=origins)
+
+
+def _dotted_keys(data: dict, prefix: str = "") -> list[str]:
+    """{"actor": {"optim": {"lr": 1}}} -> ["actor.optim.lr"]."""
+    keys = []
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        keys += _dotted_keys(value, full + ".") if isinstance(value, dict) else [full]
+    return keys
 
 
 def profiles_in(path: str) -> list[str]:
@@ -88,6 +104,12 @@ def _read_toml(path: str) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path}: is a directory; name a TOML file such as bench.toml") from None
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config {path}: not valid TOML: {exc}") from None
 
@@ -176,13 +198,14 @@ def _scalar(value: Any, hint: type, key: str, source: str) -> Any:
 
 
 def _suggest_key(cls: type, key: str, where: str) -> str:
-    """Suggest the closest key, also inside nested tables (actor.lr -> actor.optim.lr)."""
+    """Suggest the closest key, also inside nested tables (actor.lr -> actor.optim.lr); never a
+    wall of every key: without a close one, point at --print-config."""
     flat = _flat_keys(cls, where)
     by_leaf = {full.rsplit(".", 1)[1]: full for full in reversed(flat)}
     close = difflib.get_close_matches(key, list(by_leaf), n=1, cutoff=0.5)
     if close:
         return f"; did you mean {by_leaf[close[0]]!r}?"
-    return f"; valid keys: {', '.join(flat)}"
+    return f"; [{where}] has no key like it (python -m minirl --print-config shows every key)"
 
 
 def _flat_keys(cls: type, prefix: str) -> list[str]:

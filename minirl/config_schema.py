@@ -149,6 +149,7 @@ class TrainerConfig:
     val_before_train: bool = False
     collective_timeout_s: int = 300
     peak_flops: float = 0.0  # per-GPU dense bf16 FLOP/s for MFU; 0: from the device name
+    max_nonfinite_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
 
 
 @dataclass(frozen=True)

@@ -272,16 +272,16 @@ class PromptLoader:
         world: int = 1,
     ):
         if batch_size < 1:
-            raise ValueError(f"data.train_batch_size = {batch_size}: must be at least 1")
+            raise DataError(f"data.train_batch_size = {batch_size}: must be at least 1")
         if len(records) < batch_size:
-            raise ValueError(
+            raise DataError(
                 f"data.train_batch_size = {batch_size} is larger than the {len(records)} prompts "
                 f"loaded, so an epoch would have no step; lower data.train_batch_size or add data"
             )
         if world < 1 or not 0 <= rank < world:
-            raise ValueError(f"rank {rank} is not in a world of size {world}")
+            raise DataError(f"rank {rank} is not in a world of size {world}")
         if batch_size % world:
-            raise ValueError(
+            raise DataError(
                 f"data.train_batch_size = {batch_size} does not divide over trainer world size "
                 f"{world} (data-parallel ranks take whole prompts); use a multiple of {world}"
             )
@@ -328,7 +328,7 @@ def expand_groups(records: list[PromptRecord], n: int, first_uid: int) -> tuple[
     """Repeat each prompt n times under one group uid, prompt-major: the n samples of prompt i
     are at [i*n, (i+1)*n) with uid first_uid + i, matching the rollout engines' output order."""
     if n < 1:
-        raise ValueError(f"rollout.n = {n}: must be at least 1")
+        raise UserError(f"rollout.n = {n}: must be at least 1")
     repeated = [rec for rec in records for _ in range(n)]
     uids = [first_uid + i for i in range(len(records)) for _ in range(n)]
     return repeated, uids

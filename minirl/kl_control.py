@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from minirl.errors import UserError
 from minirl.protocols import Reducer, no_reduce
 
 ADAPTIVE_ERROR_CLIP = 0.2  # the proportional error is clipped so one odd batch cannot swing β
@@ -49,12 +50,12 @@ def _fixed(cfg: Any) -> FixedKLController:
 
 def _adaptive(cfg: Any) -> AdaptiveKLController:
     if not cfg.target_kl > 0:
-        raise ValueError(
+        raise UserError(
             f"algorithm.kl_ctrl.target_kl = {cfg.target_kl!r}: the adaptive controller divides by "
             "it; set a positive target (e.g. 0.1) or use algorithm.kl_ctrl.type = 'fixed'"
         )
     if not cfg.horizon > 0:
-        raise ValueError(
+        raise UserError(
             f"algorithm.kl_ctrl.horizon = {cfg.horizon!r}: must be a positive number of sequences (e.g. 10000)"
         )
     return AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.horizon)
@@ -66,11 +67,11 @@ KL_CONTROLLERS = {"fixed": _fixed, "adaptive": _adaptive}
 def build_kl_controller(kl_ctrl_cfg: Any) -> FixedKLController | AdaptiveKLController:
     """The controller that algorithm.kl_ctrl (a KLCtrlConfig) describes."""
     if kl_ctrl_cfg.type not in KL_CONTROLLERS:
-        raise ValueError(
+        raise UserError(
             f"algorithm.kl_ctrl.type = {kl_ctrl_cfg.type!r}: unknown controller; valid: {', '.join(KL_CONTROLLERS)}"
         )
     if kl_ctrl_cfg.kl_coef < 0:
-        raise ValueError(
+        raise UserError(
             f"algorithm.kl_ctrl.kl_coef = {kl_ctrl_cfg.kl_coef!r}: a negative β rewards drifting "
             "away from the reference; use a value >= 0"
         )

@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from minirl.errors import UserError
 from minirl.protocols import Reducer
 
 
@@ -54,7 +55,7 @@ def mini_batch_norm(
     """
     scale = max_response_length if loss_scale_factor is None else loss_scale_factor
     if not scale > 0:
-        raise ValueError(
+        raise UserError(
             f"actor.loss_scale_factor = {loss_scale_factor!r} (max response length "
             f"{max_response_length}): the seq-mean-token-sum-norm divisor must be > 0; "
             "leave loss_scale_factor unset to use the max response length"
@@ -105,7 +106,7 @@ LOSS_AGG_MODES: dict[str, Callable[[torch.Tensor, torch.Tensor, AggNorm], torch.
 def check_loss_agg_mode(mode: str) -> None:
     """Raise the user-facing error for an unknown actor.loss_agg_mode (call at start-up too)."""
     if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"actor.loss_agg_mode = {mode!r}: unknown mode; valid modes: {', '.join(LOSS_AGG_MODES)}")
+        raise UserError(f"actor.loss_agg_mode = {mode!r}: unknown mode; valid modes: {', '.join(LOSS_AGG_MODES)}")
 
 
 def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, norm: AggNorm) -> torch.Tensor:

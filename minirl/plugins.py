@@ -8,15 +8,17 @@ distributions that declare the entry-point group ``minirl``, and modules named i
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Iterable
 
 import pluggy
+import torch
 
 from minirl import hookspecs
-from minirl.errors import UserError
+from minirl.errors import UserError, reraise_if_debug, wrapped
 
 BUILTIN_MODULES = (
     "minirl_plugins.advantage",
@@ -56,6 +58,20 @@ SELECTED_BY = {
 }
 
 
+# What one component of each registry is called, for error messages.
+COMPONENT = {
+    "advantage_estimators": "advantage estimator",
+    "kl_estimators": "KL estimator",
+    "policy_losses": "policy loss",
+    "reward_functions": "reward function",
+    "rollout_engines": "rollout engine",
+    "loggers": "logger",
+    "config_sections": "config section",
+}
+
+BUILTIN_PREFIX = "minirl_plugins."
+
+
 class PluginError(UserError):
     """A plugin is broken, missing, or two plugins claim the same name."""
 
@@ -74,18 +90,24 @@ class Registry:
                 f"{self.kind}: the name {name!r} is registered twice, by {self.providers[name]} "
                 f"and by {provider}; rename one of them or drop one plugin"
             )
-        self.items[name] = component
+        third_party = BUILTIN_PREFIX not in provider and self.kind != "config_sections"
+        what = f"{provider}'s {COMPONENT[self.kind]} {name!r}"
+        self.items[name] = guarded(component, what, RESULT_CHECKS.get(self.kind)) if third_party else component
         self.providers[name] = provider
 
     def get(self, name: str) -> Any:
         if name not in self.items:
-            hint = difflib.get_close_matches(name, list(self.items), n=1)
-            did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
-            raise PluginError(
-                f"{SELECTED_BY[self.kind]} = {name!r}: no such {self.kind[:-1].replace('_', ' ')}"
-                f"{did_you_mean} Registered: {', '.join(sorted(self.items)) or '(none)'}"
-            )
+            raise PluginError(self.unknown(name))
         return self.items[name]
+
+    def unknown(self, name: str) -> str:
+        """The message for a name nobody registered: the closest name, then the registered ones."""
+        hint = difflib.get_close_matches(name, list(self.items), n=1)
+        did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
+        return (
+            f"{SELECTED_BY[self.kind]} = {name!r}: no such {COMPONENT[self.kind]}{did_you_mean}; "
+            f"registered: {', '.join(sorted(self.items)) or '(none)'}"
+        )
 
     def __contains__(self, name: str) -> bool:
         return name in self.items
@@ -108,24 +130,56 @@ class PluginManager:
             self._load_entry_points()
         for name in modules:
             self._register_module(name, "config [plugins] modules")
-        self.pm.check_pending()
+        self._check_hook_names()
+        self.pm.check_pending()  # anything our own check does not cover
         self.hook = self.pm.hook
         self.registries = {kind: self._collect(kind, hook) for kind, hook in REGISTRIES.items()}
 
     def _register_module(self, name: str, source: str) -> None:
         try:
             module = importlib.import_module(name)
-        except ImportError as exc:
-            raise PluginError(f"cannot import plugin module {name!r} ({source}): {exc}") from exc
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not name.startswith(exc.name):
+                raise self._import_failed(name, source, exc) from exc  # the module imports something missing
+            raise PluginError(
+                f"cannot import plugin module {name!r} ({source}): no such module; check the name "
+                "and that its directory is on PYTHONPATH"
+            ) from exc
+        except Exception as exc:  # a SyntaxError, or anything the module raises while importing
+            reraise_if_debug()
+            raise self._import_failed(name, source, exc) from exc
         if self.pm.is_registered(module):
             return
-        self.pm.register(module, name=name)
+        try:
+            self.pm.register(module, name=name)
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"plugin module {name!r} ({source}): {exc}") from exc
+
+    @staticmethod
+    def _import_failed(name: str, source: str, exc: BaseException) -> PluginError:
+        return PluginError(str(wrapped(f"importing plugin module {name!r} ({source})", exc)))
+
+    def _check_hook_names(self) -> None:
+        """pluggy's check_pending, with the plugin named and the closest hook suggested."""
+        specs = [n for n in dir(hookspecs) if n.startswith("minirl_")]
+        for hook_name, caller in vars(self.pm.hook).items():
+            if hook_name.startswith("_") or caller.has_spec():
+                continue
+            for impl in caller.get_hookimpls():
+                if impl.optionalhook:
+                    continue
+                hint = difflib.get_close_matches(hook_name, specs, n=1)
+                fix = f"did you mean {hint[0]!r}?" if hint else "see minirl/hookspecs.py for the hook names"
+                raise PluginError(
+                    f"{_plugin_label(self.pm, impl.plugin)} implements {hook_name!r}, which is not a minirl hook; {fix}"
+                )
 
     def _load_entry_points(self) -> None:
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
             try:
                 plugin = ep.load()
             except Exception as exc:  # a broken third-party plugin must name itself
+                reraise_if_debug()
                 raise PluginError(
                     f"entry point {ep.name!r} = {ep.value!r} (group {ENTRY_POINT_GROUP!r}) failed to load: {exc}"
                 ) from exc
@@ -136,10 +190,14 @@ class PluginManager:
         registry = Registry(kind)
         caller = getattr(self.pm.hook, hook_name)
         for impl in caller.get_hookimpls():  # registration order
-            answer = impl.function()
+            label = _plugin_label(self.pm, impl.plugin)
+            try:
+                answer = impl.function()
+            except Exception as exc:
+                reraise_if_debug()
+                raise PluginError(str(wrapped(f"{label}: {hook_name}()", exc))) from exc
             if not answer:
                 continue
-            label = _plugin_label(self.pm, impl.plugin)
             if not isinstance(answer, dict):
                 raise PluginError(f"{label}: {hook_name}() must return a dict, got {type(answer).__name__}")
             for name, component in answer.items():
@@ -161,3 +219,42 @@ class PluginManager:
             for name in sorted(registry.items):
                 lines.append(f"  {name:32s} {registry.providers[name]}")
         return "\n".join(lines)
+
+
+def _advantage_result(result: Any, args: tuple, kwargs: dict) -> str:
+    """What is wrong with an estimator's answer ("" if nothing): (advantages_BT, returns_BT)."""
+    inputs = args[0] if args else kwargs.get("inputs")
+    shape = tuple(inputs.mask_BT.shape)
+    if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(t, torch.Tensor) for t in result)):
+        return f"must return (advantages_BT, returns_BT), two tensors; got {type(result).__name__}"
+    got = [tuple(t.shape) for t in result]
+    return "" if all(g == shape for g in got) else f"returned shapes {got[0]} and {got[1]}, expected [B, T] = {shape}"
+
+
+RESULT_CHECKS = {"advantage_estimators": _advantage_result}
+
+
+def guarded(component: Any, what: str, check_result=None) -> Any:
+    """A third-party component whose exceptions name it (a UserError gets its name as prefix).
+
+    Classes and other non-callables are returned unchanged; attributes such as `needs_logits`
+    are copied onto the wrapper. MINIRL_DEBUG=1 lets the original exception through.
+    """
+    if isinstance(component, type) or not callable(component):
+        return component
+
+    @functools.wraps(component)
+    def call(*args, **kwargs):
+        try:
+            result = component(*args, **kwargs)
+        except UserError as exc:
+            raise PluginError(f"{what}: {exc}") from exc
+        except Exception as exc:
+            reraise_if_debug()
+            raise PluginError(str(wrapped(what, exc))) from exc
+        problem = check_result(result, args, kwargs) if check_result else ""
+        if problem:
+            raise PluginError(f"{what} {problem}; fix the plugin")
+        return result
+
+    return call

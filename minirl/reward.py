@@ -18,6 +18,8 @@ from typing import Any, Sequence
 
 import torch
 
+from minirl.errors import UserError
+
 log = logging.getLogger(__name__)
 
 
@@ -68,7 +70,7 @@ class RewardManager:
             if rec.data_source in fns:
                 continue
             if rec.data_source not in names:
-                raise ValueError(
+                raise UserError(
                     f"{rec.source}: data_source {rec.data_source!r} has no reward function; "
                     f"registered: {', '.join(names) or '(none)'}. Fix the data_source column or "
                     f"register a function for it with the minirl_reward_functions hook"
@@ -117,9 +119,9 @@ class RewardManager:
 def place_scores(scores_B: Any, response_lengths_B: Any, T: int) -> torch.Tensor:
     """token_scores_BT: each score on its response's last valid token (index length - 1).
 
-    A zero-length response has no valid token; its score goes to column 0, which its mask
-    zeroes, so it moves no gradient, while the row still sums to the score (outcome estimators
-    such as GRPO sum token rewards over T for the group statistics).
+    A zero-length response has no valid token, so its row is all zero: the estimators read a
+    sequence's score as Σ token_rewards·mask (plugins/advantage.py, convention 1), which is 0
+    for it whatever it scored, and this row says the same.
     """
     scores_B = torch.as_tensor(scores_B, dtype=torch.float32)
     lengths_B = torch.as_tensor(response_lengths_B, dtype=torch.long, device=scores_B.device)
@@ -131,5 +133,6 @@ def place_scores(scores_B: Any, response_lengths_B: Any, T: int) -> torch.Tensor
         raise ValueError(f"response lengths must lie in [0, {T}], got {lengths_B.tolist()}")
     token_scores_BT = torch.zeros(len(scores_B), T, dtype=torch.float32, device=scores_B.device)
     last_B = (lengths_B - 1).clamp(min=0)
-    token_scores_BT[torch.arange(len(scores_B), device=scores_B.device), last_B] = scores_B
+    placed_B = torch.where(lengths_B > 0, scores_B, torch.zeros_like(scores_B))
+    token_scores_BT[torch.arange(len(scores_B), device=scores_B.device), last_B] = placed_B
     return token_scores_BT

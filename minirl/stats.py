@@ -63,9 +63,11 @@ def masked_whiten(
     """(x − mean) / sqrt(var + 1e-8) with the mean and unbiased variance of every valid element
     of the global batch (not per sequence). Masked positions come back as exactly 0.
 
-    shift_mean=False only rescales (x / sqrt(var + 1e-8)), as verl's option of the same name.
+    shift_mean=False is verl's option of the same name: whiten, then add the mean back,
+    (x − mean) / sqrt(var + 1e-8) + mean, so the spread becomes 1 and the mean is kept.
     """
     var, mean = _mean_var(x, mask, reduce)
-    centred = x - mean if shift_mean else x
-    whitened = centred * torch.rsqrt(var + EPS)
+    whitened = (x - mean) * torch.rsqrt(var + EPS)
+    if not shift_mean:
+        whitened = whitened + mean
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))

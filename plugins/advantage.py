@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from minirl import hookimpl
+from minirl.errors import UserError
 from minirl.protocols import AdvantageInputs
 from minirl.stats import masked_whiten
 
@@ -189,7 +190,7 @@ def gae(inputs: AdvantageInputs, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """δ_t = r_t + γ·V_next − V_t, A_t = δ_t + γλ·A_next over valid tokens, bootstrap 0 after
     the last; returns = A + V (before whitening); A = masked_whiten(A, m)."""
     if inputs.values_BT is None:
-        raise ValueError(
+        raise UserError(
             "gae needs a critic: AdvantageInputs.values_BT is None (algorithm.adv_estimator = "
             "'gae'); enable a critic, or choose a critic-free estimator (grpo, rloo, "
             "reinforce_plus_plus, reinforce_plus_plus_baseline, opo)"

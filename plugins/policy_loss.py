@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from minirl import hookimpl
+from minirl.errors import UserError
 from minirl.protocols import PolicyLossOutput
 
 LOG_RATIO_CLAMP = 20.0  # keeps exp finite; a ratio of e^20 is already fully clipped
@@ -26,12 +27,12 @@ def _clip_bounds(cfg: Any) -> tuple[float, float, float]:
     eps_high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
     for key, value in (("actor.clip_ratio_low", eps_low), ("actor.clip_ratio_high", eps_high)):
         if value < 0:
-            raise ValueError(
+            raise UserError(
                 f"{key} = {value!r} (unset falls back to actor.clip_ratio): a clip range must be "
                 ">= 0; the usual value is 0.2 (clip-higher raises clip_ratio_high, e.g. 0.28)"
             )
     if not cfg.clip_ratio_c > 1.0:
-        raise ValueError(
+        raise UserError(
             f"actor.clip_ratio_c = {cfg.clip_ratio_c!r}: the dual-clip bound −A·c must lie above "
             "the unclipped loss at ratio 1, so c must be > 1; the default is 3.0"
         )

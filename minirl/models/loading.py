@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from minirl.errors import UserError, reraise_if_debug, wrapped
 from minirl.models.attention import ATTN_NAME, register_attention
 from minirl.models.presets import preset_config
 from minirl.models.tokenizers import load_tokenizer
@@ -37,7 +38,22 @@ def load_model(model_cfg, device: torch.device | str, dtype: torch.dtype | str):
         model = pretrained_model(model_cfg.path, device, dtype, attn)
     else:
         model = random_model(preset_config(model_cfg.preset), device, dtype, model_cfg.seed, attn)
-    return model.eval(), load_tokenizer(model_cfg)
+    tokenizer = load_tokenizer(model_cfg)
+    check_vocab(model.config, tokenizer, model_cfg)
+    return model.eval(), tokenizer
+
+
+def check_vocab(config: PretrainedConfig, tokenizer, model_cfg) -> None:
+    """Every token id the tokenizer can produce must have an embedding row (an id past the end
+    fails deep inside the first forward as an index error)."""
+    n_tok, n_model = len(tokenizer), config.vocab_size
+    if n_tok > n_model:
+        key = "model.tokenizer" if model_cfg.tokenizer else ("model.path" if model_cfg.path else "model.preset")
+        where = model_cfg.tokenizer or model_cfg.path or model_cfg.preset
+        raise UserError(
+            f"{key} = {where!r}: the tokenizer has {n_tok} tokens but the model's vocabulary has "
+            f"{n_model} (config.json vocab_size); use the model's own tokenizer (model.tokenizer = '')"
+        )
 
 
 def random_model(
@@ -78,27 +94,35 @@ def _seeded(device: torch.device, seed: int):
 def pretrained_model(path: str, device: torch.device, dtype: torch.dtype, attn_implementation: str):
     """A local Hugging Face checkpoint; never touches the network."""
     p = check_model_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(p), local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(p), local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
+        )
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # a corrupt or mismatched checkpoint: name the directory, keep the cause
+        reraise_if_debug()
+        raise wrapped(
+            f"model.path = {path!r}: loading the checkpoint", exc, "check config.json and the weights"
+        ) from exc
     return model.to(device)
 
 
 def check_model_dir(path: str) -> Path:
-    """The directory behind model.path, or a ValueError that says what is missing."""
+    """The directory behind model.path, or a UserError that says what is missing."""
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise ValueError(
+        raise UserError(
             f"model.path = {path!r} is not a directory; set it to a local Hugging Face "
             "model directory, or leave it empty to use model.preset"
         )
     if not (p / "config.json").is_file():
-        raise ValueError(
+        raise UserError(
             f"model.path = {path!r} has no config.json; point it at the directory "
             "that holds config.json and the *.safetensors weights"
         )
     if not any(p.glob("*.safetensors")) and not any(p.glob("pytorch_model*.bin")):
-        raise ValueError(
+        raise UserError(
             f"model.path = {path!r} has no weights (*.safetensors); download the checkpoint's weight files into it"
         )
     return p
@@ -108,7 +132,7 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"model.dtype = {dtype!r} is not a dtype; choose one of {sorted(_DTYPES)}")
+        raise UserError(f"model.dtype = {dtype!r} is not a dtype; choose one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
 
 
@@ -117,7 +141,7 @@ def _check_attn_implementation(name: str) -> str:
 
     known = ["eager", *AttentionInterface().valid_keys()]
     if name not in known:
-        raise ValueError(
+        raise UserError(
             f"model.attn_implementation = {name!r} is unknown; choose "
             f"{ATTN_NAME!r} (packed varlen), 'sdpa' or 'eager' (or one of {sorted(known)})"
         )

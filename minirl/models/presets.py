@@ -15,6 +15,7 @@ from typing import Callable
 
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
+from minirl.errors import UserError
 from minirl.models.tokenizers import BYTE_EOS_ID, BYTE_VOCAB_SIZE, byte_tokenizer, qwen2_tokenizer
 
 
@@ -128,7 +129,7 @@ PRESETS: dict[str, Preset] = {
 
 def _get(name: str) -> Preset:
     if name not in PRESETS:
-        raise ValueError(
+        raise UserError(
             f"model.preset = {name!r} is not a preset; choose one of {sorted(PRESETS)}, "
             "or set model.path to a local Hugging Face model directory"
         )

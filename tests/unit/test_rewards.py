@@ -318,10 +318,11 @@ def test_manager_accepts_verl_dict_scores_and_decodes_ids():
 
 
 def test_place_scores_on_last_valid_token():
-    """The outcome score sits on the last response token; a zero-length response keeps its
-    score at column 0 (masked out, but the row still sums to the score)."""
+    """The outcome score sits on the last response token; a zero-length response has no token
+    to hold it, so its row is all zero, which is the score the estimators see for it (they sum
+    token rewards times the mask)."""
     token_scores_BT = place_scores(torch.tensor([1.0, 0.5, 2.0]), torch.tensor([3, 1, 0]), 4)
-    expected = torch.tensor([[0, 0, 1.0, 0], [0.5, 0, 0, 0], [2.0, 0, 0, 0]])
+    expected = torch.tensor([[0, 0, 1.0, 0], [0.5, 0, 0, 0], [0.0, 0, 0, 0]])
     assert torch.equal(token_scores_BT, expected)
     assert torch.equal(place_scores([1.0], [4], 4), torch.tensor([[0, 0, 0, 1.0]]))
     with pytest.raises(ValueError, match=r"\[0, 4\]"):

@@ -114,12 +114,16 @@ def test_whitened_valid_entries_have_mean_zero_and_unit_variance(batch):
     assert abs(masked_var(w, mask).item() - 1.0) < 1e-4
 
 
-def test_shift_mean_false_only_rescales():
-    """verl's shift_mean=False keeps the mean: x / std on valid entries."""
+def test_shift_mean_false_keeps_the_mean_as_verl_does():
+    """verl's shift_mean=False whitens and adds the mean back: (x − μ)/σ + μ on valid entries
+    (not x/σ, which an earlier version computed while claiming verl's definition)."""
     x = torch.tensor([[1.0, 2.0, 3.0, 100.0]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
     got = masked_whiten(x, mask, shift_mean=False)
-    torch.testing.assert_close(got, torch.tensor([[1.0, 2.0, 3.0, 0.0]], dtype=torch.float64) / np.sqrt(1.0 + 1e-8))
+    expected = torch.tensor([[-1.0, 0.0, 1.0, 0.0]], dtype=torch.float64) / np.sqrt(1.0 + 1e-8) + 2.0
+    expected[0, 3] = 0.0  # masked positions stay exactly 0
+    torch.testing.assert_close(got, expected)
+    assert abs(masked_mean(got, mask).item() - 2.0) < 1e-6 and abs(masked_var(got, mask).item() - 1.0) < 1e-6
 
 
 def test_one_or_zero_valid_entries_give_zero_variance_not_nan():

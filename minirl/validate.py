@@ -1,0 +1,229 @@
+"""One pass over the resolved config before any model loads or worker starts.
+
+`validate(cfg, pm)` collects every invalid value at once and raises one ConfigError with a line
+per problem: the key, its value, where the value came from (file, profile, command line or
+default), the rule it breaks and the fix. Besides each key's own range it checks the rules
+that join keys (mini-batch <= batch and dividing it, sp dividing the world, batches dividing
+over data-parallel ranks, more than zero steps). minirl.validate_values holds the rules of one
+key at a time; minirl.validate_files checks the files the config names: the model directory, the data (row counts, a reward function for every
+data_source) and the output directory. `python -m minirl` and `--print-config` both run it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from minirl.config import Config, ConfigError
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One invalid value: `key = value (origin): rule; fix`."""
+
+    key: str
+    value: Any
+    rule: str
+    fix: str
+
+
+def validate(cfg: Config, pm) -> None:
+    """Raise one ConfigError that lists every problem, or return quietly."""
+    problems = find_problems(cfg, pm)
+    if problems:
+        raise ConfigError(report(problems, cfg))
+
+
+def find_problems(cfg: Config, pm) -> list[Problem]:
+    """Every problem, at most one per key (the first rule a key breaks)."""
+    from minirl.validate_files import file_problems
+    from minirl.validate_values import value_problems
+
+    found: dict[str, Problem] = {}
+    for check in (value_problems, _batches, _device, _layout, _steps, _resume):
+        for p in check(cfg, pm):
+            found.setdefault(p.key, p)
+    if not any(k.startswith(("data.", "trainer.total")) for k in found):  # file checks need sane sizes
+        for p in file_problems(cfg, pm):
+            found.setdefault(f"{p.key}:{p.value}", p)
+    return list(found.values())
+
+
+def report(problems: list[Problem], cfg: Config) -> str:
+    lines = [f"{p.key} = {p.value!r} ({_origin(cfg, p.key)}): {p.rule}; {p.fix}" for p in problems]
+    if len(lines) == 1:
+        return lines[0]
+    return f"{len(lines)} invalid config values:\n  " + "\n  ".join(lines)
+
+
+def _origin(cfg: Config, key: str) -> str:
+    return cfg.origin(key) if hasattr(cfg, "origins") else "default"
+
+
+def value(cfg: Config, key: str) -> Any:
+    """cfg's value of a dotted key: value(cfg, "actor.optim.lr")."""
+    node: Any = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+# ---------------------------------------------------------------------------------------------
+# rules that join keys
+# ---------------------------------------------------------------------------------------------
+
+
+def _batches(cfg: Config, pm) -> list[Problem]:
+    batch, mini = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
+    if batch < 1 or mini < 1:
+        return []  # the range rules already say so
+    key = "actor.ppo_mini_batch_size"
+    if mini > batch:
+        return [Problem(key, mini, f"larger than data.train_batch_size = {batch}", f"use at most {batch}")]
+    if batch % mini:
+        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+        return [
+            Problem(
+                key,
+                mini,
+                f"does not divide data.train_batch_size = {batch} (the rest would be left out)",
+                f"use a divisor such as {max(d for d in divisors if d <= mini)}",
+            )
+        ]
+    return _token_budgets(cfg)
+
+
+def _token_budgets(cfg: Config) -> list[Problem]:
+    """With dynamic batching a micro-batch must hold at least one whole sequence."""
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    out = []
+    for section, dyn, budget in (
+        ("actor", "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+        ("rollout", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"),
+        ("ref", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"),
+    ):
+        s = getattr(cfg, section)
+        if getattr(s, dyn) and getattr(s, budget) < longest:
+            out.append(
+                Problem(
+                    f"{section}.{budget}",
+                    getattr(s, budget),
+                    f"smaller than one sequence (max_prompt_length + max_response_length = {longest})",
+                    f"raise it to at least {longest}",
+                )
+            )
+    return out
+
+
+def _device(cfg: Config, pm) -> list[Problem]:
+    t = cfg.trainer
+    if t.device not in ("cuda", "auto"):
+        return []
+    import torch
+
+    if t.device == "cuda" and not torch.cuda.is_available():
+        return [Problem("trainer.device", t.device, "CUDA is not available here", "use 'cpu' or 'auto'")]
+    count = torch.cuda.device_count()
+    if torch.cuda.is_available() and t.n_gpus_per_node > count:
+        return [
+            Problem(
+                "trainer.n_gpus_per_node", t.n_gpus_per_node, f"this machine has {count} GPU(s)", f"use at most {count}"
+            )
+        ]
+    return []
+
+
+def world_size(cfg: Config) -> int:
+    """Worker processes of the job: torchrun's WORLD_SIZE, else GPUs per node, else CPU processes."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    device = cfg.trainer.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.trainer.n_gpus_per_node if device == "cuda" else cfg.trainer.world_size
+
+
+def _layout(cfg: Config, pm) -> list[Problem]:
+    """sp divides the world; batches divide over data-parallel ranks; the reference follows sp."""
+    world, sp = world_size(cfg), cfg.actor.ulysses_sequence_parallel_size
+    if world < 1 or sp < 1:
+        return []
+    if world % sp:
+        return [
+            Problem(
+                "actor.ulysses_sequence_parallel_size",
+                sp,
+                f"does not divide the world size {world}",
+                f"use a divisor of {world} (1 runs without sequence parallelism)",
+            )
+        ]
+    dp, out = world // sp, []
+    for key in ("data.train_batch_size", "actor.ppo_mini_batch_size"):
+        v = value(cfg, key)
+        if v >= 1 and v % dp:
+            out.append(
+                Problem(
+                    key,
+                    v,
+                    f"does not divide over {dp} data-parallel ranks (world {world} / sp {sp})",
+                    f"use a multiple of {dp}: ranks take whole prompts",
+                )
+            )
+    ref_sp = cfg.ref.ulysses_sequence_parallel_size
+    if ref_sp not in (1, sp):
+        out.append(
+            Problem(
+                "ref.ulysses_sequence_parallel_size",
+                ref_sp,
+                "the reference runs on the actor's mesh",
+                f"use 1 or the actor's {sp}",
+            )
+        )
+    return out
+
+
+def _steps(cfg: Config, pm) -> list[Problem]:
+    t, out = cfg.trainer, []
+    if t.total_training_steps == 0 and t.total_epochs == 0:
+        out.append(
+            Problem(
+                "trainer.total_epochs",
+                0,
+                "zero epochs and trainer.total_training_steps = 0 train nothing",
+                "set trainer.total_epochs >= 1 or trainer.total_training_steps > 0",
+            )
+        )
+    if (t.test_freq > 0 or t.val_before_train) and not cfg.data.val_files:
+        key = "trainer.test_freq" if t.test_freq > 0 else "trainer.val_before_train"
+        out.append(
+            Problem(
+                key,
+                value(cfg, key),
+                "validation needs data.val_files",
+                "list parquet files in data.val_files, or set test_freq = -1 and val_before_train = false",
+            )
+        )
+    if not cfg.data.train_files:
+        out.append(
+            Problem(
+                "data.train_files", [], "no training data", "list parquet files (make data writes data/*/train.parquet)"
+            )
+        )
+    return out
+
+
+def _resume(cfg: Config, pm) -> list[Problem]:
+    t = cfg.trainer
+    if getattr(t, "resume_mode", None) == "resume_path" and not t.resume_from_path:
+        return [
+            Problem(
+                "trainer.resume_from_path",
+                t.resume_from_path,
+                "trainer.resume_mode = 'resume_path' needs it",
+                "set it to a checkpoint directory, or use resume_mode = 'auto'",
+            )
+        ]
+    return []
