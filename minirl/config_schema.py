@@ -145,7 +145,12 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     progress_bar: bool = True
     test_freq: int = -1  # validate every N steps and after the last one (-1: never)
-    save_freq: int = -1  # save the actor as a HF directory every N steps and after the last (-1: never)
+    save_freq: int = -1  # write a full, resumable checkpoint every N steps and after the last (-1: never)
+    save_hf_freq: int = -1  # export the actor as a Hugging Face directory every N steps and after the last
+    max_ckpt_to_keep: int = 0  # keep the newest N complete checkpoints (0: all)
+    resume_mode: str = "auto"  # auto (newest complete checkpoint, else fresh) | disable | resume_path
+    resume_from_path: str = ""  # the checkpoint directory resume_mode = "resume_path" loads
+    resume_ignore_config_changes: bool = False  # resume even if keys that change the math differ
     val_before_train: bool = False
     collective_timeout_s: int = 300
     peak_flops: float = 0.0  # per-GPU dense bf16 FLOP/s for MFU; 0: from the device name

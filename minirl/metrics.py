@@ -95,13 +95,16 @@ TABLE_ROWS = (
 )
 
 
-def summary_table(history: list[dict[str, float]], skip_first: bool = True) -> str:
-    """The seed-style table: each metric's mean over steps (the first step is warm-up)."""
+def summary_table(history: list[dict[str, float]], skip_first: bool = True, first_step: int = 1) -> str:
+    """The seed-style table: each metric's mean over steps (the first step this process ran is
+    warm-up); history[0] is step `first_step` (later than 1 after a resume)."""
     rows = history[1:] if skip_first and len(history) > 1 else history
     lines = [f"{'metric':26s} {'value':>12s}  {'unit':10s} counts", "-" * 78]
     for label, key, unit, counts in TABLE_ROWS:
         values = [r[key] for r in rows if key in r]
         if values:
             lines.append(f"{label:26s} {sum(values) / len(values):12.4g}  {unit:10s} {counts}")
-    steps = f"mean over steps {history.index(rows[0]) + 1}..{len(history)}" if rows else "no steps"
-    return "\n".join(lines + [f"({steps}; step 1 excluded as warm-up)" if len(rows) < len(history) else f"({steps})"])
+    last = first_step + len(history) - 1
+    steps = f"mean over steps {first_step + history.index(rows[0])}..{last}" if rows else "no steps"
+    warm = f"; step {first_step} excluded as warm-up" if len(rows) < len(history) else ""
+    return "\n".join(lines + [f"({steps}{warm})"])

@@ -22,6 +22,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as tdist
 
 from minirl.dist import DistContext, resolve_device
-from minirl.errors import UserError
+from minirl.errors import Stopped, UserError
 
 _STOP_GRACE_S = 5.0  # how long a stopped worker may take to exit before it is killed
 
@@ -221,6 +222,10 @@ def run_in_place(cfg, pm, job, make_dist: Callable[[], DistContext]) -> int:
         prefix = f"(rank {os.environ['RANK']}) " if under_torchrun() else ""
         print(f"minirl: error: {prefix}{exc}", file=sys.stderr)
         return 2
+    except Stopped as exc:
+        if not under_torchrun() or os.environ["RANK"] == "0":
+            print(f"minirl: {exc}", file=sys.stderr)
+        return exc.exit_code
     finally:
         shutdown()
     return 0
@@ -269,7 +274,8 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple = (), env: dict[str, s
     try:
         for p in procs:
             p.start()
-        failed = _wait_first_failure(procs)
+        with _ForwardSignals(procs):
+            failed = _wait_first_failure(procs)
         _stop(procs)  # the others may be blocked in a collective with the failed rank
         return 0 if failed is None else _report(procs.index(failed), failed.exitcode, error_dir)
     finally:
@@ -285,6 +291,9 @@ def _worker_main(fn, rank: int, args: tuple, env: dict[str, str], error_dir: str
     except UserError as exc:
         _write_error(error_dir, rank, "user", str(exc))
         sys.exit(2)
+    except Stopped as exc:
+        _write_error(error_dir, rank, "stopped", str(exc))
+        sys.exit(exc.exit_code)
     except BaseException:  # noqa: BLE001 - report everything, the parent decides what to show
         _write_error(error_dir, rank, "crash", traceback.format_exc())
         sys.exit(1)
@@ -304,16 +313,48 @@ def _exit_with_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
+class _ForwardSignals:
+    """The supervisor passes SIGTERM/SIGINT on: the first as SIGTERM (workers finish the step and
+    checkpoint), a second as SIGKILL. Kubernetes signals only the container's first process, so
+    the workers would otherwise never hear of it."""
+
+    def __init__(self, procs: list):
+        self.procs, self.count, self.previous = procs, 0, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._forward)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _forward(self, signum, frame) -> None:
+        self.count += 1
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM if self.count == 1 else signal.SIGKILL)
+
+
+_STOP_CODES = (128 + signal.SIGTERM, 128 + signal.SIGINT)
+
+
 def _wait_first_failure(procs: list):
-    """Wait until every worker exits 0 (returns None) or one fails (returns it)."""
-    running = {p.sentinel: p for p in procs}
+    """Wait until every worker exits 0 (returns None) or one fails (returns it). A worker that
+    stopped on a signal after checkpointing (exit 128 + signal) is not a failure: the others are
+    finishing the same checkpoint, so they are waited for, and the first such worker is returned."""
+    running, stopped = {p.sentinel: p for p in procs}, None
     while running:
         for sentinel in multiprocessing.connection.wait(list(running)):
             p = running.pop(sentinel)
             p.join()
-            if p.exitcode != 0:
+            if p.exitcode in _STOP_CODES:
+                stopped = stopped or p
+            elif p.exitcode != 0:
                 return p
-    return None
+    return stopped
 
 
 def _report(rank: int, exitcode: int, error_dir: str) -> int:
@@ -329,6 +370,9 @@ def _report(rank: int, exitcode: int, error_dir: str) -> int:
         print(f"minirl: worker rank {rank} died with exit code {exitcode}; all workers stopped", file=sys.stderr)
         return 1
     kind, text = reports[rank]["kind"], reports[rank]["text"]
+    if kind == "stopped":
+        print(f"minirl: {text}", file=sys.stderr)
+        return exitcode
     if kind == "user":
         print(f"minirl: error: (rank {rank}) {text}", file=sys.stderr)
         return 2

@@ -9,7 +9,9 @@ Legend: B sequences, T response positions.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
+import signal
 
 import torch
 from tqdm import tqdm
@@ -17,15 +19,18 @@ from tqdm import tqdm
 from minirl import actor as actor_lib
 from minirl import assembly, spmd
 from minirl.batch import RolloutBatch, response_mask
-from minirl.checkpoint import save_hf_checkpoint
+from minirl.checkpoint import faults, save_hf_checkpoint
+from minirl.checkpoint import state as ckpt_state
+from minirl.checkpoint.resume import check_config, plan_run
 from minirl.config import Config, to_toml
 from minirl.data import PromptLoader, expand_groups, load_prompts
 from minirl.dist import DistContext
-from minirl.errors import UserError
+from minirl.errors import Stopped, UserError
 from minirl.kl_control import apply_kl_in_reward, build_kl_controller
 from minirl.metrics import PhaseTimer, summary_table
 from minirl.protocols import AdvantageInputs, EngineContext, SamplingParams
 from minirl.reward import RewardManager, place_scores
+from minirl.signals import StopRequest
 from minirl.step_metrics import data_metrics, perf_metrics
 from minirl.validation import ValSet, load_val_set, validate
 
@@ -36,7 +41,9 @@ class Trainer:
     def __init__(self, cfg: Config, pm, dist: DistContext):
         self.cfg, self.pm, self.dist = cfg, pm, dist
         torch.manual_seed(cfg.trainer.seed + dist.dp_rank)  # sp ranks share a batch: same draws
-        self.run_dir = os.path.join(cfg.trainer.default_local_dir, cfg.trainer.experiment_name)
+        self.plan = plan_run(cfg.trainer, dist)
+        self.run_dir = self.plan.run_dir
+        self._print(self.plan.notice)
         self.tokenizer, self.actor, self.ref = self._build_models()
         self.loader = self._build_data()
         self.total_steps = self._total_steps()
@@ -47,8 +54,9 @@ class Trainer:
         self.losses = self._build_losses()
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.val = self._build_val()
-        self.loggers = self._build_loggers()
         self.history: list[dict[str, float]] = []
+        self.start_step = self._resume()  # last: restores the random streams too
+        self.loggers = self._build_loggers()
 
     # -----------------------------------------------------------------------------------------
     # set-up
@@ -139,39 +147,55 @@ class Trainer:
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
             f.write(to_toml(self.cfg))
-        return [self.pm["loggers"].get(name)(self.cfg.trainer, self.run_dir) for name in self.cfg.trainer.logger]
+        loggers = [self.pm["loggers"].get(name)(self.cfg.trainer, self.run_dir) for name in self.cfg.trainer.logger]
+        for logger in loggers:
+            if self.start_step > 0 and hasattr(logger, "resume"):
+                logger.resume(self.start_step)  # drops what a crashed run logged past the checkpoint
+        return loggers
 
     # -----------------------------------------------------------------------------------------
     # the loop
     # -----------------------------------------------------------------------------------------
 
     def fit(self) -> list[dict[str, float]]:
+        t = self.cfg.trainer
         self._print(effective_batch_line(self.cfg, self.dist, self.loader.steps_per_epoch, self.total_steps))
-        if self.cfg.trainer.val_before_train:
+        if self.start_step >= self.total_steps:
+            self._print(f"nothing to train: the checkpoint is at step {self.start_step} of {self.total_steps}")
+        if t.val_before_train and self.start_step == 0:
             self._log(self.validate(), step=0)
         bar = tqdm(
-            total=self.total_steps, desc="steps", disable=not (self.cfg.trainer.progress_bar and self.dist.is_main)
+            total=self.total_steps,
+            initial=self.start_step,
+            desc="steps",
+            disable=not (t.progress_bar and self.dist.is_main),
         )
-        for step, records in enumerate(self._batches(), start=1):
-            metrics = self.train_step(records, step)
-            if self._validate_after(step):
-                metrics.update(self.validate())
-            self._log(metrics, step)
-            if self._is_due(self.cfg.trainer.save_freq, step):
-                self.save(step)
-            bar.update(1)
+        with StopRequest() as stop:
+            for step, records in self._batches(self.start_step):
+                metrics = self.train_step(records, step)
+                if self._validate_after(step):
+                    metrics.update(self.validate())
+                self._log(metrics, step)
+                faults.maybe_crash("after_step", step)
+                signum = stop.agreed(self.dist.device)
+                self._save_due(step, force=signum is not None)
+                if signum is not None:
+                    raise self._stopped(signum, step, bar)
+                bar.update(1)
         return self._finish(bar)
 
-    def _batches(self):
-        """total_steps batches of prompts, epoch after epoch (each epoch reshuffled)."""
-        step, epoch = 0, 0
-        while True:
-            for records in self.loader.epoch_batches(epoch):
+    def _batches(self, start_step: int):
+        """(step, prompts) for steps start_step+1 .. total_steps, epoch after epoch (each epoch
+        reshuffled); a resumed run re-enters its epoch at the batch after the checkpoint's."""
+        per_epoch = self.loader.steps_per_epoch
+        step, epoch, skip = start_step, start_step // per_epoch, start_step % per_epoch
+        while step < self.total_steps:
+            for records in itertools.islice(self.loader.epoch_batches(epoch), skip, None):
                 if step == self.total_steps:
                     return
                 step += 1
-                yield records
-            epoch += 1
+                yield step, records
+            epoch, skip = epoch + 1, 0
 
     def _validate_after(self, step: int) -> bool:
         return self.val is not None and self._is_due(self.cfg.trainer.test_freq, step)
@@ -180,10 +204,98 @@ class Trainer:
         """Every `freq` steps and after the last one; never when freq <= 0."""
         return freq > 0 and (step % freq == 0 or step == self.total_steps)
 
-    def save(self, step: int) -> None:
-        path = save_hf_checkpoint(self.actor, self.tokenizer, os.path.join(self.run_dir, f"step_{step}"), self.dist)
-        if path is not None:
+    def _save_due(self, step: int, force: bool = False) -> None:
+        t = self.cfg.trainer
+        if force or self._is_due(t.save_freq, step):
+            self.save(step)
+        if self._is_due(t.save_hf_freq, step):
+            save_hf_checkpoint(self.actor, self.tokenizer, os.path.join(self.run_dir, f"hf_step_{step}"), self.dist)
+
+    def save(self, step: int) -> str:
+        """A full checkpoint of everything the next step depends on (minirl.checkpoint.state)."""
+        t = self.cfg.trainer
+        path = ckpt_state.save(
+            self.run_dir,
+            step,
+            self._checkpointable(),
+            self._trainer_state(step),
+            to_toml(self.cfg),
+            self.dist,
+            t.max_ckpt_to_keep,
+        )
+        if self.dist.is_main:
             self.pm.hook.minirl_on_checkpoint_saved(step=step, path=path)
+        return path
+
+    def _checkpointable(self) -> ckpt_state.Checkpointable:
+        return ckpt_state.Checkpointable(model=self.actor, optimizer=self.optimizer)
+
+    def _trainer_state(self, step: int) -> dict:
+        per_epoch = self.loader.steps_per_epoch
+        return {
+            "step": step,
+            "data": {
+                "epoch": step // per_epoch,
+                "batch_in_epoch": step % per_epoch,
+                "steps_per_epoch": per_epoch,
+                "num_prompts": len(self.loader.records),
+                "shuffle_seed": self.loader.seed,
+            },
+            "scheduler": self.scheduler.state_dict(),
+            "kl_coef": None if self.kl_ctrl is None else self.kl_ctrl.value,
+            "seed": self.cfg.trainer.seed,
+            "world_size": self.dist.world_size,
+        }
+
+    def _resume(self) -> int:
+        """Restore the checkpoint the run plan names; returns the step to continue after."""
+        path = self.plan.resume_from
+        if path is None:
+            return 0
+        t = self.cfg.trainer
+        trainer_state = ckpt_state.read_trainer_state(path)
+        diffs = check_config(ckpt_state.read_config(path), self.cfg.to_dict(), path, t.resume_ignore_config_changes)
+        if diffs:
+            self._print(
+                f"minirl: resuming despite config changes (trainer.resume_ignore_config_changes): {'; '.join(diffs)}"
+            )
+        self._check_data_position(trainer_state["data"], path, t.resume_ignore_config_changes)
+        ckpt_state.load(path, self._checkpointable(), self.dist)
+        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        if self.kl_ctrl is not None and trainer_state.get("kl_coef") is not None:
+            self.kl_ctrl.value = float(trainer_state["kl_coef"])
+        if trainer_state.get("world_size") != self.dist.world_size:
+            self._print(
+                f"minirl: the checkpoint was written by {trainer_state.get('world_size')} rank(s), this run has "
+                f"{self.dist.world_size}: weights and optimizer state are resharded; the run is not bit-identical "
+                "to an uninterrupted one"
+            )
+        self.sync_weights()  # the engine's first generation uses the restored weights
+        return int(trainer_state["step"])
+
+    def _check_data_position(self, data: dict, path: str, ignore: bool) -> None:
+        """The saved position (epoch, batch) means the same prompts only over the same data."""
+        now = {"steps_per_epoch": self.loader.steps_per_epoch, "num_prompts": len(self.loader.records)}
+        changed = [f"{k} {data.get(k)} (checkpoint) vs {v} (now)" for k, v in now.items() if data.get(k) != v]
+        if changed and not ignore:
+            raise UserError(
+                f"resume refused: the training data differs from checkpoint {path}'s ({', '.join(changed)}), so "
+                "its data position would point at other prompts; restore data.train_files and the filters, or "
+                "set trainer.resume_ignore_config_changes = true"
+            )
+
+    def _stopped(self, signum: int, step: int, bar) -> Stopped:
+        self._finish(bar)
+        path = os.path.join(self.run_dir, f"ckpt_{step}")
+        how = (
+            "run the same command again (trainer.resume_mode = 'auto' resumes from it)"
+            if self.cfg.trainer.resume_mode == "auto"
+            else f"run again with trainer.resume_mode=resume_path trainer.resume_from_path={path}"
+        )
+        name = signal.Signals(signum).name
+        return Stopped(
+            f"stopped by {name} after step {step}: checkpoint {path} written; to resume, {how}", 128 + signum
+        )
 
     def validate(self) -> dict[str, float]:
         """Greedy generation on the validation prompts (KV cache resumed and released around it)."""
@@ -330,7 +442,7 @@ class Trainer:
         for logger in self.loggers:
             logger.close()
         if self.history:
-            self._print("\n" + summary_table(self.history))
+            self._print("\n" + summary_table(self.history, first_step=self.start_step + 1))
         return self.history
 
     def _print(self, text: str) -> None:

@@ -6,6 +6,7 @@ tensorboard and wandb are optional extras, imported only when selected.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from tqdm import tqdm
@@ -41,18 +42,50 @@ class ConsoleLogger:
 
 
 class JsonlLogger:
-    """Appends one JSON object per step to <run_dir>/metrics.jsonl."""
+    """Appends one strict-JSON object per step to <run_dir>/metrics.jsonl (a non-finite number is
+    written as null, since NaN is not JSON). A resumed run first drops the lines past its
+    checkpoint's step that the interrupted run wrote, so every step appears exactly once."""
 
     def __init__(self, trainer_cfg, run_dir: str):
         os.makedirs(run_dir, exist_ok=True)
-        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "w")
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.file = open(self.path, "a")
+
+    def resume(self, step: int) -> None:
+        self.file.close()
+        kept = [line for line in _read_lines(self.path) if _line_step(line) is not None and _line_step(line) <= step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(line + "\n" for line in kept)
+        os.replace(tmp, self.path)
+        self.file = open(self.path, "a")
 
     def log(self, metrics: dict, step: int) -> None:
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        record = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(record, allow_nan=False) + "\n")
         self.file.flush()
 
     def close(self) -> None:
         self.file.close()
+
+
+def _finite_or_none(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _read_lines(path: str) -> list[str]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [line.rstrip("\n") for line in f if line.strip()]
+
+
+def _line_step(line: str) -> int | None:
+    """The step of a metrics line; None for a line cut short by a crash."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class TensorboardLogger:
@@ -63,7 +96,15 @@ class TensorboardLogger:
             raise UserError(
                 "trainer.logger has 'tensorboard': install the extra, pip install 'minirl[tensorboard]'"
             ) from exc
-        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        self.log_dir = os.path.join(run_dir, "tensorboard")
+        self.writer = SummaryWriter(self.log_dir)
+
+    def resume(self, step: int) -> None:
+        """Continue the same event files; events past `step` from the interrupted run are purged."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer.close()
+        self.writer = SummaryWriter(self.log_dir, purge_step=step + 1)
 
     def log(self, metrics: dict, step: int) -> None:
         for key, value in metrics.items():
@@ -79,7 +120,14 @@ class WandbLogger:
             import wandb
         except ImportError as exc:
             raise UserError("trainer.logger has 'wandb': install the extra, pip install 'minirl[wandb]'") from exc
-        self.run = wandb.init(project=trainer_cfg.project_name, name=trainer_cfg.experiment_name, dir=run_dir)
+        # the run id is kept in the run directory, so a resumed run continues the same wandb run
+        id_file = os.path.join(run_dir, "wandb_run_id")
+        run_id = open(id_file).read().strip() if os.path.exists(id_file) else wandb.util.generate_id()
+        with open(id_file, "w") as f:
+            f.write(run_id)
+        self.run = wandb.init(
+            project=trainer_cfg.project_name, name=trainer_cfg.experiment_name, dir=run_dir, id=run_id, resume="allow"
+        )
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(metrics, step=step)

@@ -52,14 +52,14 @@ def test_two_seeded_runs_are_identical(tmp_path, data_dir, engine):
 
 
 def test_saved_checkpoint_loads_back_with_the_trained_weights(tmp_path, data_dir):
-    """trainer.save_freq writes a Hugging Face directory that `model.path` loads exactly."""
+    """trainer.save_hf_freq writes a Hugging Face directory that `model.path` loads exactly."""
     from minirl.config import load_config
     from minirl.models.loading import load_model
     from tests.integration.conftest import make_trainer
 
-    trainer = make_trainer(tmp_path, data_dir, ["trainer.total_training_steps=2", "trainer.save_freq=2"])
+    trainer = make_trainer(tmp_path, data_dir, ["trainer.total_training_steps=2", "trainer.save_hf_freq=2"])
     trainer.fit()
-    saved = tmp_path / "bench" / "step_2"
+    saved = tmp_path / "bench" / "hf_step_2"
     assert (saved / "model.safetensors").exists() and (saved / "config.json").exists()
     model, tokenizer = load_model(load_config(None, [f"model.path={saved}"]).model, "cpu", "float32")
     loaded = dict(model.named_parameters())

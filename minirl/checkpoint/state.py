@@ -1,0 +1,197 @@
+"""What a full checkpoint holds, and writing and reading it on every rank.
+
+    ckpt_<step>/
+      .metadata, __<r>_0.distcp   actor parameters and optimizer state: torch.distributed.checkpoint,
+                                  each rank writes its own shards (no funnel through rank 0), and a
+                                  load reshards them to the current mesh (another dp size works)
+      rng/rank<r>.pt              each rank's random streams: torch CPU (and CUDA), python, numpy
+      trainer_state.json          step, data position, LR scheduler, KL controller, ... (rank 0)
+      config.toml                 the config the checkpoint was written with (rank 0)
+      manifest.json               last: every file and its size (minirl.checkpoint.store)
+
+The trainer decides what goes into trainer_state.json; this module only moves bytes and tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from minirl.checkpoint import faults, store
+from minirl.dist import DistContext
+from minirl.errors import UserError
+
+TRAINER_STATE = "trainer_state.json"
+CONFIG = "config.toml"
+
+
+@dataclass
+class Checkpointable:
+    """The objects whose state a checkpoint carries besides trainer_state.json."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def save(run_dir: str, step: int, parts: Checkpointable, trainer_state: dict, config_toml: str, dist, keep: int) -> str:
+    """Write ckpt_<step> atomically (every rank must call); returns its path on every rank."""
+    tmp = os.path.join(run_dir, f"{store.TMP_PREFIX}{step}")
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "rng"))
+    dist.barrier()
+    _dcp_save(parts, tmp)
+    faults.maybe_crash("checkpoint", step)  # tests: killed between the shards and the rest
+    store.write_file_durably(os.path.join(tmp, "rng", f"rank{dist.rank}.pt"), _rng_bytes(dist.device))
+    if dist.is_main:
+        store.write_file_durably(os.path.join(tmp, TRAINER_STATE), json.dumps(trainer_state, indent=1).encode())
+        store.write_file_durably(os.path.join(tmp, CONFIG), config_toml.encode())
+    dist.barrier()
+    if dist.is_main:
+        store.write_manifest(tmp, step)
+        store.publish(tmp, run_dir, step, keep)
+    dist.barrier()
+    return os.path.join(run_dir, store.ckpt_name(step))
+
+
+def load(path: str, parts: Checkpointable, dist: DistContext) -> dict:
+    """Restore parts and this rank's random streams from `path`; returns trainer_state.json."""
+    store.verify(path)
+    trainer_state = read_trainer_state(path)
+    _dcp_load(parts, path)
+    _restore_rng(path, dist, trainer_state)
+    return trainer_state
+
+
+def read_trainer_state(path: str) -> dict:
+    file = os.path.join(path, TRAINER_STATE)
+    try:
+        with open(file) as f:
+            state = json.load(f)
+        int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"checkpoint file {file} is unreadable ({exc}); resume from an older checkpoint") from None
+    return state
+
+
+def read_config(path: str) -> str:
+    with open(os.path.join(path, CONFIG)) as f:
+        return f.read()
+
+
+# ---------------------------------------------------------------------------------------------
+# parameters and optimizer state (torch.distributed.checkpoint)
+# ---------------------------------------------------------------------------------------------
+
+
+def _no_dist() -> bool:
+    return not (tdist.is_available() and tdist.is_initialized())
+
+
+def _dcp_save(parts: Checkpointable, path: str) -> None:
+    model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
+    with _single_process_quiet():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, no_dist=_no_dist())
+
+
+@contextlib.contextmanager
+def _dcp_logs_off():
+    """A failed DCP read logs its tracebacks before raising; the raised error is what we report."""
+    logging.disable(logging.ERROR)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[-1] if lines else type(exc).__name__
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes one process when there is no process group: so do we."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
+
+
+def _dcp_load(parts: Checkpointable, path: str) -> None:
+    # the target state dicts give DCP the current sharding; it reads each rank's slices
+    model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    try:
+        with _single_process_quiet(), _dcp_logs_off():
+            dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
+    except (Exception, CheckpointException) as exc:  # DCP's own exception is a BaseException
+        raise UserError(
+            f"checkpoint {path}: reading the model/optimizer shards (.metadata, __*_0.distcp) failed "
+            f"({_last_line(exc)}); the files are damaged or were written for another model; resume "
+            "from an older checkpoint"
+        ) from None
+    set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+# ---------------------------------------------------------------------------------------------
+# random streams
+# ---------------------------------------------------------------------------------------------
+
+
+def _rng_bytes(device: torch.device) -> bytes:
+    import io
+
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos)},
+        "numpy_gauss": {"has_gauss": int(has_gauss), "cached": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def _restore_rng(path: str, dist: DistContext, trainer_state: dict) -> None:
+    file = os.path.join(path, "rng", f"rank{dist.rank}.pt")
+    if not os.path.isfile(file):
+        # a larger world than the checkpoint's: this rank's streams are new (seeded), so the run
+        # continues correctly but not bit-identically to an uninterrupted one
+        seed = int(trainer_state.get("seed", 0)) + 7919 * int(trainer_state["step"]) + dist.rank
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        return
+    try:
+        state = torch.load(file, weights_only=True)
+        py = state["python"]
+        random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss"]))
+        npy, gauss = state["numpy"], state["numpy_gauss"]
+        keys = npy["keys"].numpy().astype(np.uint32)
+        np.random.set_state((npy["kind"], keys, npy["pos"], gauss["has_gauss"], gauss["cached"]))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and dist.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], dist.device)
+    except Exception as exc:  # noqa: BLE001 - a damaged file of any kind
+        raise UserError(
+            f"checkpoint file {file} is unreadable ({type(exc).__name__}: {exc}); resume from an older checkpoint"
+        ) from None

@@ -1,0 +1,140 @@
+"""The checkpoints of a run directory on disk: which are complete, atomic writes, retention.
+
+Layout of `<run_dir>`:
+    ckpt_<step>/          a complete checkpoint (it only ever appears through a rename)
+      manifest.json       written last: every other file with its size
+    .tmp_ckpt_<step>/     a checkpoint being written; never read, removed at the next start
+    latest                the name of the newest complete checkpoint (informational: the scan
+                          of ckpt_* directories with a manifest decides)
+
+A write goes: temporary directory -> every file fsynced -> manifest -> rename -> fsync of the
+run directory -> `latest` replaced -> older checkpoints beyond trainer.max_ckpt_to_keep deleted.
+A process killed anywhere in that sequence leaves the previous complete checkpoint untouched.
+The run directory must be one filesystem that every rank sees (a shared one across nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+from minirl.errors import UserError
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_CKPT_RE = re.compile(r"^ckpt_(\d+)$")
+TMP_PREFIX = ".tmp_ckpt_"
+
+
+def ckpt_name(step: int) -> str:
+    return f"ckpt_{step}"
+
+
+def complete_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint in run_dir, oldest first."""
+    if not os.path.isdir(run_dir):
+        return []
+    found = []
+    for name in os.listdir(run_dir):
+        match = _CKPT_RE.match(name)
+        path = os.path.join(run_dir, name)
+        if match and os.path.isfile(os.path.join(path, MANIFEST)):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def stale_temporaries(run_dir: str) -> list[str]:
+    if not os.path.isdir(run_dir):
+        return []
+    return sorted(os.path.join(run_dir, n) for n in os.listdir(run_dir) if n.startswith(TMP_PREFIX))
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory (a rename is durable only once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_durably(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_manifest(tmp_dir: str, step: int) -> None:
+    """List every file under tmp_dir with its size; written after all of them are synced."""
+    files = {}
+    for root, _, names in os.walk(tmp_dir):
+        for name in names:
+            full = os.path.join(root, name)
+            files[os.path.relpath(full, tmp_dir)] = os.path.getsize(full)
+    manifest = {"format": 1, "step": step, "files": dict(sorted(files.items()))}
+    write_file_durably(os.path.join(tmp_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
+    for root, dirs, _ in os.walk(tmp_dir):
+        for d in dirs:
+            fsync_path(os.path.join(root, d))
+    fsync_path(tmp_dir)
+
+
+def publish(tmp_dir: str, run_dir: str, step: int, keep: int) -> str:
+    """Rename a fully written temporary directory into place, then update `latest`, then prune."""
+    final = os.path.join(run_dir, ckpt_name(step))
+    if os.path.exists(final):  # the same step saved again (a resumed run's first save): replace it
+        shutil.rmtree(final)
+    os.rename(tmp_dir, final)
+    fsync_path(run_dir)
+    latest_tmp = os.path.join(run_dir, LATEST + ".tmp")
+    write_file_durably(latest_tmp, (ckpt_name(step) + "\n").encode())
+    os.replace(latest_tmp, os.path.join(run_dir, LATEST))
+    fsync_path(run_dir)
+    prune(run_dir, keep)
+    return final
+
+
+def prune(run_dir: str, keep: int) -> list[str]:
+    """Delete the oldest complete checkpoints so that `keep` remain (keep = 0: delete none)."""
+    if keep <= 0:
+        return []
+    doomed = [path for _, path in complete_checkpoints(run_dir)[:-keep]]
+    for path in doomed:
+        # the manifest goes first: a deletion cut short leaves an incomplete directory, never a
+        # checkpoint that looks complete but is missing files
+        os.remove(os.path.join(path, MANIFEST))
+        shutil.rmtree(path)
+    return doomed
+
+
+def verify(path: str) -> dict:
+    """The manifest of a complete checkpoint, after checking that every file is there in full."""
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise UserError(
+            f"{path} is not a complete checkpoint (no {MANIFEST}: it was never finished or was "
+            "copied partially); pick another ckpt_<step> directory for trainer.resume_from_path"
+        )
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        files = dict(manifest["files"])
+        int(manifest["step"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(
+            f"checkpoint file {manifest_path} is corrupt ({exc}); resume from an older checkpoint"
+        ) from None
+    for rel, size in files.items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            raise UserError(f"checkpoint file {full} is missing; resume from an older checkpoint or restore the file")
+        actual = os.path.getsize(full)
+        if actual != size:
+            raise UserError(
+                f"checkpoint file {full} has {actual} bytes, but {size} were written (truncated or "
+                "damaged); resume from an older checkpoint (trainer.resume_mode = 'resume_path')"
+            )
+    return manifest

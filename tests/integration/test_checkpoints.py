@@ -1,0 +1,181 @@
+"""Checkpoint handling that needs no killed process, run in-process through the CLI's main():
+the epoch-boundary resume, retention, damaged files, config changes, never overwriting a
+previous run, the checkpoint hook, and metrics.jsonl staying strict JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from minirl.cli import main
+from tests.integration.conftest import ROOT, _make_data_module
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt_data")
+    _make_data_module().write_task("copy", out, 24, 4, 0)  # 3 steps per epoch at 8 prompts per step
+    return out
+
+
+def run(root: Path, data: Path, *overrides: str) -> int:
+    return main(
+        [
+            "--config",
+            str(ROOT / "bench.toml"),
+            "--profile",
+            "cpu",
+            f'data.train_files=["{data}/copy/train.parquet"]',
+            f"trainer.default_local_dir={root}",
+            "trainer.progress_bar=false",
+            'trainer.logger=["jsonl"]',
+            "data.train_batch_size=8",
+            "actor.ppo_mini_batch_size=4",
+            "rollout.n=2",
+            *overrides,
+        ]
+    )
+
+
+def steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("minirl: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_resume_at_an_epoch_boundary_trains_the_remaining_steps(tmp_path, small_data, capsys):
+    """verl's bug: a checkpoint at the end of epoch 1, resumed with total_epochs = 2, trained 0
+    steps. Here the second epoch (steps 4-6) is trained and logged after steps 1-3."""
+    assert run(tmp_path, small_data, "trainer.total_training_steps=0", "trainer.total_epochs=1", "trainer.save_freq=3") == 0
+    assert run(tmp_path, small_data, "trainer.total_training_steps=0", "trainer.total_epochs=2", "trainer.save_freq=3") == 0
+    out = capsys.readouterr().out
+    assert f"resuming from step 3: {tmp_path / 'bench' / 'ckpt_3'}" in out
+    assert steps(tmp_path / "bench") == [1, 2, 3, 4, 5, 6]
+    assert (tmp_path / "bench" / "ckpt_6" / "manifest.json").exists()
+
+
+def test_a_finished_run_resumes_to_nothing_and_says_so(tmp_path, small_data, capsys):
+    assert run(tmp_path, small_data, "trainer.total_training_steps=2", "trainer.save_freq=2") == 0
+    assert run(tmp_path, small_data, "trainer.total_training_steps=2", "trainer.save_freq=2") == 0
+    assert "nothing to train: the checkpoint is at step 2 of 2" in capsys.readouterr().out
+    assert steps(tmp_path / "bench") == [1, 2]
+
+
+def test_max_ckpt_to_keep_keeps_the_two_newest(tmp_path, small_data):
+    assert (
+        run(tmp_path, small_data, "trainer.total_training_steps=4", "trainer.save_freq=1", "trainer.max_ckpt_to_keep=2")
+        == 0
+    )
+    run_dir = tmp_path / "bench"
+    assert sorted(p.name for p in run_dir.glob("ckpt_*")) == ["ckpt_3", "ckpt_4"]
+    assert (run_dir / "latest").read_text().strip() == "ckpt_4"
+    assert not list(run_dir.glob(".tmp_ckpt_*"))
+
+
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        ("truncate:__0_0.distcp", "__0_0.distcp"),
+        ("delete:rng/rank0.pt", "rank0.pt"),
+        ("garble:trainer_state.json", "trainer_state.json"),
+        ("garble:.metadata", ".metadata"),
+        ("garble:manifest.json", "manifest.json"),
+    ],
+)
+def test_a_damaged_checkpoint_is_one_error_naming_the_file(tmp_path, small_data, capsys, damage, named):
+    """Truncated, missing or garbled files: exit 2, one line naming the file, no traceback."""
+    assert run(tmp_path, small_data, "trainer.total_training_steps=2", "trainer.save_freq=2") == 0
+    how, rel = damage.split(":")
+    target = tmp_path / "bench" / "ckpt_2" / rel
+    if how == "truncate":
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    elif how == "delete":
+        target.unlink()
+    else:  # same size, other bytes: only the reader can tell
+        target.write_bytes(b"\x00" * target.stat().st_size)
+    capsys.readouterr()
+    assert run(tmp_path, small_data, "trainer.total_training_steps=4") == 2
+    assert named in one_error_line(capsys)
+
+
+def test_a_resume_with_a_math_changing_key_is_refused_with_the_keys(tmp_path, small_data, capsys):
+    """lr and the estimator changed: refused, both named; the run's length may change freely;
+    resume_ignore_config_changes lets it through."""
+    assert run(tmp_path, small_data, "trainer.total_training_steps=2", "trainer.save_freq=2") == 0
+    capsys.readouterr()
+    changed = ["actor.optim.lr=0.5", "algorithm.adv_estimator=rloo", "trainer.total_training_steps=3"]
+    assert run(tmp_path, small_data, *changed) == 2
+    line = one_error_line(capsys)
+    assert "actor.optim.lr = 0.001 (checkpoint) vs 0.5 (now)" in line
+    assert "algorithm.adv_estimator" in line and "total_training_steps" not in line
+    assert run(tmp_path, small_data, *changed, "trainer.resume_ignore_config_changes=true") == 0
+    assert steps(tmp_path / "bench") == [1, 2, 3]
+
+
+def test_a_fresh_start_never_touches_a_previous_run(tmp_path, small_data, capsys):
+    """Without a checkpoint to resume (or with resume_mode = 'disable') a second run with the same
+    name goes to <name>-2, and says so; the first run's files are as they were."""
+    assert run(tmp_path, small_data, "trainer.total_training_steps=2") == 0
+    first = (tmp_path / "bench" / "metrics.jsonl").read_text()
+    assert run(tmp_path, small_data, "trainer.total_training_steps=1") == 0
+    assert run(tmp_path, small_data, "trainer.total_training_steps=1", "trainer.resume_mode=disable") == 0
+    out = capsys.readouterr().out
+    assert f"starting fresh in {tmp_path / 'bench-2'}" in out and f"starting fresh in {tmp_path / 'bench-3'}" in out
+    assert (tmp_path / "bench" / "metrics.jsonl").read_text() == first
+    assert steps(tmp_path / "bench-2") == [1] and steps(tmp_path / "bench-3") == [1]
+
+
+def test_the_checkpoint_hook_fires_with_the_complete_directory(tmp_path, small_data, monkeypatch):
+    """minirl_on_checkpoint_saved sees each full checkpoint once, after it is complete."""
+    plugin = tmp_path / "ckpt_watch.py"
+    log = tmp_path / "seen.txt"
+    plugin.write_text(
+        "import os\nfrom minirl import hookimpl\n"
+        "@hookimpl\ndef minirl_on_checkpoint_saved(step, path):\n"
+        f"    complete = os.path.exists(os.path.join(path, 'manifest.json'))\n"
+        f"    open({str(log)!r}, 'a').write(f'{{step}} {{os.path.basename(path)}} {{complete}}\\n')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert (
+        run(
+            tmp_path,
+            small_data,
+            "trainer.total_training_steps=2",
+            "trainer.save_freq=1",
+            'plugins.modules=["ckpt_watch"]',
+        )
+        == 0
+    )
+    assert log.read_text().splitlines() == ["1 ckpt_1 True", "2 ckpt_2 True"]
+
+
+def test_metrics_jsonl_is_strict_json_and_a_resume_drops_lines_past_the_checkpoint(tmp_path):
+    """NaN is not JSON (null is); a crashed run's lines past the checkpoint, and a line cut short,
+    are dropped on resume, so every step appears exactly once."""
+    from minirl.config_schema import TrainerConfig
+    from minirl_plugins.loggers import JsonlLogger
+
+    logger = JsonlLogger(TrainerConfig(), str(tmp_path))
+    for step in (1, 2, 3):
+        logger.log({"loss": float("nan") if step == 2 else 0.5, "x": float("inf")}, step)
+    logger.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')  # the crash
+    rows = [
+        json.loads(line, parse_constant=lambda c: pytest.fail(c))
+        for line in (tmp_path / "metrics.jsonl").read_text().splitlines()[:3]
+    ]
+    assert rows[1] == {"step": 2, "loss": None, "x": None}
+    resumed = JsonlLogger(TrainerConfig(), str(tmp_path))
+    resumed.resume(2)
+    resumed.log({"loss": 0.25}, 3)
+    resumed.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
