@@ -81,7 +81,7 @@ def resolve(args: argparse.Namespace):
 
 def list_plugins(argv: list[str]) -> int:
     """`python -m minirl plugins [--config X] [overrides]`: the config's plugin modules included."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     print(PluginManager(plugin_modules(args.config, args.overrides)).describe())
     return 0
 
@@ -89,7 +89,7 @@ def list_plugins(argv: list[str]) -> int:
 def run(argv: list[str]) -> int:
     if argv[:1] == ["plugins"]:
         return list_plugins(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     if args.config is None and not args.print_config:
         build_parser().error("--config is required to run a job")
     pm, cfg = resolve(args)

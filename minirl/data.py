@@ -74,11 +74,28 @@ def _read_columns(path: str, prompt_key: str) -> dict[str, list]:
         if name not in table.column_names:
             hint = " (set data.prompt_key to the prompt column)" if name == prompt_key else ""
             raise DataError(f"{path}: missing column {name!r}{hint}; columns present: {table.column_names}")
-    cols = {c: table.column(c).to_pylist() for c in (*REQUIRED_COLUMNS, prompt_key)}
+    cols = {c: _column(table, c, path) for c in (*REQUIRED_COLUMNS, prompt_key)}
     for optional in ("ability", "extra_info"):
         present = optional in table.column_names
-        cols[optional] = table.column(optional).to_pylist() if present else [None] * table.num_rows
+        cols[optional] = _column(table, optional, path) if present else [None] * table.num_rows
     return cols
+
+
+def _column(table, name: str, path: str) -> list:
+    """One column as python values; bytes that are not UTF-8 in a string column name the row."""
+    try:
+        return table.column(name).to_pylist()
+    except UnicodeDecodeError:
+        pass
+    for row, chunk_value in enumerate(table.column(name)):
+        try:
+            chunk_value.as_py()
+        except UnicodeDecodeError as exc:
+            raise DataError(
+                f"{path}:{row}: field {name!r} holds bytes that are not UTF-8 ({exc.reason} at byte "
+                f"{exc.start}); re-encode the text as UTF-8 when writing the file"
+            ) from None
+    raise DataError(f"{path}: column {name!r} holds bytes that are not UTF-8; re-encode it as UTF-8")
 
 
 def _check_messages(messages: Any, where: str, key: str) -> list[dict]:

@@ -91,7 +91,7 @@ class Registry:
                 f"and by {provider}; rename one of them or drop one plugin"
             )
         third_party = BUILTIN_PREFIX not in provider and self.kind != "config_sections"
-        what = f"{provider}'s {COMPONENT[self.kind]} {name!r}"
+        what = f"{COMPONENT[self.kind]} {name!r} of {provider}"
         self.items[name] = guarded(component, what, RESULT_CHECKS.get(self.kind)) if third_party else component
         self.providers[name] = provider
 
@@ -152,8 +152,9 @@ class PluginManager:
             return
         try:
             self.pm.register(module, name=name)
-        except pluggy.PluginValidationError as exc:
-            raise PluginError(f"plugin module {name!r} ({source}): {exc}") from exc
+        except pluggy.PluginValidationError as exc:  # e.g. an argument the hook does not pass
+            detail = " ".join(str(exc).split())
+            raise PluginError(f"plugin module {name!r} ({source}): {detail}; see minirl/hookspecs.py") from exc
 
     @staticmethod
     def _import_failed(name: str, source: str, exc: BaseException) -> PluginError:

@@ -5,8 +5,9 @@ per problem: the key, its value, where the value came from (file, profile, comma
 default), the rule it breaks and the fix. Besides each key's own range it checks the rules
 that join keys (mini-batch <= batch and dividing it, sp dividing the world, batches dividing
 over data-parallel ranks, more than zero steps). minirl.validate_values holds the rules of one
-key at a time; minirl.validate_files checks the files the config names: the model directory, the data (row counts, a reward function for every
-data_source) and the output directory. `python -m minirl` and `--print-config` both run it.
+key at a time; minirl.validate_files checks the files the config names: the model directory,
+the data (row counts, a reward function for every data_source) and the output directory.
+`python -m minirl` and `--print-config` both run it.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def report(problems: list[Problem], cfg: Config) -> str:
 
 
 def _origin(cfg: Config, key: str) -> str:
-    return cfg.origin(key) if hasattr(cfg, "origins") else "default"
+    return cfg.origin(key.split("[")[0])  # trainer.logger[0] was set as trainer.logger
 
 
 def value(cfg: Config, key: str) -> Any:

@@ -173,6 +173,15 @@ def _parquet(path: str, key: str, rewards) -> tuple[int, list[Problem]]:
     try:
         table = pq.read_table(path, columns=["data_source"])
         sources = table.column("data_source").to_pylist()
+    except UnicodeDecodeError as exc:
+        return 0, [
+            Problem(
+                key,
+                path,
+                f"the data_source column holds bytes that are not UTF-8 ({exc.reason})",
+                "re-encode the text as UTF-8 when writing the file",
+            )
+        ]
     except Exception as exc:  # noqa: BLE001 - ArrowInvalid, OSError, UnicodeDecodeError, KeyError...
         return 0, [
             Problem(
@@ -182,6 +191,8 @@ def _parquet(path: str, key: str, rewards) -> tuple[int, list[Problem]]:
                 "write it in verl's schema (see scripts/make_data.py)",
             )
         ]
+    if not sources:
+        return 0, [Problem(key, path, "holds no rows", "point it at a file with data")]
     return len(sources), _unrewarded(sources, path, key, rewards)
 
 

@@ -1,0 +1,673 @@
+"""The catalogue of user mistakes: each is one clear error line, exit status 2, no traceback.
+
+Issue 15 tried minirl as a new user would, with bad config values, data files, model
+directories, plugins and rewards; too many ended in a traceback, a library's message that names
+no key, or a run that "succeeded" on nonsense. Every case here runs the real command line
+(`minirl.cli.main(argv)`, in this process; the few that need a real process or a signal run as
+subprocesses) and asserts the exit status, that the error line names the culprit (key, value,
+file or plugin) and that stderr holds no traceback. Most cases stop in the validation pass, so
+the whole catalogue takes well under a minute or two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from minirl.cli import main
+from tests.integration.conftest import ROOT
+
+BENCH = str(ROOT / "bench.toml")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def base(data_dir, tmp_path):
+    """argv of a tiny valid job (1 step, 2 prompts x 2 samples); a case appends its mistake."""
+    return [
+        "--config",
+        BENCH,
+        "--profile",
+        "cpu",
+        f'data.train_files=["{data_dir}/copy/train.parquet"]',
+        f'data.val_files=["{data_dir}/copy/test.parquet"]',
+        f"trainer.default_local_dir={tmp_path / 'runs'}",
+        "trainer.progress_bar=false",
+        "trainer.total_training_steps=1",
+        "data.train_batch_size=2",
+        "actor.ppo_mini_batch_size=2",
+        "rollout.n=2",
+        "data.max_response_length=2",
+        'trainer.logger=["jsonl"]',
+        "actor.use_kl_loss=false",
+    ]
+
+
+def fails(capsys, argv: list[str], *needles: str, lines: int | None = 1) -> str:
+    """Run the CLI; assert status 2, no traceback, and `lines` error lines naming every needle."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    assert "minirl: error:" in err, err
+    message = err[err.index("minirl: error:") :]
+    if lines is not None:
+        assert len(message.strip().splitlines()) == lines, message
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in: {message}"
+    return message
+
+
+def write_rows(path: Path, rows: list[dict] | None = None, **columns) -> str:
+    """A parquet file in verl's schema: `rows` of good copy-task rows, or explicit columns."""
+    if columns:
+        pq.write_table(pa.table(columns), path)
+        return str(path)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def good_row(i: int = 0, **changes) -> dict:
+    row = {
+        "data_source": "copy",
+        "prompt": [{"role": "user", "content": f"Repeat the digit {i % 10} twice."}],
+        "ability": "copy",
+        "reward_model": {"style": "rule", "ground_truth": str(i % 10) * 2},
+        "extra_info": {"index": i},
+    }
+    row.update(changes)
+    return row
+
+
+def files_override(path: str) -> str:
+    return f'data.train_files=["{path}"]'
+
+
+# ---------------------------------------------------------------------------------------------
+# config values (validation pass: nothing is loaded)
+# ---------------------------------------------------------------------------------------------
+
+CONFIG_CASES = {
+    "batch_zero": (["data.train_batch_size=0"], "data.train_batch_size = 0", "at least 1"),
+    "batch_negative": (["data.train_batch_size=-4"], "data.train_batch_size = -4"),
+    "batch_larger_than_data": (["data.train_batch_size=4000", "actor.ppo_mini_batch_size=4000"], "rows"),
+    "mini_zero": (["actor.ppo_mini_batch_size=0"], "actor.ppo_mini_batch_size = 0"),
+    "mini_negative": (["actor.ppo_mini_batch_size=-2"], "actor.ppo_mini_batch_size = -2"),
+    "mini_larger_than_batch": (["actor.ppo_mini_batch_size=4"], "actor.ppo_mini_batch_size = 4", "larger than"),
+    "mini_not_dividing": (["data.train_batch_size=6", "actor.ppo_mini_batch_size=4"], "does not divide"),
+    "micro_zero": (["actor.ppo_micro_batch_size_per_gpu=0"], "actor.ppo_micro_batch_size_per_gpu = 0"),
+    "rollout_micro_zero": (["rollout.log_prob_micro_batch_size_per_gpu=0"], "rollout.log_prob_micro_batch_size"),
+    "ref_micro_zero": (["ref.log_prob_micro_batch_size_per_gpu=0"], "ref.log_prob_micro_batch_size_per_gpu = 0"),
+    "token_budget_below_sequence": (["actor.ppo_max_token_len_per_gpu=10"], "actor.ppo_max_token_len_per_gpu = 10"),
+    "epochs_zero": (["actor.ppo_epochs=0"], "actor.ppo_epochs = 0"),
+    "loss_agg_mode": (["actor.loss_agg_mode=token_mean"], "actor.loss_agg_mode = 'token_mean'", "token-mean"),
+    "kl_ctrl_type": (["algorithm.kl_ctrl.type=fixd"], "algorithm.kl_ctrl.type = 'fixd'", "fixed"),
+    "clip_ratio_negative": (["actor.clip_ratio=-0.2"], "actor.clip_ratio = -0.2"),
+    "clip_ratio_c_one": (["actor.clip_ratio_c=1.0"], "actor.clip_ratio_c = 1.0"),
+    "grad_clip_zero": (["actor.grad_clip=0.0"], "actor.grad_clip = 0.0"),
+    "entropy_nan": (["actor.entropy_coeff=nan"], "actor.entropy_coeff = nan", "finite"),
+    "lr_negative": (["actor.optim.lr=-1e-6"], "actor.optim.lr = -1e-06"),
+    "lr_nan": (["actor.optim.lr=nan"], "actor.optim.lr = nan"),
+    "lr_inf": (["actor.optim.lr=inf"], "actor.optim.lr = inf"),
+    "betas": (["actor.optim.betas=[0.9]"], "actor.optim.betas = [0.9]"),
+    "warmup_style": (["actor.optim.warmup_style=linear"], "actor.optim.warmup_style = 'linear'"),
+    "n_zero": (["rollout.n=0"], "rollout.n = 0"),
+    "n_negative": (["rollout.n=-1"], "rollout.n = -1"),
+    "temperature_negative": (["rollout.temperature=-1.0"], "rollout.temperature = -1.0"),
+    "top_p_zero": (["rollout.top_p=0.0"], "rollout.top_p = 0.0", "(0, 1]"),
+    "top_p_above_one": (["rollout.top_p=1.5"], "rollout.top_p = 1.5"),
+    "max_response_zero": (["data.max_response_length=0"], "data.max_response_length = 0"),
+    "max_prompt_zero": (["data.max_prompt_length=0"], "data.max_prompt_length = 0"),
+    "truncation": (["data.truncation=both"], "data.truncation = 'both'"),
+    "gpu_memory_zero": (["rollout.gpu_memory_utilization=0.0"], "rollout.gpu_memory_utilization"),
+    "model_dtype_fp32": (["model.dtype=fp32"], "model.dtype = 'fp32'", "float32"),
+    "rollout_dtype": (["rollout.dtype=half"], "rollout.dtype = 'half'"),
+    "model_preset": (["model.preset=tiny2"], "model.preset = 'tiny2'", "qwen2-1.5b"),
+    "device_tpu": (["trainer.device=tpu"], "trainer.device = 'tpu'"),
+    "world_size_zero": (["trainer.world_size=0"], "trainer.world_size = 0"),
+    "n_gpus_zero": (["trainer.n_gpus_per_node=0"], "trainer.n_gpus_per_node = 0"),
+    "nnodes_two": (["trainer.nnodes=2"], "trainer.nnodes = 2"),
+    "sp_in_world_of_one": (["actor.ulysses_sequence_parallel_size=2"], "actor.ulysses_sequence_parallel_size = 2"),
+    "ref_sp": (["ref.ulysses_sequence_parallel_size=3"], "ref.ulysses_sequence_parallel_size = 3"),
+    "steps_minus_one": (["trainer.total_training_steps=-1"], "trainer.total_training_steps = -1"),
+    "zero_total_steps": (["trainer.total_training_steps=0", "trainer.total_epochs=0"], "trainer.total_epochs = 0"),
+    "test_freq_without_val": (["trainer.test_freq=1", "data.val_files=[]"], "trainer.test_freq = 1", "val_files"),
+    "no_train_files": (["data.train_files=[]"], "data.train_files = []"),
+    "gamma_above_one": (["algorithm.gamma=2.0"], "algorithm.gamma = 2.0"),
+    "kl_coef_negative": (["actor.kl_loss_coef=-0.1"], "actor.kl_loss_coef = -0.1"),
+    "max_nonfinite_zero": (["trainer.max_nonfinite_steps=0"], "trainer.max_nonfinite_steps = 0"),
+    "resume_mode": (["trainer.resume_mode=always"], "trainer.resume_mode = 'always'"),
+    "resume_path_without_path": (["trainer.resume_mode=resume_path"], "trainer.resume_from_path = ''"),
+    "max_ckpt_negative": (["trainer.max_ckpt_to_keep=-1"], "trainer.max_ckpt_to_keep = -1"),
+    "estimator_typo": (["algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator = 'grpoo'", "did you mean 'grpo'"),
+    "policy_loss_typo": (["actor.policy_loss=vanila"], "no such policy loss", "; registered: vanilla"),
+    "kl_loss_type": (["actor.use_kl_loss=true", "actor.kl_loss_type=k9"], "actor.kl_loss_type = 'k9'"),
+    "engine_name": (["rollout.name=vllm"], "rollout.name = 'vllm'", "no such rollout engine"),
+    "logger_name": (['trainer.logger=["consol"]'], "trainer.logger[0] = 'consol'", "console"),
+    "empty_experiment_name": (['trainer.experiment_name=""'], "trainer.experiment_name"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+def test_config_value_is_one_line(capsys, base, case):
+    """Each invalid config value stops the run before any model loads, on one line that names
+    the key, the value, where it came from (here: the command line) and the fix."""
+    overrides, *needles = CONFIG_CASES[case]
+    fails(capsys, base + overrides, *needles)
+
+
+def test_batches_that_do_not_divide_over_ranks(capsys, base):
+    """At world size 2 an odd batch (and so an odd mini-batch) cannot be split into whole prompts."""
+    argv = base + ["trainer.world_size=2", "data.train_batch_size=3", "actor.ppo_mini_batch_size=3"]
+    fails(capsys, argv, "data.train_batch_size = 3", "actor.ppo_mini_batch_size = 3", "2 data-parallel", lines=3)
+
+
+def test_cuda_without_cuda(capsys, base):
+    """trainer.device = 'cuda' on a machine without CUDA is a config error, not a torch crash."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    fails(capsys, base + ["trainer.device=cuda"], "trainer.device = 'cuda'", "CUDA is not available")
+
+
+def test_every_invalid_value_is_reported_at_once(capsys, base):
+    """One run reports all its mistakes, one line each, instead of one per attempt."""
+    bad = ["rollout.n=0", "actor.optim.lr=nan", "trainer.device=tpu", "actor.ppo_epochs=0"]
+    msg = fails(capsys, base + bad, "4 invalid config values", "rollout.n", "actor.optim.lr", lines=5)
+    assert "trainer.device" in msg and "actor.ppo_epochs" in msg
+
+
+def test_source_names_the_file_and_profile(capsys, tmp_path, base):
+    """The error says which layer set the value: a profile table of the config file."""
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(Path(BENCH).read_text() + "\n[profiles.bad.actor]\nppo_epochs = 0\n")
+    argv = ["--config", str(cfg), "--profile", "bad"] + base[4:]
+    fails(capsys, argv, "actor.ppo_epochs = 0", f"({cfg} [profiles.bad])")
+
+
+def test_print_config_validates_too(capsys, base):
+    """--print-config must not print a config that would fail to run."""
+    fails(capsys, base + ["--print-config", "rollout.n=0"], "rollout.n = 0")
+
+
+# ---------------------------------------------------------------------------------------------
+# the config file and the command line itself
+# ---------------------------------------------------------------------------------------------
+
+
+def test_unknown_key_suggests_the_closest(capsys, base):
+    msg = fails(capsys, base + ["actor.ppo_epoch=2"], "did you mean 'actor.ppo_epochs'")
+    assert "valid keys" not in msg
+
+
+def test_unknown_key_without_a_close_one_does_not_list_every_key(capsys, base):
+    """No wall of 30 keys: the line points at --print-config instead."""
+    msg = fails(capsys, base + ["actor.zzzzzz=2"], "unknown key actor.zzzzzz", "--print-config")
+    assert "actor.ppo_epochs" not in msg
+
+
+def test_unknown_section(capsys, base):
+    fails(capsys, base + ["rolout.n=2"], "unknown section [rolout]", "did you mean 'rollout'")
+
+
+def test_wrong_type(capsys, base):
+    fails(capsys, base + ["rollout.n=two"], "rollout.n must be int, got str 'two'")
+
+
+def test_override_without_equals(capsys, base):
+    fails(capsys, base + ["rollout.n"], "'rollout.n' is not an override")
+
+
+def test_config_is_a_directory(capsys, tmp_path):
+    fails(capsys, ["--config", str(tmp_path)], f"--config {tmp_path}: is a directory")
+
+
+def test_config_missing(capsys, tmp_path):
+    fails(capsys, ["--config", str(tmp_path / "nope.toml")], "no such file")
+
+
+def test_config_not_toml(capsys, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[actor\n")
+    fails(capsys, ["--config", str(bad)], "not valid TOML")
+
+
+def test_config_not_utf8(capsys, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"[actor]\nloss_agg_mode = '\xff'\n")
+    fails(capsys, ["--config", str(bad)], "not UTF-8")
+
+
+def test_missing_profile(capsys):
+    fails(capsys, ["--config", BENCH, "--profile", "tpu"], "--profile 'tpu'", "available: cpu")
+
+
+def test_output_directory_under_a_regular_file(capsys, tmp_path, base):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    fails(capsys, base + [f"trainer.default_local_dir={blocker / 'runs'}"], "trainer.default_local_dir", "is a file")
+
+
+# ---------------------------------------------------------------------------------------------
+# data files
+# ---------------------------------------------------------------------------------------------
+
+
+def test_train_file_missing(capsys, tmp_path, base):
+    fails(capsys, base + [files_override(str(tmp_path / "absent.parquet"))], "absent.parquet", "no such file")
+
+
+def test_train_file_is_a_directory(capsys, tmp_path, base):
+    fails(capsys, base + [files_override(str(tmp_path))], "is a directory")
+
+
+def test_train_file_not_parquet(capsys, tmp_path, base):
+    path = tmp_path / "rows.parquet"
+    path.write_text("data_source,prompt\ncopy,hi\n")
+    fails(capsys, base + [files_override(str(path))], "rows.parquet", "cannot read as parquet")
+
+
+def test_train_file_without_data_source(capsys, tmp_path, base):
+    path = write_rows(tmp_path / "d.parquet", prompt=["x", "y"])
+    fails(capsys, base + [files_override(path)], "d.parquet", "data_source")
+
+
+def test_non_utf8_data_source(capsys, tmp_path, base):
+    """Bytes that are not UTF-8 in a string column name the file, not a codec."""
+    bad = pa.array([b"copy", b"\xff\xfe"], pa.binary()).view(pa.string())
+    path = write_rows(tmp_path / "d.parquet", data_source=bad)
+    fails(capsys, base + [files_override(path)], "d.parquet")
+
+
+# the rest load past validation: the loader names file, row and field
+
+DATA_CASES = {
+    "no_reward_model_column": (lambda: {k: v for k, v in good_row().items() if k != "reward_model"}, "reward_model"),
+    "prompt_not_a_list": (lambda: good_row(prompt="Repeat 3"), "field 'prompt' must be"),
+    "prompt_empty": (lambda: good_row(prompt=[]), "empty list"),
+    "message_without_role": (lambda: good_row(prompt=[{"content": "hi"}]), "message 0"),
+    "ground_truth_missing": (lambda: good_row(reward_model={"style": "rule", "ground_truth": None}), "ground_truth"),
+    "data_source_empty": (lambda: good_row(data_source=""), "data_source"),
+    "extra_info_not_struct": (lambda: good_row(extra_info=[1, 2]), "field 'extra_info' must be"),
+    "ability_not_string": (lambda: good_row(ability=3), "field 'ability' must be"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DATA_CASES))
+def test_malformed_row_names_file_row_field(capsys, tmp_path, base, case):
+    """A malformed row is named by file:row and field; rows 0-7 are fine, row 8 is bad."""
+    make, needle = DATA_CASES[case]
+    bad = make()
+    rows = [{k: v for k, v in good_row(i).items() if k in bad} for i in range(8)] + [bad]
+    try:
+        table = pa.Table.from_pylist(rows)
+    except (pa.ArrowTypeError, pa.ArrowInvalid):  # parquet cannot mix the types: every row is bad
+        table, needle = pa.Table.from_pylist([bad] * 4), f"d.parquet:0: field {needle.split()[1]}"
+    pq.write_table(table, tmp_path / "d.parquet")
+    fails(capsys, base + [files_override(str(tmp_path / "d.parquet"))], "d.parquet", needle)
+
+
+def test_prompt_column_not_utf8(capsys, tmp_path, base):
+    rows = [good_row(i) for i in range(4)]
+    path = tmp_path / "d.parquet"
+    table = pa.Table.from_pylist(rows)
+    ability = pa.array([b"copy", b"copy", b"\xff", b"copy"], pa.binary()).view(pa.string())
+    table = table.set_column(table.column_names.index("ability"), "ability", ability)
+    pq.write_table(table, path)
+    fails(capsys, base + [files_override(str(path))], "d.parquet:2", "'ability'", "not UTF-8")
+
+
+def test_all_prompts_overlong(capsys, tmp_path, base):
+    fails(capsys, base + ["data.max_prompt_length=2"], "no prompts left", "data.max_prompt_length")
+
+
+def test_overlong_prompt_with_truncation_error(capsys, base):
+    fails(capsys, base + ["data.max_prompt_length=20", "data.filter_overlong_prompts=false"], "max_prompt_length = 20")
+
+
+def test_batch_larger_than_prompts_left_after_filtering(capsys, tmp_path, base):
+    """Validation counts rows; the loader counts what survives the length filter."""
+    rows = [good_row(i) for i in range(3)] + [good_row(9, prompt=[{"role": "user", "content": "x" * 200}])]
+    path = write_rows(tmp_path / "d.parquet", rows)
+    fails(
+        capsys,
+        base + [files_override(path), "data.train_batch_size=4", "actor.ppo_mini_batch_size=4"],
+        "data.train_batch_size = 4",
+        "3 prompts",
+    )
+
+
+def test_empty_file(capsys, tmp_path, base):
+    path = write_rows(tmp_path / "d.parquet", [good_row(0)])
+    pq.write_table(pq.read_table(path).slice(0, 0), path)
+    fails(capsys, base + [files_override(path)], "d.parquet", "no rows")
+
+
+# ---------------------------------------------------------------------------------------------
+# rewards
+# ---------------------------------------------------------------------------------------------
+
+
+def test_unknown_data_source_is_found_before_training(capsys, tmp_path, base):
+    """Every data_source needs a reward function: checked at start, not at the step that meets it."""
+    rows = [good_row(i) for i in range(50)] + [good_row(50, data_source="my_task")]
+    path = write_rows(tmp_path / "d.parquet", rows)
+    fails(capsys, base + [files_override(path)], "data_source 'my_task' (row 50)", "no reward function", "copy")
+
+
+def test_unknown_data_source_in_validation_files(capsys, tmp_path, base):
+    path = write_rows(tmp_path / "v.parquet", [good_row(0, data_source="gsm9k")])
+    fails(capsys, base + [f'data.val_files=["{path}"]', "trainer.val_before_train=true"], "data.val_files", "gsm9k")
+
+
+def test_data_source_of_a_plugin_reward_is_accepted(capsys, tmp_path, base, plugin_dir):
+    """The check reads the registry, so a plugin's reward function counts (print-config only)."""
+    module = plugin_dir(
+        "tmp_plugin_reward",
+        """
+        from minirl import hookimpl
+        @hookimpl
+        def minirl_reward_functions():
+            return {"my_task": lambda text, truth, extra: float(text == truth)}
+        """,
+    )
+    path = write_rows(tmp_path / "d.parquet", [good_row(i, data_source="my_task") for i in range(4)])
+    code = main(base + [files_override(path), f'plugins.modules=["{module}"]', "--print-config"])
+    assert code == 0, capsys.readouterr().err
+
+
+def test_reward_manager_error_is_a_user_error():
+    """Scoring a record whose data_source has no function is a UserError (one line), not a
+    ValueError traceback, when a trainer meets it."""
+    from minirl.errors import UserError
+    from minirl.reward import RewardManager
+
+    class Rec:
+        data_source, source = "nope", "f.parquet:3"
+
+    with pytest.raises(UserError, match=r"f.parquet:3: data_source 'nope' has no reward function"):
+        RewardManager({"copy": None}).score([Rec()], ["x"])
+
+
+# ---------------------------------------------------------------------------------------------
+# model directories
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The tiny preset saved as a Hugging Face directory, with the byte tokenizer."""
+    from minirl.models.loading import random_model
+    from minirl.models.presets import preset_config
+    from minirl.models.tokenizers import byte_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny-hf")
+    random_model(preset_config("tiny"), "cpu", __import__("torch").float32).save_pretrained(out)
+    byte_tokenizer().save_pretrained(out)
+    return out
+
+
+def copy_model(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name not in skip:
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_model_path_missing(capsys, tmp_path, base):
+    fails(capsys, base + [f"model.path={tmp_path / 'nope'}"], "model.path", "no such directory")
+
+
+def test_model_path_is_a_file(capsys, tmp_path, base):
+    f = tmp_path / "weights.bin"
+    f.write_text("x")
+    fails(capsys, base + [f"model.path={f}"], "model.path", "is a file")
+
+
+def test_model_path_without_config(capsys, tmp_path, base, model_dir):
+    d = copy_model(model_dir, tmp_path / "m", skip=("config.json",))
+    fails(capsys, base + [f"model.path={d}"], "model.path", "no config.json")
+
+
+def test_model_path_without_weights(capsys, tmp_path, base, model_dir):
+    d = copy_model(model_dir, tmp_path / "m", skip=("model.safetensors",))
+    fails(capsys, base + [f"model.path={d}"], "model.path", "no weights")
+
+
+def test_model_path_without_tokenizer(capsys, tmp_path, base, model_dir):
+    d = copy_model(model_dir, tmp_path / "m", skip=("tokenizer.json", "tokenizer_config.json"))
+    fails(capsys, base + [f"model.path={d}"], "model.path", "no tokenizer files")
+
+
+def test_corrupt_config_json(capsys, tmp_path, base, model_dir):
+    d = copy_model(model_dir, tmp_path / "m")
+    (d / "config.json").write_text('{"model_type": "qwen2",')
+    fails(capsys, base + [f"model.path={d}"], "model.path", "config.json is not valid JSON")
+
+
+def test_config_json_without_model_type(capsys, tmp_path, base, model_dir):
+    d = copy_model(model_dir, tmp_path / "m")
+    (d / "config.json").write_text("{}")
+    fails(capsys, base + [f"model.path={d}"], "model.path", "no model_type")
+
+
+def test_unknown_model_type(capsys, tmp_path, base, model_dir):
+    d = copy_model(model_dir, tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "model_type": "qwen9"}))
+    fails(capsys, base + [f"model.path={d}"], "model.path", "model_type 'qwen9'")
+
+
+def test_truncated_safetensors(capsys, tmp_path, base, model_dir):
+    d = copy_model(model_dir, tmp_path / "m")
+    weights = d / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    fails(capsys, base + [f"model.path={d}"], "model.safetensors is truncated")
+
+
+def test_weights_that_do_not_match_the_config(base, tmp_path, model_dir):
+    """Shapes that disagree with config.json fail at load, named by directory, with the cause.
+    (A subprocess: transformers prints its load report through a logging handler of its own.)"""
+    d = copy_model(model_dir, tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    run = cli(*base, f"model.path={d}")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    line = next(ln for ln in run.stderr.splitlines() if ln.startswith("minirl: error:"))
+    assert f"model.path = '{d}'" in line and "mismatch" in line and "MINIRL_DEBUG=1" in line
+
+
+def test_vocabulary_smaller_than_the_tokenizer(capsys, tmp_path, base):
+    """A tokenizer with ids past the embedding table fails at load, not in the first forward."""
+    from minirl.models.loading import random_model
+    from minirl.models.presets import preset_config
+    from minirl.models.tokenizers import byte_tokenizer
+
+    config = preset_config("tiny")
+    config.vocab_size, config.eos_token_id = 200, 199
+    d = tmp_path / "small-vocab"
+    random_model(config, "cpu", __import__("torch").float32).save_pretrained(d)
+    byte_tokenizer().save_pretrained(d)
+    fails(capsys, base + [f"model.path={d}"], "the tokenizer has 259 tokens", "200")
+
+
+def test_tokenizer_directory_missing(capsys, tmp_path, base):
+    fails(capsys, base + [f"model.tokenizer={tmp_path / 'tok'}"], "model.tokenizer", "is not a directory")
+
+
+def test_tokenizer_directory_without_files(capsys, tmp_path, base):
+    fails(capsys, base + [f"model.tokenizer={tmp_path}"], "model.tokenizer", "no tokenizer files")
+
+
+def test_attn_implementation_unknown(capsys, base):
+    fails(capsys, base + ["model.attn_implementation=flash9"], "model.attn_implementation = 'flash9'")
+
+
+# ---------------------------------------------------------------------------------------------
+# plugins
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def plugin_dir(tmp_path, monkeypatch):
+    """Write a throw-away plugin module on sys.path; returns its name."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = []
+
+    def write(name: str, body: str) -> str:
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+        names.append(name)
+        return name
+
+    yield write
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+PLUGIN_CASES = {
+    "syntax_error": ("def oops(:\n", "importing plugin module", "SyntaxError"),
+    "raises_at_import": ("raise RuntimeError('no licence key')\n", "RuntimeError: no licence key"),
+    "imports_missing_package": ("import not_a_package_xyz\n", "not_a_package_xyz"),
+    "hook_name_typo": (
+        "from minirl import hookimpl\n@hookimpl\ndef minirl_advantage_estimator():\n    return {}\n",
+        "'minirl_advantage_estimator'",
+        "did you mean 'minirl_advantage_estimators'",
+    ),
+    "hook_argument_typo": (
+        "from minirl import hookimpl\n@hookimpl\ndef minirl_on_step_end(step, metrix):\n    pass\n",
+        "metrix",
+    ),
+    "hook_raises": (
+        "from minirl import hookimpl\n@hookimpl\ndef minirl_loggers():\n    raise KeyError('cfg')\n",
+        "minirl_loggers()",
+        "KeyError",
+    ),
+    "answer_not_a_dict": (
+        "from minirl import hookimpl\n@hookimpl\ndef minirl_loggers():\n    return ['console']\n",
+        "must return a dict",
+    ),
+    "duplicate_name": (
+        "from minirl import hookimpl\n@hookimpl\ndef minirl_advantage_estimators():\n    return {'grpo': len}\n",
+        "'grpo' is registered twice",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLUGIN_CASES))
+def test_broken_plugin_module_is_named(capsys, base, plugin_dir, case):
+    """A plugin that does not import or register names itself and the original message."""
+    body, *needles = PLUGIN_CASES[case]
+    name = plugin_dir(f"tmp_plugin_{case}", body)
+    fails(capsys, base + [f'plugins.modules=["{name}"]'], name, *needles)
+
+
+def test_plugin_module_missing(capsys, base):
+    fails(capsys, base + ['plugins.modules=["tmp_plugin_absent"]'], "'tmp_plugin_absent'", "no such module")
+
+
+def test_plugin_error_under_debug_keeps_the_traceback(base, tmp_path):
+    """MINIRL_DEBUG=1 lets a plugin author see the full traceback of their own error."""
+    (tmp_path / "tmp_plugin_debug.py").write_text("raise RuntimeError('boom')\n")
+    env = {**os.environ, "MINIRL_DEBUG": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    run = cli(*base, 'plugins.modules=["tmp_plugin_debug"]', env=env)
+    assert run.returncode == 1 and "Traceback" in run.stderr and "RuntimeError: boom" in run.stderr
+
+
+ESTIMATOR = """
+import torch
+from minirl import hookimpl
+
+def broken(inputs, cfg):
+    {body}
+
+@hookimpl
+def minirl_advantage_estimators():
+    return {{"broken": broken}}
+"""
+
+
+def test_estimator_that_raises_is_named(capsys, base, plugin_dir):
+    name = plugin_dir("tmp_plugin_est_raise", ESTIMATOR.format(body="raise IndexError('group 7')"))
+    argv = base + [f'plugins.modules=["{name}"]', "algorithm.adv_estimator=broken"]
+    fails(capsys, argv, "advantage estimator 'broken'", "IndexError: group 7", name)
+
+
+def test_estimator_with_the_wrong_shape_is_named(capsys, base, plugin_dir):
+    body = "adv = inputs.token_rewards_BT.sum(-1)\n    return adv, adv"
+    name = plugin_dir("tmp_plugin_est_shape", ESTIMATOR.format(body=body))
+    argv = base + [f'plugins.modules=["{name}"]', "algorithm.adv_estimator=broken"]
+    fails(capsys, argv, "advantage estimator 'broken'", "expected [B, T]")
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line as a process
+# ---------------------------------------------------------------------------------------------
+
+
+def cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "minirl", *args], capture_output=True, text=True, cwd=ROOT, timeout=120, **kwargs
+    )
+
+
+def test_print_config_writes_valid_toml_to_stdout(tmp_path):
+    """The profile notice goes to stderr, so `--print-config > job.toml` is valid TOML."""
+    import tomllib
+
+    run = cli("--config", BENCH, "--print-config")
+    assert run.returncode == 0, run.stderr
+    assert "using profile" in run.stderr and "using profile" not in run.stdout
+    assert tomllib.loads(run.stdout)["model"]["preset"] == "tiny"
+
+
+def test_plugins_command_reads_the_config_and_is_in_help(tmp_path):
+    """`python -m minirl plugins --config X` lists the config's own plugin modules."""
+    (tmp_path / "tmp_plugin_listed.py").write_text(
+        "from minirl import hookimpl\n@hookimpl\ndef minirl_policy_losses():\n    return {'mine': len}\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    run = cli("plugins", "--config", BENCH, 'plugins.modules=["tmp_plugin_listed"]', env=env)
+    assert run.returncode == 0, run.stderr
+    assert "tmp_plugin_listed" in run.stdout and "mine" in run.stdout
+    assert "plugins" in cli("--help").stdout.split("options:")[0]
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path):
+    """Ctrl-C while the job starts: no KeyboardInterrupt traceback, exit status 130. A plugin
+    that is slow to import holds start-up still while the signal arrives."""
+    marker = tmp_path / "importing"
+    (tmp_path / "tmp_plugin_slow.py").write_text(
+        f"import pathlib, time\npathlib.Path({str(marker)!r}).touch()\ntime.sleep(60)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minirl", "--config", BENCH, "--profile", "cpu", 'plugins.modules=["tmp_plugin_slow"]'],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err
