@@ -1,0 +1,114 @@
+"""The numerical guard: a non-finite loss or gradient never reaches the weights (issue 15).
+
+Before it, an estimator plugin returning NaN advantages (or a NaN hyper-parameter) made every
+update NaN and the run "succeeded". Now the update skips that optimizer step, counts it, names
+the phase where the first non-finite value appeared, and NonFiniteGuard stops the run after
+trainer.max_nonfinite_steps bad steps in a row.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minirl import actor as actor_lib
+from minirl.batch import RolloutBatch, response_mask
+from minirl.config import load_config
+from minirl.dist import DistContext
+from minirl.errors import UserError
+from minirl.guard import PHASE_METRIC, STEPS_METRIC, NonFiniteGuard, phase_code, phase_name
+from minirl.models.loading import random_model
+from minirl.models.presets import preset_config
+from minirl.plugins import PluginManager
+
+CPU = DistContext(device=torch.device("cpu"))
+
+
+def _batch(n_seqs: int = 4) -> RolloutBatch:
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (5,), generator=gen).tolist() for _ in range(n_seqs)]
+    responses = [torch.randint(0, 256, (3,), generator=gen).tolist() for _ in range(n_seqs)]
+    batch = RolloutBatch(prompts, responses, torch.arange(n_seqs) // 2)
+    mask_BT = response_mask(responses, CPU.device)
+    batch.tensors.update(
+        mask=mask_BT,
+        old_log_probs=torch.full(mask_BT.shape, -5.0) * mask_BT,
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * mask_BT,
+    )
+    return batch
+
+
+def _update(batch: RolloutBatch, *overrides: str):
+    cfg = load_config(None, ["actor.ppo_mini_batch_size=1", "actor.optim.lr=0.1", *overrides])
+    model = random_model(preset_config("tiny"), "cpu", torch.float32)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.actor.optim.lr)
+    losses = actor_lib.Losses(PluginManager(entry_points=False)["policy_losses"].get("vanilla"))
+    metrics = actor_lib.update_actor(model, optimizer, batch, cfg.actor, 1.0, 3, losses, CPU, 2)
+    moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    finite = all(torch.isfinite(p).all() for p in model.parameters())
+    return metrics, moved, finite
+
+
+def test_finite_update_moves_the_weights_and_reports_zero():
+    metrics, moved, finite = _update(_batch())
+    assert moved and finite
+    assert metrics[STEPS_METRIC] == 0.0 and phase_name(metrics[PHASE_METRIC]) == ""
+
+
+def test_nan_advantages_skip_their_optimizer_step_and_name_the_phase():
+    """NaN advantages (a broken estimator plugin) in the first of two mini-batches: that step is
+    skipped, the second (finite) one updates, and the weights stay finite."""
+    batch = _batch()
+    batch.tensors["advantages"][1, 0] = float("nan")
+    metrics, moved, finite = _update(batch)
+    assert moved and finite
+    assert metrics[STEPS_METRIC] == 1.0
+    assert phase_name(metrics[PHASE_METRIC]) == "adv"
+
+
+def test_all_nan_advantages_leave_the_weights_exactly_as_they_were():
+    batch = _batch()
+    batch.tensors["advantages"].fill_(float("nan"))
+    metrics, moved, _ = _update(batch)
+    assert not moved
+    assert metrics[STEPS_METRIC] == 2.0 and phase_name(metrics[PHASE_METRIC]) == "adv"
+
+
+def test_nan_hyper_parameter_is_caught_as_loss():
+    """A NaN entropy coefficient (if it got past validation) poisons the loss, not the inputs."""
+    metrics, moved, _ = _update(_batch(), "actor.entropy_coeff=nan")
+    assert not moved
+    assert metrics[STEPS_METRIC] == 2.0 and phase_name(metrics[PHASE_METRIC]) == "loss"
+
+
+def _bad(phase: str = "adv") -> dict[str, float]:
+    return {STEPS_METRIC: 1.0, PHASE_METRIC: phase_code(phase)}
+
+
+def test_guard_stops_after_max_consecutive_bad_steps(capsys):
+    guard = NonFiniteGuard(3)
+    guard.observe(_bad(), step=4)
+    guard.observe(_bad(), step=5)
+    err = capsys.readouterr().err
+    assert "step 5: non-finite values (first in phase 'adv')" in err and "2 of trainer.max_nonfinite_steps" in err
+    with pytest.raises(UserError, match=r"step 6: 3 steps in a row \(from step 4\).*'adv'.*max_nonfinite_steps"):
+        guard.observe(_bad(), step=6)
+
+
+def test_a_finite_step_resets_the_count():
+    guard = NonFiniteGuard(2, verbose=False)
+    for step in range(1, 10):
+        guard.observe(_bad() if step % 2 else {STEPS_METRIC: 0.0, PHASE_METRIC: 0.0}, step)
+    assert guard.consecutive == 1 and guard.total == 5
+
+
+def test_guard_state_round_trips_for_resume():
+    """A resumed run continues the count: two bad steps before the checkpoint and one after stop it."""
+    guard = NonFiniteGuard(3, verbose=False)
+    guard.observe(_bad(), 1)
+    guard.observe(_bad(), 2)
+    resumed = NonFiniteGuard(3, verbose=False)
+    resumed.load_state_dict(guard.state_dict())
+    with pytest.raises(UserError, match="from step 1"):
+        resumed.observe(_bad("grad_norm"), 3)
