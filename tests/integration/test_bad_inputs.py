@@ -671,3 +671,27 @@ def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "interrupted" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# non-finite numbers
+# ---------------------------------------------------------------------------------------------
+
+
+def _guard_wired() -> bool:
+    return "NonFiniteGuard" in (ROOT / "minirl" / "trainer.py").read_text()
+
+
+@pytest.mark.skipif(not _guard_wired(), reason="the trainer does not call NonFiniteGuard.observe yet")
+def test_nan_advantages_from_a_plugin_stop_the_run(capsys, base, plugin_dir):
+    """An estimator returning NaN never reaches the weights, and the run does not "succeed":
+    after trainer.max_nonfinite_steps bad steps in a row it stops, naming the phase."""
+    body = "adv = torch.full_like(inputs.token_rewards_BT, float('nan'))\n    return adv, adv"
+    name = plugin_dir("tmp_plugin_est_nan", ESTIMATOR.format(body=body))
+    argv = base + [
+        f'plugins.modules=["{name}"]',
+        "algorithm.adv_estimator=broken",
+        "trainer.total_training_steps=4",
+        "trainer.max_nonfinite_steps=2",
+    ]
+    fails(capsys, argv, "step 2: 2 steps in a row", "'adv'", "trainer.max_nonfinite_steps")
