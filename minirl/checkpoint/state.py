@@ -1,7 +1,7 @@
 """What a full checkpoint holds, and writing and reading it on every rank.
 
     ckpt_<step>/
-      .metadata, __<r>_0.distcp   actor parameters and optimizer state: torch.distributed.checkpoint,
+      .metadata, __<r>_<i>.distcp actor parameters and optimizer state: torch.distributed.checkpoint,
                                   each rank writes its own shards (no funnel through rank 0), and a
                                   load reshards them to the current mesh (another dp size works)
       rng/rank<r>.pt              each rank's random streams: torch CPU (and CUDA), python, numpy
@@ -102,10 +102,15 @@ def _no_dist() -> bool:
     return not (tdist.is_available() and tdist.is_initialized())
 
 
+# files each rank writes in parallel; measured on one H200 (docs/benchmarks.md, checkpoint rows)
+WRITE_THREADS = int(os.environ.get("MINIRL_CKPT_WRITE_THREADS", "4"))
+
+
 def _dcp_save(parts: Checkpointable, path: str) -> None:
     model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
+    writer = dcp.FileSystemWriter(path, thread_count=WRITE_THREADS, sync_files=True)
     with _single_process_quiet():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, no_dist=_no_dist())
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer, no_dist=_no_dist())
 
 
 @contextlib.contextmanager
@@ -141,7 +146,7 @@ def _dcp_load(parts: Checkpointable, path: str) -> None:
             dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
     except (Exception, CheckpointException) as exc:  # DCP's own exception is a BaseException
         raise UserError(
-            f"checkpoint {path}: reading the model/optimizer shards (.metadata, __*_0.distcp) failed "
+            f"checkpoint {path}: reading the model/optimizer shards (.metadata, __*.distcp) failed "
             f"({_last_line(exc)}); the files are damaged or were written for another model; resume "
             "from an older checkpoint"
         ) from None

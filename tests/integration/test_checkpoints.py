@@ -84,6 +84,7 @@ def test_max_ckpt_to_keep_keeps_the_two_newest(tmp_path, small_data):
     "damage, named",
     [
         ("truncate:__0_0.distcp", "__0_0.distcp"),
+        ("truncate:__0_3.distcp", "__0_3.distcp"),
         ("delete:rng/rank0.pt", "rank0.pt"),
         ("garble:trainer_state.json", "trainer_state.json"),
         ("garble:.metadata", ".metadata"),

@@ -188,3 +188,16 @@ def test_world_1_checkpoint_resumes_at_world_2(tmp_path, small_data, straight):
     assert_clean_exit(resumed, 0)
     assert "resuming from step 3" in resumed.stdout and "resharded" in resumed.stdout
     assert [r["step"] for r in metrics(run)] == [4, 5, 6]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sigkill_then_resume_on_cuda_matches_the_straight_run(tmp_path, small_data):
+    """On one GPU (one-rank NCCL group, FSDP2 bf16 compute over fp32 masters, CUDA RNG state):
+    a killed-and-resumed run reproduces the uninterrupted one's metrics and weights."""
+    cuda = ("trainer.device=cuda", "trainer.save_freq=3")
+    assert_clean_exit(job(tmp_path / "a", small_data, *cuda), 0)
+    crashed = job(tmp_path / "b", small_data, *cuda, env={"MINIRL_TEST_CRASH": "after_step:4"})
+    assert crashed.returncode == -signal.SIGKILL
+    assert_clean_exit(job(tmp_path / "b", small_data, *cuda), 0)
+    assert_same_run(tmp_path / "b" / "bench", tmp_path / "a" / "bench")
