@@ -38,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="a TOML config file (see bench.toml)")
     p.add_argument("--profile", help="a [profiles.NAME] table of the config; default: cpu without CUDA, else h200")
-    p.add_argument("--print-config", action="store_true", help="validate, print the resolved config as TOML, exit")
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="validate the values (not the files), print the resolved config as TOML, exit",
+    )
     p.add_argument("overrides", nargs="*", help="section.key=value (value parsed as TOML)")
     return p
 
@@ -95,7 +99,7 @@ def run(argv: list[str]) -> int:
     pm, cfg = resolve(args)
     from minirl.validate import validate
 
-    validate(cfg, pm)
+    validate(cfg, pm, files=not args.print_config)
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0

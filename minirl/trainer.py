@@ -26,6 +26,7 @@ from minirl.config import Config, to_toml
 from minirl.data import PromptLoader, expand_groups, load_prompts
 from minirl.dist import DistContext
 from minirl.errors import Stopped, UserError
+from minirl.guard import NonFiniteGuard
 from minirl.kl_control import apply_kl_in_reward, build_kl_controller
 from minirl.metrics import PhaseTimer, summary_table
 from minirl.protocols import AdvantageInputs, EngineContext, SamplingParams
@@ -54,7 +55,9 @@ class Trainer:
         self.losses = self._build_losses()
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.val = self._build_val()
+        self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_steps, verbose=dist.is_main)
         self.history: list[dict[str, float]] = []
+        self.val_scores: list[tuple[int, float]] = []  # (step, greedy validation score)
         self.start_step = self._resume()  # last: restores the random streams too
         self.loggers = self._build_loggers()
 
@@ -176,6 +179,7 @@ class Trainer:
                 if self._validate_after(step):
                     metrics.update(self.validate())
                 self._log(metrics, step)
+                self.guard.observe(metrics, step)  # after the log: the bad step is on record
                 faults.maybe_crash("after_step", step)
                 signum = stop.agreed(self.dist.device)
                 self._save_due(step, force=signum is not None)
@@ -243,6 +247,7 @@ class Trainer:
             },
             "scheduler": self.scheduler.state_dict(),
             "kl_coef": None if self.kl_ctrl is None else self.kl_ctrl.value,
+            "nonfinite_guard": self.guard.state_dict(),
             "seed": self.cfg.trainer.seed,
             "world_size": self.dist.world_size,
         }
@@ -264,6 +269,7 @@ class Trainer:
         self.scheduler.load_state_dict(trainer_state["scheduler"])
         if self.kl_ctrl is not None and trainer_state.get("kl_coef") is not None:
             self.kl_ctrl.value = float(trainer_state["kl_coef"])
+        self.guard.load_state_dict(trainer_state.get("nonfinite_guard", self.guard.state_dict()))
         if trainer_state.get("world_size") != self.dist.world_size:
             self._print(
                 f"minirl: the checkpoint was written by {trainer_state.get('world_size')} rank(s), this run has "
@@ -433,6 +439,8 @@ class Trainer:
     def _log(self, metrics: dict[str, float], step: int) -> None:
         if step > 0:  # step 0 is the validation before training
             self.history.append(metrics)
+        if "val/score/mean" in metrics:
+            self.val_scores.append((step, metrics["val/score/mean"]))
         self.pm.hook.minirl_on_step_end(step=step, metrics=metrics)
         for logger in self.loggers:
             logger.log(metrics, step)
@@ -443,6 +451,9 @@ class Trainer:
             logger.close()
         if self.history:
             self._print("\n" + summary_table(self.history, first_step=self.start_step + 1))
+        if self.val_scores:
+            scores = " -> ".join(f"{score:.3f} (step {step})" for step, score in self.val_scores)
+            self._print(f"validation score (greedy, data.val_files): {scores}")
         return self.history
 
     def _print(self, text: str) -> None:

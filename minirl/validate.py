@@ -29,14 +29,16 @@ class Problem:
     fix: str
 
 
-def validate(cfg: Config, pm) -> None:
-    """Raise one ConfigError that lists every problem, or return quietly."""
-    problems = find_problems(cfg, pm)
+def validate(cfg: Config, pm, files: bool = True) -> None:
+    """Raise one ConfigError that lists every problem, or return quietly. files=False skips the
+    checks of data, model and output paths (--print-config: a config may be printed on a machine
+    that does not hold the job's files)."""
+    problems = find_problems(cfg, pm, files)
     if problems:
         raise ConfigError(report(problems, cfg))
 
 
-def find_problems(cfg: Config, pm) -> list[Problem]:
+def find_problems(cfg: Config, pm, files: bool = True) -> list[Problem]:
     """Every problem, at most one per key (the first rule a key breaks)."""
     from minirl.validate_files import file_problems
     from minirl.validate_values import value_problems
@@ -45,7 +47,7 @@ def find_problems(cfg: Config, pm) -> list[Problem]:
     for check in (value_problems, _batches, _device, _layout, _steps, _resume):
         for p in check(cfg, pm):
             found.setdefault(p.key, p)
-    if not any(k.startswith(("data.", "trainer.total")) for k in found):  # file checks need sane sizes
+    if files and not any(k.startswith(("data.", "trainer.total")) for k in found):  # need sane sizes
         for p in file_problems(cfg, pm):
             found.setdefault(f"{p.key}:{p.value}", p)
     return list(found.values())

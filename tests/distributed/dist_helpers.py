@@ -86,6 +86,8 @@ def run_cli(
         f'data.train_files=["{data_dir}/copy/train.parquet"]',
         f"trainer.default_local_dir={tmp_path}",
         "trainer.progress_bar=false",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
         "trainer.world_size=2",
         "trainer.collective_timeout_s=120",
         "data.train_batch_size=4",

@@ -45,6 +45,8 @@ def make_trainer(tmp_path: Path, data_dir: Path, overrides: list[str], profile: 
         f'data.val_files=["{data_dir}/copy/test.parquet"]',
         f"trainer.default_local_dir={tmp_path}",
         "trainer.progress_bar=false",
+        "trainer.val_before_train=false",  # tests that validate say so
+        "trainer.test_freq=-1",
     ]
     cfg = load_config(str(ROOT / "bench.toml"), base + overrides, profile=profile)
     from minirl.trainer import Trainer

@@ -47,6 +47,8 @@ def base(data_dir, tmp_path):
         f'data.val_files=["{data_dir}/copy/test.parquet"]',
         f"trainer.default_local_dir={tmp_path / 'runs'}",
         "trainer.progress_bar=false",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
         "trainer.total_training_steps=1",
         "data.train_batch_size=2",
         "actor.ppo_mini_batch_size=2",
@@ -201,7 +203,8 @@ def test_source_names_the_file_and_profile(capsys, tmp_path, base):
 
 
 def test_print_config_validates_too(capsys, base):
-    """--print-config must not print a config that would fail to run."""
+    """--print-config must not print a config whose values would fail to run (its files are
+    not checked: a config may be printed where the data is not)."""
     fails(capsys, base + ["--print-config", "rollout.n=0"], "rollout.n = 0")
 
 
@@ -678,11 +681,6 @@ def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def _guard_wired() -> bool:
-    return "NonFiniteGuard" in (ROOT / "minirl" / "trainer.py").read_text()
-
-
-@pytest.mark.skipif(not _guard_wired(), reason="the trainer does not call NonFiniteGuard.observe yet")
 def test_nan_advantages_from_a_plugin_stop_the_run(capsys, base, plugin_dir):
     """An estimator returning NaN never reaches the weights, and the run does not "succeed":
     after trainer.max_nonfinite_steps bad steps in a row it stops, naming the phase."""

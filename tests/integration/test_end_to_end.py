@@ -33,7 +33,7 @@ def test_cpu_profile_three_steps_pass_through_every_phase(tmp_path, data_dir, ca
         ):
             assert key in metrics, key
     out = capsys.readouterr().out
-    assert "batch: 16 prompts x n=8 = 128 sequences/step" in out
+    assert "batch: 16 prompts x n=16 = 256 sequences/step" in out
     assert "step throughput" in out and "prompt+response tokens" in out
     lines = (tmp_path / "bench" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
