@@ -188,3 +188,56 @@ def test_metrics_jsonl_is_strict_json_and_a_resume_drops_lines_past_the_checkpoi
     resumed.log({"loss": 0.25}, 3)
     resumed.close()
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_tensorboard_continues_the_same_run_after_a_resume(tmp_path):
+    """The resumed writer purges the events the interrupted run wrote past the checkpoint, so
+    each step has one value: the resumed one."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from minirl.config_schema import TrainerConfig
+    from minirl_plugins.loggers import TensorboardLogger
+
+    first = TensorboardLogger(TrainerConfig(), str(tmp_path))
+    for step in (1, 2, 3, 4):
+        first.log({"loss": float(step)}, step)
+    first.close()  # the crash happened after step 4; the checkpoint is at step 2
+    resumed = TensorboardLogger(TrainerConfig(), str(tmp_path))
+    resumed.resume(2)
+    resumed.log({"loss": 30.0}, 3)
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_a_second_signal_stops_at_once(tmp_path):
+    """Two SIGTERMs more than a second apart: the second exits immediately (128 + 15) without
+    waiting for the step or the checkpoint; a repeat within the second counts once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import os, signal, sys, time\n"
+        "from minirl.signals import StopRequest\n"
+        "with StopRequest() as stop:\n"
+        "    print('ready', flush=True)\n"
+        "    deadline = time.monotonic() + 30\n"
+        "    while time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n"
+        "print('finished the step', stop.signum, flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)  # the same signal delivered twice (scheduler + forwarding)
+    time.sleep(1.3)
+    assert proc.poll() is None, "a repeat within a second must not stop the process"
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=20)
+    assert time.monotonic() - t0 < 5 and proc.returncode == 128 + signal.SIGTERM
+    assert "finished the step" not in out and "second SIGTERM: stopping now" in err and "Traceback" not in err
