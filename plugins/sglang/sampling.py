@@ -1,0 +1,59 @@
+"""Our SamplingParams to SGLang's sampling_params dict, and SGLang's outputs to Completions.
+
+The translation, exactly:
+- temperature 0 is a greedy request: SGLang turns temperature < 1e-6 into top_k = 1 and returns
+  log_softmax of the raw logits, which is what our protocol calls greedy log-probs.
+- top_k <= 0 ("disabled" here) is -1 there: SGLang rejects 0 and reads -1 as the whole vocabulary
+  in every version (0.5.20+ normalise -1 to TOP_K_ALL).
+- EOS and stop ids: the engine is built from a config whose eos_token_id is removed (engine.py),
+  so SGLang stops only on the ids we send as stop_token_ids: ctx.eos_token_ids (unless
+  ignore_eos) plus params.stop_token_ids. SGLang's own ignore_eos would also drop stop_token_ids,
+  which our protocol keeps; so it is always sent as False.
+- n samples per prompt: the prompts are repeated here, prompt-major, and sent with n = 1 (SGLang's
+  n > 1 warms up a prefix first and warns above 128 prompts; the radix cache shares the prefix).
+- params.seed is not sent: SGLang's per-request sampling_seed is honoured only under deterministic
+  inference, where the n copies of one prompt would sample the same tokens. The engine's
+  random_seed is fixed at build.
+"""
+
+from __future__ import annotations
+
+from minirl.protocols import Completion, SamplingParams
+
+FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+def sampling_dict(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> dict:
+    """The sampling_params of one request."""
+    stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    return {
+        "max_new_tokens": int(params.max_new_tokens),
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": int(params.top_k) if params.top_k > 0 else -1,
+        "stop_token_ids": sorted(stop),
+        "ignore_eos": False,
+    }
+
+
+def repeat_prompts(prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Each prompt n times in a row: completion i*n + j is sample j of prompt i."""
+    return [list(map(int, prompt)) for prompt in prompts for _ in range(n)]
+
+
+def to_completion(output: dict, index: int) -> Completion:
+    """One SGLang output dict -> Completion (ids incl. the stop token, log-probs, finish reason)."""
+    meta = output["meta_info"]
+    reason = meta.get("finish_reason") or {}
+    kind = reason.get("type") if isinstance(reason, dict) else None
+    if kind not in FINISH_REASONS:
+        raise RuntimeError(f"sglang request {index} did not finish normally: finish_reason = {reason!r}")
+    token_ids = [int(t) for t in output["output_ids"]]
+    logprobs = [float(lp) for lp, _tok, *_ in meta["output_token_logprobs"]]
+    logprob_ids = [int(tok) for _lp, tok, *_ in meta["output_token_logprobs"]]
+    if logprob_ids != token_ids:
+        raise RuntimeError(
+            f"sglang request {index}: output_token_logprobs name tokens {logprob_ids[:8]}... but output_ids "
+            f"are {token_ids[:8]}...; the log-probs would not belong to the tokens"
+        )
+    return Completion(token_ids, logprobs, FINISH_REASONS[kind])

@@ -1,0 +1,1 @@
+"""Part of the fake sglang package (see sglang/__init__.py)."""
