@@ -10,13 +10,14 @@ needs the torch_memory_saver package), update_weights_bucket_megabytes, max_num_
 What each SGLang version gets (found by inspection, api.detect; checked against the newest
 wheel by scripts/check_sglang_api.py):
 
-| SGLang          | weight payload                         | weight session          | release/resume tags     |
-|-----------------|----------------------------------------|-------------------------|-------------------------|
-| 0.4.10          | (name, tensor) lists                   | none                    | kv_cache                |
-| 0.5.5 - 0.5.13  | flattened buckets, one dtype per bucket | none                    | kv_cache, cuda_graph    |
-| 0.5.14 - 0.5.20 | flattened buckets, mixed dtypes        | none                    | kv_cache, cuda_graph    |
-| 0.5.21 - 0.5.23 | flattened buckets, mixed dtypes        | begin/end_weight_update | kv_cache, cuda_graph    |
+| SGLang               | weight payload                          | weight session          | release tags         |
+|----------------------|-----------------------------------------|-------------------------|----------------------|
+| 0.4.10               | (name, tensor) lists                    | none                    | kv_cache             |
+| 0.5.5 to before 0.5.14 | flattened buckets, one dtype per bucket | none                  | kv_cache, cuda_graph |
+| 0.5.14 - 0.5.20      | flattened buckets, mixed dtypes         | none                    | kv_cache, cuda_graph |
+| 0.5.21 - 0.5.23      | flattened buckets, mixed dtypes         | begin/end_weight_update | kv_cache, cuda_graph |
 
+Rows 0.4.10, 0.5.14 and 0.5.23 are read from those wheels' source; the 0.5.5 row is from notes.
 Tested against a fake of 0.4.10, 0.5.14 and 0.5.23 (tests/fakes/sglang); never against a real
 SGLang on a GPU (docs/benchmarks.md says why).
 """

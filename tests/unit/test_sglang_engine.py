@@ -273,3 +273,18 @@ def test_buckets_respect_the_budget_and_dtypes():
     assert by_dtype == [["w0", "w1", "w2"], ["w3", "w4"]]
     assert [len(b) for b in buckets([("big", torch.zeros(1000))], 10, False)] == [1]
     assert math.isclose(sum(t.numel() for b in buckets(named, 800, False) for _, t in b), 500)
+
+
+def test_every_engine_call_is_in_the_checked_api(fake, qwen2):
+    """scripts/check_sglang_api.py checks what api.py lists; a call the plugin makes must be listed."""
+    from minirl_plugins.sglang.api import USED_METHODS
+
+    eng = _engine(qwen2)
+    eng.generate(PROMPTS, SamplingParams(max_new_tokens=2))
+    eng.release_memory()
+    eng.resume_memory()
+    fake_engine = eng.engine
+    eng.shutdown()
+    listed = {method for module, cls, method, _, _ in USED_METHODS if cls == "Engine"}
+    assert {name for name, _ in fake_engine.calls} <= listed
+    assert ("shutdown", None) in fake_engine.calls
