@@ -58,13 +58,16 @@ def buckets(weights: Iterable[tuple[str, torch.Tensor]], budget_bytes: int, spli
 
 
 def check(result, what: str) -> None:
-    """Raise unless an SGLang reply reports success: (success, message) or an object with .success."""
+    """Raise unless an SGLang reply reports success: (success, message) or an object with .success.
+    A reply of neither shape raises too: a sync whose outcome cannot be read is not a success."""
     if isinstance(result, tuple) and result and isinstance(result[0], bool):
         success, message = result[0], (result[1] if len(result) > 1 else "")
+    elif hasattr(result, "success"):
+        success, message = result.success, getattr(result, "message", "")
     else:
-        success, message = getattr(result, "success", True), getattr(result, "message", "")
+        raise RuntimeError(f"sglang {what}: unrecognised reply {result!r}; cannot tell whether it succeeded")
     if success is not True:
-        raise RuntimeError(f"sglang {what} failed: {message or result!r}; the engine's weights are not the actor's")
+        raise RuntimeError(f"sglang {what} failed: {message or result!r}; the engine may not hold the actor's weights")
 
 
 class WeightSync:

@@ -288,3 +288,13 @@ def test_every_engine_call_is_in_the_checked_api(fake, qwen2):
     listed = {method for module, cls, method, _, _ in USED_METHODS if cls == "Engine"}
     assert {name for name, _ in fake_engine.calls} <= listed
     assert ("shutdown", None) in fake_engine.calls
+
+
+def test_replies_that_do_not_say_success_raise():
+    """A refused or unreadable reply is an error, never a silent pass."""
+    from minirl_plugins.sglang.weights import check
+
+    check((True, "Success"), "x")
+    for reply in [(False, "refused"), None, "ok", type("Out", (), {"success": False})()]:
+        with pytest.raises(RuntimeError, match="sglang x"):
+            check(reply, "x")
