@@ -138,7 +138,10 @@ class TrainerConfig:
     total_training_steps: int = 0  # 0: derived from epochs and data size
     n_gpus_per_node: int = 1
     nnodes: int = 1
-    world_size: int = 1  # CPU processes (tests); on GPU the world is nnodes * n_gpus_per_node
+    world_size: int = 1  # CPU processes in all (tests); on GPU the world is nnodes * n_gpus_per_node
+    launcher: str = "auto"  # auto | local | torchrun | ray (or a plugin's); docs/multinode.md
+    ray_address: str = ""  # the Ray cluster (HEAD_IP:6379, or "auto"); "": RAY_ADDRESS if set
+    ray_placement_timeout_s: int = 120  # the ray launcher's wait for the cluster's GPUs/CPUs
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 1
     default_local_dir: str = "runs"  # run directories go under it

@@ -22,6 +22,7 @@ from minirl.protocols import (
     AdvantageEstimator,
     EngineFactory,
     KLEstimator,
+    Launcher,
     LoggerFactory,
     PolicyLoss,
     RewardFunction,
@@ -118,6 +119,20 @@ def minirl_config_sections() -> dict[str, type]:
     :return: section name -> frozen dataclass type with defaults for every field.
 
     Built-in: none (the core sections are fixed).
+    """
+
+
+@hookspec
+def minirl_launchers() -> dict[str, Launcher]:
+    """Register launchers: how the ranks of a job are started.
+
+    Called once at start-up; every plugin's answer is merged.
+
+    :return: name -> launcher(cfg, pm, job) -> exit status, selected by ``trainer.launcher``
+        (``auto``: torchrun under torchrun, ray for ``trainer.nnodes > 1`` or a Ray address,
+        else local). A launcher ends in ``minirl.spmd.init_from_env`` on every rank.
+
+    Built-in: ``minirl_plugins.launchers`` (local, torchrun), ``minirl_plugins.ray_launcher`` (ray).
     """
 
 

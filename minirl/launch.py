@@ -1,5 +1,5 @@
-"""Start a job: in-process on one device or CPU, or one worker per device (minirl.spmd:
-trainer.n_gpus_per_node GPUs, trainer.world_size CPU processes, or under torchrun)."""
+"""Start a job: the chosen launcher (minirl.launchers: local, torchrun, ray) runs `fit` on
+every rank."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from minirl.dist import DistContext
 
 def launch(cfg, pm) -> int:
     """Run the job; returns the exit status (0, 1 for a crash, 2 for a user error)."""
-    from minirl import spmd
+    from minirl import launchers
 
-    return spmd.launch(cfg, pm, fit)
+    return launchers.launch(cfg, pm, fit)
 
 
 def fit(cfg, pm, dist: DistContext) -> None:

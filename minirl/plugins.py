@@ -32,6 +32,8 @@ BUILTIN_MODULES = (
     "minirl_plugins.checkpointing",
     "minirl_plugins.ulysses",
     "minirl_plugins.fsdp2",
+    "minirl_plugins.launchers",
+    "minirl_plugins.ray_launcher",
 )
 
 ENTRY_POINT_GROUP = "minirl"
@@ -44,6 +46,7 @@ REGISTRIES = {
     "rollout_engines": "minirl_rollout_engines",
     "loggers": "minirl_loggers",
     "config_sections": "minirl_config_sections",
+    "launchers": "minirl_launchers",
 }
 
 # The config key that selects from each registry, for error messages.
@@ -55,6 +58,7 @@ SELECTED_BY = {
     "rollout_engines": "rollout.name",
     "loggers": "trainer.logger",
     "config_sections": "a [section] of the config file",
+    "launchers": "trainer.launcher",
 }
 
 
@@ -67,6 +71,7 @@ COMPONENT = {
     "rollout_engines": "rollout engine",
     "loggers": "logger",
     "config_sections": "config section",
+    "launchers": "launcher",
 }
 
 BUILTIN_PREFIX = "minirl_plugins."

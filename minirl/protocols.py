@@ -188,3 +188,15 @@ class MetricsLogger(Protocol):
 
 LoggerFactory = Callable[[Any, str], MetricsLogger]
 """factory(trainer_cfg, run_dir) -> logger; trainer_cfg is the `trainer` config section."""
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------------
+
+Job = Callable[[Any, Any, Any], None]
+"""job(cfg, pm, dist): what every rank runs (minirl.launch.fit); module level, so it pickles."""
+
+Launcher = Callable[[Any, Any, Job], int]
+"""launcher(cfg, pm, job) -> exit status: starts the ranks, runs job on each, reports the first
+failure once (0 ok, 1 crash, 2 user error, 128 + signal stopped after a checkpoint)."""

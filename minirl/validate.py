@@ -44,7 +44,7 @@ def find_problems(cfg: Config, pm, files: bool = True) -> list[Problem]:
     from minirl.validate_values import value_problems
 
     found: dict[str, Problem] = {}
-    for check in (value_problems, _batches, _device, _layout, _steps, _resume):
+    for check in (value_problems, _batches, _launcher, _device, _layout, _steps, _resume):
         for p in check(cfg, pm):
             found.setdefault(p.key, p)
     if files and not any(k.startswith(("data.", "trainer.total")) for k in found):  # need sane sizes
@@ -119,10 +119,37 @@ def _token_budgets(cfg: Config) -> list[Problem]:
     return out
 
 
+def _launcher(cfg: Config, pm) -> list[Problem]:
+    """The launcher exists and fits the job: one node for local, torchrun's variables for torchrun."""
+    from minirl.launchers import AUTO, choose
+    from minirl.spmd import under_torchrun
+
+    t, key = cfg.trainer, "trainer.launcher"
+    if t.launcher != AUTO and t.launcher not in pm["launchers"]:
+        names = ", ".join([AUTO, *sorted(pm["launchers"].items)])
+        return [Problem(key, t.launcher, "no such launcher", f"choose one of {names}")]
+    name, _ = choose(t)
+    if name == "local" and t.nnodes > 1:
+        rule = "the local launcher starts the processes of one machine"
+        return [Problem("trainer.nnodes", t.nnodes, rule, "use trainer.launcher = 'ray' (or 'auto') for several nodes")]
+    if name == "local" and under_torchrun():
+        return [Problem(key, t.launcher, "RANK and WORLD_SIZE are set (torchrun)", "use 'auto' or 'torchrun'")]
+    if name == "torchrun" and not under_torchrun():
+        return [Problem(key, t.launcher, "RANK and WORLD_SIZE are not set", "start with torchrun, or use 'auto'")]
+    if t.device != "cuda" and t.nnodes > 1 and t.world_size % t.nnodes:
+        rule = f"CPU processes in all, which must split evenly over trainer.nnodes = {t.nnodes}"
+        return [Problem("trainer.world_size", t.world_size, rule, f"use a multiple of {t.nnodes}")]
+    return []
+
+
 def _device(cfg: Config, pm) -> list[Problem]:
     t = cfg.trainer
     if t.device not in ("cuda", "auto"):
         return []
+    from minirl.launchers import choose
+
+    if choose(t)[0] == "ray":
+        return []  # the GPUs are the Ray cluster's, not this machine's (the launcher checks them)
     import torch
 
     if t.device == "cuda" and not torch.cuda.is_available():
@@ -138,7 +165,7 @@ def _device(cfg: Config, pm) -> list[Problem]:
 
 
 def world_size(cfg: Config) -> int:
-    """Worker processes of the job: torchrun's WORLD_SIZE, else GPUs per node, else CPU processes."""
+    """Worker processes of the job: torchrun's WORLD_SIZE, else GPUs of all nodes, else CPU processes."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     device = cfg.trainer.device
@@ -146,7 +173,7 @@ def world_size(cfg: Config) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.trainer.n_gpus_per_node if device == "cuda" else cfg.trainer.world_size
+    return cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes if device == "cuda" else cfg.trainer.world_size
 
 
 def _layout(cfg: Config, pm) -> list[Problem]:

@@ -38,7 +38,7 @@ _FREE_KEYS = {
         "project_name experiment_name total_epochs total_training_steps n_gpus_per_node nnodes world_size "
         "device default_local_dir logger progress_bar test_freq save_freq save_hf_freq max_ckpt_to_keep "
         "resume_mode resume_from_path resume_ignore_config_changes val_before_train collective_timeout_s "
-        "peak_flops max_nonfinite_steps"
+        "peak_flops max_nonfinite_steps launcher ray_address ray_placement_timeout_s"
     ),
     "data": "val_files",
     "model": "enable_gradient_checkpointing",

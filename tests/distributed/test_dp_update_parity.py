@@ -20,6 +20,7 @@ from minirl import assembly, spmd
 from minirl.batch import RolloutBatch, response_mask, select_micro, split_micro
 from minirl.dist import DistContext
 from minirl.forward import response_logprobs
+from minirl.launchers import spawn
 from minirl.plugins import PluginManager
 
 pytestmark = pytest.mark.distributed
@@ -127,7 +128,7 @@ def _worker(rank: int, out_path: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dp_update") / "results.json"
-    assert spmd.spawn(_worker, 2, (str(out),)) == 0, "a worker failed: see its traceback above"
+    assert spawn.spawn(_worker, 2, (str(out),)) == 0, "a worker failed: see its traceback above"
     return h.read_results(out)
 
 

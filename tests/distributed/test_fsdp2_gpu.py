@@ -10,6 +10,7 @@ import torch
 
 from minirl import assembly, spmd
 from minirl.forward import response_logprobs
+from minirl.launchers import spawn
 from minirl.plugins import PluginManager
 
 pytestmark = [
@@ -76,7 +77,7 @@ def _worker(rank: int, out_path: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2_gpu") / "results.json"
-    assert spmd.spawn(_worker, 2, (str(out),)) == 0, "a worker failed: see its traceback above"
+    assert spawn.spawn(_worker, 2, (str(out),)) == 0, "a worker failed: see its traceback above"
     return h.read_results(out)
 
 

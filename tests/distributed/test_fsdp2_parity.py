@@ -15,6 +15,7 @@ import torch.distributed as tdist
 
 from minirl import assembly, spmd
 from minirl.forward import response_logprobs
+from minirl.launchers import spawn
 from minirl.plugins import PluginManager
 
 pytestmark = pytest.mark.distributed
@@ -157,7 +158,7 @@ def _worker(rank: int, out_path: str, ckpt_dir: str) -> None:
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2") / "results.json"
     ckpt_dir = tmp_path_factory.mktemp("fsdp2_checkpoint")
-    assert spmd.spawn(_worker, 2, (str(out), str(ckpt_dir))) == 0, "a worker failed: see its traceback above"
+    assert spawn.spawn(_worker, 2, (str(out), str(ckpt_dir))) == 0, "a worker failed: see its traceback above"
     return h.read_results(out)
 
 

@@ -15,6 +15,7 @@ from minirl import assembly, spmd
 from minirl.config import load_config
 from minirl.errors import UserError
 from minirl.forward import response_logprobs
+from minirl.launchers import spawn
 from minirl.plugins import PluginManager
 
 pytestmark = pytest.mark.distributed
@@ -46,7 +47,7 @@ def test_spawned_workers_build_the_dp_sp_mesh():
         "data.train_batch_size=2",
         "actor.ppo_mini_batch_size=2",
     )
-    assert spmd.spawn(_mesh_worker, 2, (cfg,)) == 0
+    assert spawn.spawn(_mesh_worker, 2, (cfg,)) == 0
 
 
 def _crash_worker(rank: int, timeout_s: float) -> None:
@@ -60,7 +61,7 @@ def test_a_failing_worker_stops_all_with_its_traceback(capfd):
     """Rank 1 raises while rank 0 sits in a collective with a long timeout: the supervisor
     must stop rank 0 at once and print rank 1's traceback, not wait for the timeout."""
     start = time.monotonic()
-    rc = spmd.spawn(_crash_worker, 2, (300.0,))
+    rc = spawn.spawn(_crash_worker, 2, (300.0,))
     elapsed = time.monotonic() - start
     err = capfd.readouterr().err
     assert rc == 1
@@ -80,7 +81,7 @@ def test_a_hung_worker_times_out_instead_of_hanging(capfd):
     """A rank that stops answering makes the others' collectives time out
     (trainer.collective_timeout_s), which ends the job with an error."""
     start = time.monotonic()
-    rc = spmd.spawn(_hang_worker, 2, (3.0,))
+    rc = spawn.spawn(_hang_worker, 2, (3.0,))
     elapsed = time.monotonic() - start
     err = capfd.readouterr().err
     assert rc == 1 and elapsed < 60
@@ -97,9 +98,9 @@ def test_a_user_error_in_a_worker_is_one_line(tmp_path, capfd, monkeypatch):
     for name in ("RANK", "LOCAL_RANK"):  # the worker sets them; restore them afterwards
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(SystemExit) as exit_info:
-        spmd._worker_main(_user_error_worker, 1, (), {}, str(tmp_path), os.getppid())
+        spawn._worker_main(_user_error_worker, 1, (), {}, str(tmp_path), os.getppid())
     assert exit_info.value.code == 2
-    assert spmd._report(1, 2, str(tmp_path)) == 2
+    assert spawn._report(1, 2, str(tmp_path)) == 2
     err = capfd.readouterr().err
     assert "minirl: error: (rank 1) data.train_files = []" in err and "Traceback" not in err
 

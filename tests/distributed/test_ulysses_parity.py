@@ -14,6 +14,7 @@ from minirl import assembly, spmd
 from minirl.batch import RolloutBatch, response_mask, split_micro
 from minirl.errors import UserError
 from minirl.forward import response_logprobs
+from minirl.launchers import spawn
 from minirl.models.presets import preset_config
 from minirl.plugins import PluginManager
 from minirl_plugins import ulysses
@@ -107,7 +108,7 @@ def _worker(rank: int, out_path: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ulysses") / "results.json"
-    assert spmd.spawn(_worker, 2, (str(out),)) == 0, "a worker failed: see its traceback above"
+    assert spawn.spawn(_worker, 2, (str(out),)) == 0, "a worker failed: see its traceback above"
     return h.read_results(out)
 
 
