@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	  echo "minirl: using the torch already installed"; python3 -m venv --system-site-packages $(VENV); \
 	else python3 -m venv $(VENV); fi
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	$(PIP) install -q -c constraints.txt -e '.[dev,ray]'  # ray: its launcher's tests run in CI
 	@touch $@
 
 test: install
