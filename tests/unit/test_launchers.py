@@ -73,3 +73,21 @@ def test_a_ray_address_nobody_answers_on_fails_at_once(bare_env):
 
     with pytest.raises(UserError, match=r"'127.0.0.1:1': nothing answers there.*ray_cluster.sh head"):
         cluster.connect("127.0.0.1:1")
+
+
+def test_the_ray_driver_counts_a_repeated_signal_once(monkeypatch):
+    """The first SIGTERM/SIGINT to the ray driver is forwarded (every rank checkpoints); the
+    same signal delivered twice within a second is still that request; a later one kills."""
+    import signal
+
+    from minirl_plugins.ray_launcher import driver
+
+    now = [100.0]
+    monkeypatch.setattr(driver.time, "monotonic", lambda: now[0])
+    stop = driver._StopSignals()
+    stop._handle(signal.SIGTERM, None)
+    stop._handle(signal.SIGTERM, None)
+    assert (stop.name, stop.kill_now) == ("SIGTERM", False)
+    now[0] += 1.5
+    stop._handle(signal.SIGINT, None)
+    assert stop.kill_now and stop.signum == signal.SIGTERM
