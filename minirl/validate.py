@@ -132,6 +132,8 @@ def _launcher(cfg: Config, pm) -> list[Problem]:
     if name == "local" and t.nnodes > 1:
         rule = "the local launcher starts the processes of one machine"
         return [Problem("trainer.nnodes", t.nnodes, rule, "use trainer.launcher = 'ray' (or 'auto') for several nodes")]
+    if name != "ray" and t.ray_address:
+        return [Problem("trainer.ray_address", t.ray_address, f"unused: {key} = {name!r}", "use 'ray' or 'auto'")]
     if name == "local" and under_torchrun():
         return [Problem(key, t.launcher, "RANK and WORLD_SIZE are set (torchrun)", "use 'auto' or 'torchrun'")]
     if name == "torchrun" and not under_torchrun():

@@ -148,6 +148,11 @@ CONFIG_CASES = {
     "launcher_typo": (["trainer.launcher=rey"], "trainer.launcher = 'rey'", "auto, local, ray, torchrun"),
     "torchrun_without_torchrun": (["trainer.launcher=torchrun"], "trainer.launcher = 'torchrun'", "RANK"),
     "ray_timeout_zero": (["trainer.ray_placement_timeout_s=0"], "trainer.ray_placement_timeout_s = 0"),
+    "ray_address_unused": (
+        ["trainer.launcher=local", "trainer.ray_address='10.0.0.1:6379'"],
+        "trainer.ray_address = '10.0.0.1:6379'",
+        "unused",
+    ),
     "sp_in_world_of_one": (["actor.ulysses_sequence_parallel_size=2"], "actor.ulysses_sequence_parallel_size = 2"),
     "ref_sp": (["ref.ulysses_sequence_parallel_size=3"], "ref.ulysses_sequence_parallel_size = 3"),
     "steps_minus_one": (["trainer.total_training_steps=-1"], "trainer.total_training_steps = -1"),
