@@ -99,6 +99,7 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
     calculate_log_probs: bool = False  # keep the engine's sampled-token log-probs (rollout_log_probs)
+    update_weights_bucket_megabytes: int = 512  # sglang: weight-sync bucket size
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ BUILTIN_MODULES = (
     "minirl_plugins.rewards",
     "minirl_plugins.hf_rollout",
     "minirl_plugins.native",
+    "minirl_plugins.sglang",
     "minirl_plugins.loggers",
     "minirl_plugins.optim",
     "minirl_plugins.checkpointing",
