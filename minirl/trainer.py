@@ -128,6 +128,7 @@ class Trainer:
             extra={
                 "progress": cfg.trainer.progress_bar and dist.is_main,
                 "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
+                "seed": cfg.trainer.seed + dist.dp_rank,  # engines with a seed of their own (sglang)
             },
         )
         factory = self.pm["rollout_engines"].get(cfg.rollout.name)
