@@ -44,6 +44,23 @@ def compute_logprobs(model, batch: RolloutBatch, temperature: float, micro, dist
     return out_BT
 
 
+def on_policy(actor_cfg, train_batch_size: int, use_kl_in_reward: bool) -> bool:
+    """True when the update's one optimizer step sees the weights that generated the batch.
+
+    With one mini-batch (ppo_mini_batch_size = train_batch_size) and one epoch, the policy that
+    the old log-probs would come from is the one the update's forward runs, so those log-probs
+    are that forward's own, detached: the ratio is exactly 1, and loss and gradient are what the
+    separate pass gives (tests/unit/test_on_policy.py). KL in the reward reads them before the
+    update, so it keeps the pass.
+    """
+    return (
+        actor_cfg.on_policy_shortcut
+        and actor_cfg.ppo_epochs == 1
+        and actor_cfg.ppo_mini_batch_size == train_batch_size
+        and not use_kl_in_reward
+    )
+
+
 @dataclass
 class Losses:
     """The components the update needs, resolved from the registries once at start-up."""
@@ -159,7 +176,8 @@ def _micro_batch_loss(model, mb: RolloutBatch, cfg, temperature, norm, losses: L
     logp_R, ent_R = response_logprobs(model, mb.prompts, mb.responses, temperature, dist.device, with_entropy=True)
     logp_BT = scatter_tokens(logp_R.float(), mask_BT)
     ent_BT = scatter_tokens(ent_R.float(), mask_BT)
-    pg = losses.policy_loss(logp_BT, mb.tensors["old_log_probs"], mb.tensors["advantages"], mask_BT, cfg)
+    old_BT = mb.tensors["old_log_probs"] if "old_log_probs" in mb.tensors else logp_BT.detach()  # on-policy
+    pg = losses.policy_loss(logp_BT, old_BT, mb.tensors["advantages"], mask_BT, cfg)
     mode = cfg.loss_agg_mode
     pg_loss = aggregate(pg.loss_BT, mask_BT, mode, norm)
     loss = pg_loss

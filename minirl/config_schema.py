@@ -77,6 +77,9 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     grad_clip: float = 1.0
     ulysses_sequence_parallel_size: int = 1
+    # one mini-batch and one epoch: the old log-probs are the update forward's own, detached, so
+    # the separate prev-log-prob pass is skipped (minirl.actor.on_policy); false forces the pass
+    on_policy_shortcut: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 

@@ -80,6 +80,10 @@ def flops_params(model: torch.nn.Module) -> int:
     return total - embed.numel() + (head.numel() if tied else 0)
 
 
+# a phase that a configuration legitimately skips is shown as skipped, with why
+_ON_POLICY = "on-policy: the update's own forward gives the old log-probs"
+SKIPPED_NOTES = {"timing_s/old_log_prob": _ON_POLICY, "perf/old_log_prob_throughput_per_gpu": _ON_POLICY}
+
 TABLE_ROWS = (
     ("response length", "response_length/mean", "tokens", "mean generated tokens per response (to EOS)"),
     ("generation time", "timing_s/gen", "s", ""),
@@ -90,6 +94,7 @@ TABLE_ROWS = (
     ("step time", "timing_s/step", "s", ""),
     ("gen throughput", "perf/gen_throughput_per_gpu", "tok/s/GPU", "response tokens"),
     ("prev logprob throughput", "perf/old_log_prob_throughput_per_gpu", "tok/s/GPU", "prompt+response tokens"),
+    ("ref logprob throughput", "perf/ref_throughput_per_gpu", "tok/s/GPU", "prompt+response tokens"),
     ("step throughput", "perf/throughput", "tok/s", "prompt+response tokens, all GPUs"),
     ("actor MFU", "perf/mfu/actor", "", "6·N·tokens + attention, over peak bf16"),
 )
@@ -104,6 +109,8 @@ def summary_table(history: list[dict[str, float]], skip_first: bool = True, firs
         values = [r[key] for r in rows if key in r]
         if values:
             lines.append(f"{label:26s} {sum(values) / len(values):12.4g}  {unit:10s} {counts}")
+        elif key in SKIPPED_NOTES and rows:
+            lines.append(f"{label:26s} {'skipped':>12s}  {'':10s} {SKIPPED_NOTES[key]}")
     last = first_step + len(history) - 1
     steps = f"mean over steps {first_step + history.index(rows[0])}..{last}" if rows else "no steps"
     warm = f"; step {first_step} excluded as warm-up" if len(rows) < len(history) else ""

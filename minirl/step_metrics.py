@@ -74,9 +74,11 @@ def perf_metrics(batch: RolloutBatch, seconds: dict[str, float], actor, cfg, dis
         "perf/total_response_tokens": resp,
         "perf/total_tokens": total,
         "perf/gen_throughput_per_gpu": resp / (seconds["gen"] * world),
-        "perf/old_log_prob_throughput_per_gpu": total / (seconds["old_log_prob"] * world),
         "perf/throughput": total / seconds["step"],
     }
+    for phase in ("old_log_prob", "ref"):  # either may be skipped (on-policy; no KL)
+        if phase in seconds:
+            out[f"perf/{phase}_throughput_per_gpu"] = total / (seconds[phase] * world)
     peak = peak_flops(dist.device, cfg.trainer.peak_flops)
     if peak > 0:
         flops = cfg.actor.ppo_epochs * train_flops(actor.config, flops_params(actor), batch.seq_lens(), backward=True)

@@ -82,6 +82,12 @@ class Trainer:
         r = self.cfg.rollout
         return r.temperature if r.do_sample and r.temperature > 0 else 1.0
 
+    @property
+    def on_policy(self) -> bool:
+        """The old log-probs come from the update's own forward (minirl.actor.on_policy)."""
+        c = self.cfg
+        return actor_lib.on_policy(c.actor, c.data.train_batch_size, c.algorithm.use_kl_in_reward)
+
     def _needs_ref(self) -> bool:
         return self.cfg.actor.use_kl_loss or self.cfg.algorithm.use_kl_in_reward
 
@@ -323,8 +329,9 @@ class Trainer:
                 batch = self.generate(records, step)
             with timer.phase("reward"):
                 reward_metrics = self.score(batch)
-            with timer.phase("old_log_prob"):
-                batch.tensors["old_log_probs"] = self.log_probs(self.actor, self.cfg.rollout, batch)
+            if not self.on_policy:
+                with timer.phase("old_log_prob"):
+                    batch.tensors["old_log_probs"] = self.log_probs(self.actor, self.cfg.rollout, batch)
             if self.ref is not None:
                 with timer.phase("ref"):
                     batch.tensors["ref_log_probs"] = self.log_probs(self.ref, self.cfg.ref, batch)
@@ -486,9 +493,12 @@ def effective_batch_line(cfg: Config, dist: DistContext, steps_per_epoch: int, t
         if a.use_dynamic_bsz
         else f"{a.ppo_micro_batch_size_per_gpu} sequences/GPU"
     )
+    on_policy = actor_lib.on_policy(a, d.train_batch_size, cfg.algorithm.use_kl_in_reward)
+    old = "from the update's forward (on-policy: no prev-log-prob pass)" if on_policy else "a separate pass"
     return (
         f"batch: {d.train_batch_size} prompts x n={n} = {d.train_batch_size * n} sequences/step; "
         f"{minis} mini-batch(es) of {a.ppo_mini_batch_size} prompts x {a.ppo_epochs} epoch(s) = "
-        f"{minis * a.ppo_epochs} optimizer steps/step; micro-batches: {micro}; world {dist.world_size} "
-        f"(dp {dist.dp_size}, sp {dist.sp_size}); {steps_per_epoch} steps/epoch, {total_steps} steps"
+        f"{minis * a.ppo_epochs} optimizer steps/step; micro-batches: {micro}; old log-probs: {old}; "
+        f"world {dist.world_size} (dp {dist.dp_size}, sp {dist.sp_size}); {steps_per_epoch} steps/epoch, "
+        f"{total_steps} steps"
     )

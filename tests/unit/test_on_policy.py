@@ -1,0 +1,87 @@
+"""The on-policy shortcut: with one mini-batch and one epoch the update takes the old log-probs
+from its own forward (detached) instead of a separate pass. Loss, metrics, gradient and the
+updated weights must be exactly those of the full path, whose separate pass gives the same
+log-probs bit for bit when it packs the sequences the same way."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from minirl import actor as actor_lib
+from minirl.batch import RolloutBatch, response_mask
+from minirl.config import load_config
+from minirl.dist import DistContext
+from minirl.models.loading import random_model
+from minirl.models.presets import preset_config
+from minirl.plugins import PluginManager
+
+CPU = torch.device("cpu")
+N = 2
+
+
+def _batch() -> RolloutBatch:
+    g = torch.Generator().manual_seed(0)
+    plens, rlens = [7, 7, 12, 12, 5, 5], [9, 3, 14, 6, 1, 8]
+    prompts = [torch.randint(1, 250, (n,), generator=g).tolist() for n in plens]
+    responses = [torch.randint(1, 250, (n,), generator=g).tolist() for n in rlens]
+    batch = RolloutBatch(prompts, responses, torch.tensor([0, 0, 1, 1, 2, 2]))
+    mask_BT = response_mask(responses, CPU)
+    adv_B = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    batch.tensors.update(mask=mask_BT, advantages=adv_B[:, None] * mask_BT)
+    return batch
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_shortcut_is_exactly_the_full_path(dynamic):
+    overrides = [
+        "data.train_batch_size=3",
+        "actor.ppo_mini_batch_size=3",
+        f"rollout.n={N}",
+        "actor.entropy_coeff=0.01",
+        f"actor.use_dynamic_bsz={str(dynamic).lower()}",
+        "actor.ppo_micro_batch_size_per_gpu=2",
+        "actor.ppo_max_token_len_per_gpu=40",
+        "rollout.log_prob_micro_batch_size_per_gpu=2",
+        f"rollout.log_prob_use_dynamic_bsz={str(dynamic).lower()}",
+        "rollout.log_prob_max_token_len_per_gpu=40",
+        "actor.optim.lr=0.01",
+    ]
+    cfg = load_config(None, overrides)
+    assert actor_lib.on_policy(cfg.actor, cfg.data.train_batch_size, False)
+    pm, dist = PluginManager(), DistContext(device=CPU)
+    losses = actor_lib.Losses(pm["policy_losses"].get(cfg.actor.policy_loss))
+    model = random_model(preset_config("tiny"), "cpu", torch.float32, seed=3)
+    results = []
+    for full_path in (True, False):
+        m, batch = copy.deepcopy(model), _batch()
+        if full_path:
+            r = cfg.rollout
+            micro = (
+                r.log_prob_micro_batch_size_per_gpu,
+                r.log_prob_use_dynamic_bsz,
+                r.log_prob_max_token_len_per_gpu,
+                "k",
+            )
+            batch.tensors["old_log_probs"] = actor_lib.compute_logprobs(m, batch, 1.0, micro, dist)
+        optimizer = torch.optim.AdamW(m.parameters(), lr=cfg.actor.optim.lr)
+        metrics = actor_lib.update_actor(m, optimizer, batch, cfg.actor, 1.0, 16, losses, dist, N)
+        results.append((metrics, m))
+    (full, m_full), (short, m_short) = results
+    assert full == short
+    assert full["actor/pg_clipfrac"] == 0.0 and full["actor/ppo_kl"] == 0.0  # the ratio is exactly 1
+    for (name, a), b in zip(m_full.named_parameters(), m_short.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_the_shortcut_applies_only_when_on_policy():
+    """Two mini-batches, two epochs, KL in the reward, or the key off: the separate pass stays."""
+    base = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4"]
+    on = load_config(None, base)
+    assert actor_lib.on_policy(on.actor, 4, False)
+    assert not actor_lib.on_policy(on.actor, 4, True)  # KL in reward reads them before the update
+    for extra in ("actor.ppo_mini_batch_size=2", "actor.ppo_epochs=2", "actor.on_policy_shortcut=false"):
+        cfg = load_config(None, [*base, extra])
+        assert not actor_lib.on_policy(cfg.actor, 4, False), extra
