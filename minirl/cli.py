@@ -2,9 +2,12 @@
 
     python -m minirl --config FILE [--profile P] [--print-config] [section.key=value ...]
     python -m minirl plugins [--config FILE] [section.key=value ...]
+    python -m minirl compare RUN_A RUN_B [...] [--names a,b] [--steps 2:] [--format text|markdown|csv]
+    python -m minirl report RUN [RUN ...] [--out DIR]
 
 The first runs a job (or prints the resolved config as TOML); `plugins` prints every plugin and
-every registered component by kind, including the config's own plugin modules. The resolved
+every registered component by kind, including the config's own plugin modules; `compare` and
+`report` read finished (or running) run directories (minirl.rundirs). The resolved
 config is validated as a whole before any model loads (minirl.validate). A user mistake
 (config, data, model files, plugins) prints one clear error line per mistake on stderr and exits
 with status 2; Ctrl-C during start-up exits with 130. Notices go to stderr, so
@@ -19,9 +22,12 @@ import sys
 from minirl.config import load_config, parse_overrides, profiles_in, to_toml
 from minirl.errors import UserError
 from minirl.plugins import PluginManager
+from minirl.rundirs.commands import COMMANDS
 
 USAGE = """python -m minirl --config FILE [--profile P] [--print-config] [section.key=value ...]
-       python -m minirl plugins [--config FILE] [section.key=value ...]"""
+       python -m minirl plugins [--config FILE] [section.key=value ...]
+       python -m minirl compare RUN_A RUN_B [...] [--names a,b] [--steps 2:] [--format text|markdown|csv]
+       python -m minirl report RUN [RUN ...] [--out DIR]"""
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -32,8 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m minirl",
         usage=USAGE,
         description="Reinforcement-learning post-training of LLMs (GRPO, RLOO, REINFORCE++, PPO).",
-        epilog="commands:\n  plugins    list every plugin and registered component (with --config: its "
-        "[plugins] modules too)",
+        epilog="commands (python -m minirl COMMAND --help for each):\n"
+        "  (none)     run a job: --config FILE [--profile P] [section.key=value ...]\n"
+        "  plugins    list every plugin and registered component (with --config: its [plugins] modules too)\n"
+        + "".join(f"  {name:10s} {help_line}\n" for name, (_, help_line) in COMMANDS.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="a TOML config file (see bench.toml)")
@@ -93,6 +101,8 @@ def list_plugins(argv: list[str]) -> int:
 def run(argv: list[str]) -> int:
     if argv[:1] == ["plugins"]:
         return list_plugins(argv[1:])
+    if argv[:1] and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]][0](argv[1:])
     args = build_parser().parse_intermixed_args(argv)
     if args.config is None and not args.print_config:
         build_parser().error("--config is required to run a job")

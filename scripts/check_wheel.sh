@@ -9,7 +9,7 @@ trap 'rm -rf "$tmp"' EXIT
 "$PY" -m pip install -q --no-deps --target "$tmp/site" "$tmp"/dist/minirl-*.whl
 (cd "$tmp" && PYTHONPATH="$tmp/site" "$PY" -c "
 import minirl, minirl_plugins, minirl_plugins.native.engine.engine, minirl_plugins.native.layers, minirl_plugins.native.models
-import minirl.launchers.local, minirl_plugins.ray_launcher, minirl_plugins.sglang
+import minirl.launchers.local, minirl_plugins.ray_launcher, minirl_plugins.sglang, minirl.rundirs.commands, minirl.rundirs.compare, minirl.rundirs.report
 assert minirl.__file__.startswith('$tmp/site'), minirl.__file__
 assert minirl_plugins.__file__.startswith('$tmp/site'), minirl_plugins.__file__
 print('wheel install ok:', minirl.__file__)
