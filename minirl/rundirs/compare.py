@@ -100,9 +100,12 @@ def fmt_change(row: Row, change: float | None) -> str:
     return f"{100 * change:+.1f}%" + (f" {verdict}" if verdict else "")
 
 
-def fmt_config(value: Any) -> str:
+def fmt_config(value: Any, missing: str = MISSING) -> str:
+    """As TOML writes it (true, not True), bare strings; an empty string as ""."""
     if value is None:
-        return MISSING
+        return missing
+    if isinstance(value, bool):
+        return "true" if value else "false"
     return '""' if value == "" else str(value)
 
 
@@ -167,7 +170,7 @@ def render_csv(runs: list[Run], steps: tuple[int, int | None]) -> str:
         changes = ["" if c is None else repr(100 * c) for c in row.changes]
         writer.writerow([row.label, row.unit] + ["" if v is None else repr(v) for v in row.values] + changes)
     for key, values in config_differences(runs):
-        writer.writerow([key, "config"] + ["" if v is None else str(v) for v in values] + [""] * (len(runs) - 1))
+        writer.writerow([key, "config"] + [fmt_config(v, missing="") for v in values] + [""] * (len(runs) - 1))
     return out.getvalue()
 
 

@@ -25,7 +25,9 @@ def write_run(root, name: str, records: list[dict], config: str | None, tail: st
     return str(run)
 
 
-CONFIG = """[algorithm]
+CONFIG = """[actor]
+use_kl_loss = {kl}
+[algorithm]
 adv_estimator = "{est}"
 [trainer]
 experiment_name = "{name}"
@@ -65,8 +67,8 @@ TRUNCATED = '{"step": 4, "timing_s/st'
 
 @pytest.fixture
 def runs(tmp_path):
-    a = write_run(tmp_path, "a", RUN_A, CONFIG.format(est="grpo", name="a") + "[actor.optim]\nlr = 0.001\n")
-    b = write_run(tmp_path, "b", RUN_B, CONFIG.format(est="rloo", name="b"), tail=TRUNCATED)
+    a = write_run(tmp_path, "a", RUN_A, CONFIG.format(est="grpo", name="a", kl="true") + "[actor.optim]\nlr = 0.001\n")
+    b = write_run(tmp_path, "b", RUN_B, CONFIG.format(est="rloo", name="b", kl="false"), tail=TRUNCATED)
     return a, b
 
 
@@ -100,7 +102,12 @@ def test_csv_is_unrounded_and_lists_config_differences(runs):
     assert float(by_label["step time"][4]) == pytest.approx(-5.0)
     assert by_label["score"][3:] == ["", ""]
     config_rows = [r for r in out if r[1] == "config"]
-    assert [r[0] for r in config_rows] == ["actor.optim.lr", "algorithm.adv_estimator", "trainer.experiment_name"]
+    assert [r[0] for r in config_rows] == [
+        "actor.optim.lr",
+        "actor.use_kl_loss",
+        "algorithm.adv_estimator",
+        "trainer.experiment_name",
+    ]
     assert by_label["algorithm.adv_estimator"][2:4] == ["grpo", "rloo"]
     assert by_label["actor.optim.lr"][2:4] == ["0.001", ""]
 
@@ -109,6 +116,7 @@ def test_markdown_names_the_differing_keys(runs):
     text = render_markdown([read_run(p) for p in runs], parse_steps("2:"))
     assert "| step time | s | 3 | 2.85 | -5.0% better |" in text
     assert "| `algorithm.adv_estimator` | grpo | rloo |" in text
+    assert "| `actor.use_kl_loss` | true | false |" in text  # as TOML writes it
     assert "trainer.logger" not in text and "total_training_steps" not in text
 
 
@@ -129,8 +137,8 @@ def test_resumed_run_keeps_the_later_line_of_a_repeated_step(tmp_path):
 
 def test_crashed_run_is_reported_as_stopped_short(tmp_path):
     """A run with fewer steps than total_training_steps is named in the note under the table."""
-    a = write_run(tmp_path, "a", RUN_A, CONFIG.format(est="grpo", name="a"))
-    b = write_run(tmp_path, "b", RUN_B[:2], CONFIG.format(est="grpo", name="b"))
+    a = write_run(tmp_path, "a", RUN_A, CONFIG.format(est="grpo", name="a", kl="true"))
+    b = write_run(tmp_path, "b", RUN_B[:2], CONFIG.format(est="grpo", name="b", kl="true"))
     text = render_text([read_run(a), read_run(b)], parse_steps("2:"))
     assert "b stopped at step 2 of 3" in text and "a stopped" not in text
     assert config_differences([read_run(a), read_run(b)])[0][0] == "trainer.experiment_name"
