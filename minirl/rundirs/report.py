@@ -78,15 +78,22 @@ def new_figure(n_axes: int):
 def line_figure(runs: list[Run], panels: tuple[tuple[str, str], ...]):
     fig, axes = new_figure(len(panels))
     for ax, (title, key) in zip(axes, panels):
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=7)
+        _style(ax, title)
         drawn = [_plot_run(ax, run, key) for run in runs]
         if any(drawn):
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, f"{key}\nnot logged", ha="center", va="center", transform=ax.transAxes, fontsize=8)
     return fig
+
+
+def _style(ax, title: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
 
 
 def _plot_run(ax, run: Run, key: str) -> bool:
@@ -121,9 +128,7 @@ def phases_figure(runs: list[Run]):
         ax.sharey(axes[0])
     colors = [f"C{i}" for i in range(len(names) + 1)]
     for ax, run in zip(axes, runs):
-        ax.set_title(f"{run.name}: phase time per step (s)", fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=7)
+        _style(ax, f"{run.name}: phase time per step (s)")
         steps, stack = phase_stack(run, names)
         if steps:
             ax.stackplot(steps, *stack, labels=names + ["other"], colors=colors)
