@@ -239,5 +239,5 @@ def test_a_second_signal_stops_at_once(tmp_path):
     t0 = time.monotonic()
     os.kill(proc.pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=20)
-    assert time.monotonic() - t0 < 5 and proc.returncode == 128 + signal.SIGTERM
+    assert time.monotonic() - t0 < 15 and proc.returncode == 128 + signal.SIGTERM  # the step would run 30 s
     assert "finished the step" not in out and "second SIGTERM: stopping now" in err and "Traceback" not in err
