@@ -676,6 +676,9 @@ def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # a shell that starts jobs in the background (CI) hands them SIGINT ignored, and Python
+        # then keeps ignoring it; a terminal's Ctrl-C reaches a process with the default action
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 60
     while not marker.exists() and time.monotonic() < deadline:
