@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.integration.conftest import run_job
 
@@ -30,13 +31,24 @@ RECIPE = [
 
 # The entropy bonus keeps the policy exploring (without it, it can lock onto wrong digits). Its
 # weight follows each estimator's advantage scale: grpo and reinforce_plus_plus advantages are
-# normalised to about unit size, rloo's are raw score differences, about a quarter of that.
-ENTROPY_COEFF = {"grpo": 0.05, "reinforce_plus_plus": 0.05, "rloo": 0.0125}
+# normalised to about unit size, rloo's are raw score differences, smaller than that.
+ENTROPY_COEFF = {"grpo": 0.05, "reinforce_plus_plus": 0.05, "rloo": 0.025}
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: a 300-step trajectory is chaotic, and the BLAS reductions of 1 and 2
+    threads round differently (rloo's run diverged at step 91 between them), so the run is pinned
+    to the one setting every machine has."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator", sorted(ENTROPY_COEFF))
-def test_tiny_model_learns_copy_task(tmp_path, data_dir, estimator):
+def test_tiny_model_learns_copy_task(tmp_path, data_dir, estimator, one_thread):
     overrides = [f"algorithm.adv_estimator={estimator}", f"actor.entropy_coeff={ENTROPY_COEFF[estimator]}"]
     history = run_job(tmp_path, data_dir, RECIPE + overrides)
     logged = [json.loads(line) for line in (tmp_path / "bench" / "metrics.jsonl").read_text().splitlines()]
