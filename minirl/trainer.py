@@ -8,7 +8,6 @@ Legend: B sequences, T response positions.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import os
 import signal
@@ -17,27 +16,29 @@ import torch
 from tqdm import tqdm
 
 from minirl import actor as actor_lib
-from minirl import assembly, spmd
+from minirl import assembly, build
 from minirl.batch import RolloutBatch, response_mask
 from minirl.checkpoint import faults, save_hf_checkpoint
 from minirl.checkpoint import state as ckpt_state
-from minirl.checkpoint.resume import check_config, plan_run
-from minirl.config import Config, to_toml
-from minirl.data import PromptLoader, expand_groups, load_prompts
+from minirl.checkpoint import training as ckpt_training
+from minirl.checkpoint.resume import plan_run
+from minirl.checkpoint.training import TrainingState
+from minirl.config import Config
+from minirl.data import expand_groups
 from minirl.dist import DistContext
-from minirl.errors import Stopped, UserError
+from minirl.errors import Stopped
 from minirl.guard import NonFiniteGuard
 from minirl.kl_control import apply_kl_in_reward, build_kl_controller
 from minirl.metrics import PhaseTimer, summary_table
-from minirl.protocols import AdvantageInputs, EngineContext, SamplingParams
+from minirl.protocols import AdvantageInputs, SamplingParams
 from minirl.reward import RewardManager, place_scores
 from minirl.signals import StopRequest
 from minirl.step_metrics import data_metrics, perf_metrics
-from minirl.validation import ValSet, load_val_set, validate
+from minirl.validation import validate
 
 
 class Trainer:
-    """Builds every component from the config, then runs `fit()`."""
+    """Builds every component from the config (minirl.build), then runs `fit()`."""
 
     def __init__(self, cfg: Config, pm, dist: DistContext):
         self.cfg, self.pm, self.dist = cfg, pm, dist
@@ -45,36 +46,28 @@ class Trainer:
         self.plan = plan_run(cfg.trainer, dist)
         self.run_dir = self.plan.run_dir
         self._print(self.plan.notice)
-        self.tokenizer, self.actor, self.ref = self._build_models()
-        self.loader = self._build_data()
-        self.total_steps = self._total_steps()
+        self.tokenizer, self.actor, self.ref = build.models(pm, cfg, dist)
+        self.loader = build.train_loader(cfg.data, self.tokenizer, dist)
+        self.total_steps = build.total_steps(cfg.trainer, self.loader.steps_per_epoch)
         self.optimizer, self.scheduler = assembly.build_optimizer(pm, self.actor, cfg.actor.optim, self.total_steps)
-        self.engine = self._build_engine()
+        self.engine = build.engine(pm, cfg, self.actor, self.tokenizer, dist)
         self.rewards = RewardManager(pm["reward_functions"], self.tokenizer)
         self.estimator = pm["advantage_estimators"].get(cfg.algorithm.adv_estimator)
-        self.losses = self._build_losses()
+        self.losses = build.losses(pm, cfg.actor, self.ref)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
-        self.val = self._build_val()
+        self.val = build.val_set(cfg.trainer, cfg.data, self.tokenizer, dist)
         self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_steps, verbose=dist.is_main)
         self.history: list[dict[str, float]] = []
         self.val_scores: list[tuple[int, float]] = []  # (step, greedy validation score)
+        self.state = self._training_state()
         self.start_step = self._resume()  # last: restores the random streams too
-        self.loggers = self._build_loggers()
+        self.loggers = build.loggers(pm, cfg, self.run_dir, self.start_step, dist)
 
-    # -----------------------------------------------------------------------------------------
-    # set-up
-    # -----------------------------------------------------------------------------------------
-
-    def _build_models(self):
-        cfg, dist = self.cfg, self.dist
-        dtype = getattr(torch, cfg.model.dtype)
-        model, tokenizer = spmd.load_model_for_rank(cfg.model, dist, dtype)  # ranks > 0: meta for a checkpoint
-        ref = None
-        if self._needs_ref():
-            ref = copy.deepcopy(model).eval().requires_grad_(False)
-            ref = assembly.assemble_reference(self.pm, ref, cfg.ref, dist)
-        actor = assembly.assemble_actor(self.pm, model, cfg, dist)
-        return tokenizer, actor, ref
+    def _training_state(self) -> TrainingState:
+        """What a checkpoint saves and a resume restores (minirl.checkpoint.training)."""
+        parts = ckpt_state.Checkpointable(model=self.actor, optimizer=self.optimizer)
+        schedulers = {"actor": self.scheduler}
+        return TrainingState(parts, schedulers, self.loader, self.guard, self.kl_ctrl)
 
     @property
     def logprob_temperature(self) -> float:
@@ -87,81 +80,6 @@ class Trainer:
         """The old log-probs come from the update's own forward (minirl.actor.on_policy)."""
         c = self.cfg
         return actor_lib.on_policy(c.actor, c.data.train_batch_size, c.algorithm.use_kl_in_reward)
-
-    def _needs_ref(self) -> bool:
-        return self.cfg.actor.use_kl_loss or self.cfg.algorithm.use_kl_in_reward
-
-    def _build_data(self) -> PromptLoader:
-        data = self.cfg.data
-        if not data.train_files:
-            raise UserError(
-                "data.train_files is empty: list one or more parquet files (make data writes data/*/train.parquet)"
-            )
-        records = load_prompts(data.train_files, self.tokenizer, data)
-        loader = PromptLoader(records, data.train_batch_size, data.shuffle, data.seed)
-        return loader.shard(self.dist.dp_rank, self.dist.dp_size)
-
-    def _build_val(self) -> ValSet | None:
-        t, files = self.cfg.trainer, self.cfg.data.val_files
-        if not (t.val_before_train or t.test_freq > 0):
-            return None
-        if not files:
-            raise UserError(
-                "trainer.test_freq / trainer.val_before_train need data.val_files: list parquet "
-                "files, or set trainer.test_freq = -1 and trainer.val_before_train = false"
-            )
-        return load_val_set(self.cfg.data, self.tokenizer, self.dist)
-
-    def _total_steps(self) -> int:
-        t = self.cfg.trainer
-        return t.total_training_steps or t.total_epochs * self.loader.steps_per_epoch
-
-    def _build_engine(self):
-        cfg, dist = self.cfg, self.dist
-        dtype = cfg.rollout.dtype
-        dtype = (
-            (torch.bfloat16 if dist.device.type == "cuda" else torch.float32)
-            if dtype == "auto"
-            else getattr(torch, dtype)
-        )
-        ctx = EngineContext(
-            model_config=self._plain_config(),
-            actor=self.actor,
-            device=dist.device,
-            dtype=dtype,
-            eos_token_ids=eos_ids(self.tokenizer, self._plain_config()),
-            pad_token_id=pad_id(self.tokenizer),
-            extra={
-                "progress": cfg.trainer.progress_bar and dist.is_main,
-                "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
-                "seed": cfg.trainer.seed + dist.dp_rank,  # engines with a seed of their own (sglang)
-            },
-        )
-        factory = self.pm["rollout_engines"].get(cfg.rollout.name)
-        engine = factory(cfg.rollout, ctx)
-        if cfg.rollout.free_cache_engine:
-            engine.release_memory()
-        return engine
-
-    def _plain_config(self):
-        return self.actor.config
-
-    def _build_losses(self) -> actor_lib.Losses:
-        a, pm = self.cfg.actor, self.pm
-        kl = pm["kl_estimators"].get(a.kl_loss_type) if a.use_kl_loss else None
-        return actor_lib.Losses(pm["policy_losses"].get(a.policy_loss), kl, self.ref)
-
-    def _build_loggers(self) -> list:
-        if not self.dist.is_main:
-            return []
-        os.makedirs(self.run_dir, exist_ok=True)
-        with open(os.path.join(self.run_dir, "config.toml"), "w") as f:
-            f.write(to_toml(self.cfg))
-        loggers = [self.pm["loggers"].get(name)(self.cfg.trainer, self.run_dir) for name in self.cfg.trainer.logger]
-        for logger in loggers:
-            if self.start_step > 0 and hasattr(logger, "resume"):
-                logger.resume(self.start_step)  # drops what a crashed run logged past the checkpoint
-        return loggers
 
     # -----------------------------------------------------------------------------------------
     # the loop
@@ -223,79 +141,19 @@ class Trainer:
             save_hf_checkpoint(self.actor, self.tokenizer, os.path.join(self.run_dir, f"hf_step_{step}"), self.dist)
 
     def save(self, step: int) -> str:
-        """A full checkpoint of everything the next step depends on (minirl.checkpoint.state)."""
-        t = self.cfg.trainer
-        path = ckpt_state.save(
-            self.run_dir,
-            step,
-            self._checkpointable(),
-            self._trainer_state(step),
-            to_toml(self.cfg),
-            self.dist,
-            t.max_ckpt_to_keep,
-        )
+        """A full checkpoint of everything the next step depends on (minirl.checkpoint)."""
+        path = ckpt_training.save(self.state, step, self.cfg, self.run_dir, self.dist)
         if self.dist.is_main:
             self.pm.hook.minirl_on_checkpoint_saved(step=step, path=path)
         return path
 
-    def _checkpointable(self) -> ckpt_state.Checkpointable:
-        return ckpt_state.Checkpointable(model=self.actor, optimizer=self.optimizer)
-
-    def _trainer_state(self, step: int) -> dict:
-        per_epoch = self.loader.steps_per_epoch
-        return {
-            "step": step,
-            "data": {
-                "epoch": step // per_epoch,
-                "batch_in_epoch": step % per_epoch,
-                "steps_per_epoch": per_epoch,
-                "num_prompts": len(self.loader.records),
-                "shuffle_seed": self.loader.seed,
-            },
-            "scheduler": self.scheduler.state_dict(),
-            "kl_coef": None if self.kl_ctrl is None else self.kl_ctrl.value,
-            "nonfinite_guard": self.guard.state_dict(),
-            "seed": self.cfg.trainer.seed,
-            "world_size": self.dist.world_size,
-        }
-
     def _resume(self) -> int:
         """Restore the checkpoint the run plan names; returns the step to continue after."""
-        path = self.plan.resume_from
-        if path is None:
+        if self.plan.resume_from is None:
             return 0
-        t = self.cfg.trainer
-        trainer_state = ckpt_state.read_trainer_state(path)
-        diffs = check_config(ckpt_state.read_config(path), self.cfg.to_dict(), path, t.resume_ignore_config_changes)
-        if diffs:
-            self._print(
-                f"minirl: resuming despite config changes (trainer.resume_ignore_config_changes): {'; '.join(diffs)}"
-            )
-        self._check_data_position(trainer_state["data"], path, t.resume_ignore_config_changes)
-        ckpt_state.load(path, self._checkpointable(), self.dist)
-        self.scheduler.load_state_dict(trainer_state["scheduler"])
-        if self.kl_ctrl is not None and trainer_state.get("kl_coef") is not None:
-            self.kl_ctrl.value = float(trainer_state["kl_coef"])
-        self.guard.load_state_dict(trainer_state.get("nonfinite_guard", self.guard.state_dict()))
-        if trainer_state.get("world_size") != self.dist.world_size:
-            self._print(
-                f"minirl: the checkpoint was written by {trainer_state.get('world_size')} rank(s), this run has "
-                f"{self.dist.world_size}: weights and optimizer state are resharded; the run is not bit-identical "
-                "to an uninterrupted one"
-            )
+        step = ckpt_training.resume(self.plan.resume_from, self.state, self.cfg, self.dist, self._print)
         self.sync_weights()  # the engine's first generation uses the restored weights
-        return int(trainer_state["step"])
-
-    def _check_data_position(self, data: dict, path: str, ignore: bool) -> None:
-        """The saved position (epoch, batch) means the same prompts only over the same data."""
-        now = {"steps_per_epoch": self.loader.steps_per_epoch, "num_prompts": len(self.loader.records)}
-        changed = [f"{k} {data.get(k)} (checkpoint) vs {v} (now)" for k, v in now.items() if data.get(k) != v]
-        if changed and not ignore:
-            raise UserError(
-                f"resume refused: the training data differs from checkpoint {path}'s ({', '.join(changed)}), so "
-                "its data position would point at other prompts; restore data.train_files and the filters, or "
-                "set trainer.resume_ignore_config_changes = true"
-            )
+        return step
 
     def _stopped(self, signum: int, step: int, bar) -> Stopped:
         self._finish(bar)
@@ -471,17 +329,6 @@ class Trainer:
 
 def section_name(cfg: Config, section) -> str:
     return next(name for name, s in cfg.sections.items() if s is section)
-
-
-def eos_ids(tokenizer, model_config) -> tuple[int, ...]:
-    ids = {tokenizer.eos_token_id}
-    eos = getattr(model_config, "eos_token_id", None)
-    ids |= set(eos) if isinstance(eos, (list, tuple)) else {eos}
-    return tuple(sorted(i for i in ids if i is not None))
-
-
-def pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def effective_batch_line(cfg: Config, dist: DistContext, steps_per_epoch: int, total_steps: int) -> str:

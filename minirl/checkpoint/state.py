@@ -1,7 +1,7 @@
 """What a full checkpoint holds, and writing and reading it on every rank.
 
     ckpt_<step>/
-      .metadata, __<r>_<i>.distcp actor parameters and optimizer state: torch.distributed.checkpoint,
+      .metadata, __<r>_<i>.distcp actor (and critic) parameters and optimizer state: torch.distributed.checkpoint,
                                   each rank writes its own shards (no funnel through rank 0), and a
                                   load reshards them to the current mesh (another dp size works)
       rng/rank<r>.pt              each rank's random streams: torch CPU (and CUDA), python, numpy
@@ -21,7 +21,7 @@ import os
 import random
 import shutil
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -41,10 +41,28 @@ CONFIG = "config.toml"
 
 @dataclass
 class Checkpointable:
-    """The objects whose state a checkpoint carries besides trainer_state.json."""
+    """The objects whose state a checkpoint carries besides trainer_state.json: the actor and
+    its optimizer, and further (model, optimizer) pairs by name (the critic), stored under
+    "<name>_model" / "<name>_optim"."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    others: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = field(default_factory=dict)
+
+    def state_dicts(self) -> dict[str, Any]:
+        """The DCP state: every model's and optimizer's (sharded) state dict by key."""
+        pairs = {"": (self.model, self.optimizer), **{f"{k}_": v for k, v in self.others.items()}}
+        state = {}
+        for prefix, (model, optimizer) in pairs.items():
+            state[f"{prefix}model"], state[f"{prefix}optim"] = get_state_dict(model, optimizer)
+        return state
+
+    def load_state_dicts(self, state: dict[str, Any]) -> None:
+        pairs = {"": (self.model, self.optimizer), **{f"{k}_": v for k, v in self.others.items()}}
+        for prefix, (model, optimizer) in pairs.items():
+            set_state_dict(
+                model, optimizer, model_state_dict=state[f"{prefix}model"], optim_state_dict=state[f"{prefix}optim"]
+            )
 
 
 def save(run_dir: str, step: int, parts: Checkpointable, trainer_state: dict, config_toml: str, dist, keep: int) -> str:
@@ -107,10 +125,9 @@ WRITE_THREADS = int(os.environ.get("MINIRL_CKPT_WRITE_THREADS", "4"))
 
 
 def _dcp_save(parts: Checkpointable, path: str) -> None:
-    model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
     writer = dcp.FileSystemWriter(path, thread_count=WRITE_THREADS, sync_files=True)
     with _single_process_quiet():
-        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer, no_dist=_no_dist())
+        dcp.save(parts.state_dicts(), storage_writer=writer, no_dist=_no_dist())
 
 
 @contextlib.contextmanager
@@ -139,8 +156,7 @@ def _single_process_quiet():
 
 def _dcp_load(parts: Checkpointable, path: str) -> None:
     # the target state dicts give DCP the current sharding; it reads each rank's slices
-    model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = parts.state_dicts()
     try:
         with _single_process_quiet(), _dcp_logs_off():
             dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
@@ -150,7 +166,7 @@ def _dcp_load(parts: Checkpointable, path: str) -> None:
             f"({_last_line(exc)}); the files are damaged or were written for another model; resume "
             "from an older checkpoint"
         ) from None
-    set_state_dict(parts.model, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    parts.load_state_dicts(state)
 
 
 # ---------------------------------------------------------------------------------------------

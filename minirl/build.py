@@ -1,0 +1,120 @@
+"""Building a run's components from the config: the models, the data, the rollout engine, the
+losses and the loggers. The trainer calls these once, in order, before its loop
+(minirl/trainer.py); each takes only the sections it needs.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+from minirl import actor as actor_lib
+from minirl import assembly, spmd
+from minirl.config import Config, to_toml
+from minirl.data import PromptLoader, load_prompts
+from minirl.dist import DistContext
+from minirl.errors import UserError
+from minirl.protocols import EngineContext
+from minirl.validation import ValSet, load_val_set
+
+
+def needs_ref(cfg: Config) -> bool:
+    """A frozen reference policy is needed for a KL loss or a KL penalty in the reward."""
+    return cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def models(pm, cfg: Config, dist: DistContext):
+    """(tokenizer, actor, reference or None): the policy loaded once; the reference is a frozen
+    copy taken before the actor is sharded and wrapped."""
+    dtype = getattr(torch, cfg.model.dtype)
+    model, tokenizer = spmd.load_model_for_rank(cfg.model, dist, dtype)  # ranks > 0: meta for a checkpoint
+    ref = None
+    if needs_ref(cfg):
+        ref = copy.deepcopy(model).eval().requires_grad_(False)
+        ref = assembly.assemble_reference(pm, ref, cfg.ref, dist)
+    actor = assembly.assemble_actor(pm, model, cfg, dist)
+    return tokenizer, actor, ref
+
+
+def train_loader(data_cfg, tokenizer, dist: DistContext) -> PromptLoader:
+    """This rank's shard of the training prompts (whole groups per rank)."""
+    if not data_cfg.train_files:
+        raise UserError(
+            "data.train_files is empty: list one or more parquet files (make data writes data/*/train.parquet)"
+        )
+    records = load_prompts(data_cfg.train_files, tokenizer, data_cfg)
+    loader = PromptLoader(records, data_cfg.train_batch_size, data_cfg.shuffle, data_cfg.seed)
+    return loader.shard(dist.dp_rank, dist.dp_size)
+
+
+def val_set(trainer_cfg, data_cfg, tokenizer, dist: DistContext) -> ValSet | None:
+    """The validation prompts, or None when the run never validates."""
+    if not (trainer_cfg.val_before_train or trainer_cfg.test_freq > 0):
+        return None
+    if not data_cfg.val_files:
+        raise UserError(
+            "trainer.test_freq / trainer.val_before_train need data.val_files: list parquet "
+            "files, or set trainer.test_freq = -1 and trainer.val_before_train = false"
+        )
+    return load_val_set(data_cfg, tokenizer, dist)
+
+
+def total_steps(trainer_cfg, steps_per_epoch: int) -> int:
+    return trainer_cfg.total_training_steps or trainer_cfg.total_epochs * steps_per_epoch
+
+
+def engine(pm, cfg: Config, actor, tokenizer, dist: DistContext):
+    """The rollout engine named by rollout.name, next to the actor (KV cache released when
+    rollout.free_cache_engine)."""
+    r = cfg.rollout
+    dtype = (torch.bfloat16 if dist.device.type == "cuda" else torch.float32) if r.dtype == "auto" else None
+    ctx = EngineContext(
+        model_config=actor.config,
+        actor=actor,
+        device=dist.device,
+        dtype=dtype or getattr(torch, r.dtype),
+        eos_token_ids=eos_ids(tokenizer, actor.config),
+        pad_token_id=pad_id(tokenizer),
+        extra={
+            "progress": cfg.trainer.progress_bar and dist.is_main,
+            "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
+            "seed": cfg.trainer.seed + dist.dp_rank,  # engines with a seed of their own (sglang)
+        },
+    )
+    built = pm["rollout_engines"].get(r.name)(r, ctx)
+    if r.free_cache_engine:
+        built.release_memory()
+    return built
+
+
+def losses(pm, actor_cfg, ref) -> actor_lib.Losses:
+    kl = pm["kl_estimators"].get(actor_cfg.kl_loss_type) if actor_cfg.use_kl_loss else None
+    return actor_lib.Losses(pm["policy_losses"].get(actor_cfg.policy_loss), kl, ref)
+
+
+def loggers(pm, cfg: Config, run_dir: str, start_step: int, dist: DistContext) -> list:
+    """The trainer.logger backends (rank 0 only), after writing the run's config.toml; a resumed
+    run's loggers drop what a crashed run logged past the checkpoint."""
+    if not dist.is_main:
+        return []
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.toml"), "w") as f:
+        f.write(to_toml(cfg))
+    built = [pm["loggers"].get(name)(cfg.trainer, run_dir) for name in cfg.trainer.logger]
+    for logger in built:
+        if start_step > 0 and hasattr(logger, "resume"):
+            logger.resume(start_step)
+    return built
+
+
+def eos_ids(tokenizer, model_config) -> tuple[int, ...]:
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(model_config, "eos_token_id", None)
+    ids |= set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -1,0 +1,101 @@
+"""The trainer's side of a checkpoint: which objects a step's state lives in, what goes into
+trainer_state.json, and restoring all of it (minirl.checkpoint.state moves the bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from minirl.checkpoint import state as ckpt_state
+from minirl.checkpoint.resume import check_config
+from minirl.config import Config, to_toml
+from minirl.dist import DistContext
+from minirl.errors import UserError
+
+
+@dataclass
+class TrainingState:
+    """Everything the next step depends on besides the config.
+
+    parts: the models and optimizers (DCP shards); schedulers: LR schedulers by name ("actor",
+    "critic"); loader: the prompt loader (its data position is derived from the step);
+    kl_ctrl: the adaptive KL controller or None; guard: the non-finite step guard.
+    """
+
+    parts: ckpt_state.Checkpointable
+    schedulers: dict[str, Any]
+    loader: Any
+    guard: Any
+    kl_ctrl: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)  # JSON-able state of other components
+
+    def to_json(self, step: int, seed: int, world_size: int) -> dict:
+        per_epoch = self.loader.steps_per_epoch
+        return {
+            "step": step,
+            "data": {
+                "epoch": step // per_epoch,
+                "batch_in_epoch": step % per_epoch,
+                "steps_per_epoch": per_epoch,
+                "num_prompts": len(self.loader.records),
+                "shuffle_seed": self.loader.seed,
+            },
+            "schedulers": {name: s.state_dict() for name, s in self.schedulers.items()},
+            "kl_coef": None if self.kl_ctrl is None else self.kl_ctrl.value,
+            "nonfinite_guard": self.guard.state_dict(),
+            "extra": self.extra,
+            "seed": seed,
+            "world_size": world_size,
+        }
+
+    def restore(self, saved: dict, path: str) -> None:
+        for name, scheduler in self.schedulers.items():
+            if name not in saved.get("schedulers", {}):
+                raise UserError(
+                    f"checkpoint {path} has no '{name}' state (it was written by a run without it); "
+                    "resume from a checkpoint of the same setup, or start fresh (trainer.resume_mode = 'disable')"
+                )
+            scheduler.load_state_dict(saved["schedulers"][name])
+        if self.kl_ctrl is not None and saved.get("kl_coef") is not None:
+            self.kl_ctrl.value = float(saved["kl_coef"])
+        self.guard.load_state_dict(saved.get("nonfinite_guard", self.guard.state_dict()))
+        self.extra.update(saved.get("extra", {}))
+
+
+def save(state: TrainingState, step: int, cfg: Config, run_dir: str, dist: DistContext) -> str:
+    """Write ckpt_<step> (every rank calls); returns its path."""
+    t = cfg.trainer
+    trainer_state = state.to_json(step, t.seed, dist.world_size)
+    return ckpt_state.save(run_dir, step, state.parts, trainer_state, to_toml(cfg), dist, t.max_ckpt_to_keep)
+
+
+def resume(path: str, state: TrainingState, cfg: Config, dist: DistContext, say: Callable[[str], None]) -> int:
+    """Restore `state` from checkpoint `path`; returns the step to continue after."""
+    t = cfg.trainer
+    saved = ckpt_state.read_trainer_state(path)
+    diffs = check_config(ckpt_state.read_config(path), cfg.to_dict(), path, t.resume_ignore_config_changes)
+    if diffs:
+        say(f"minirl: resuming despite config changes (trainer.resume_ignore_config_changes): {'; '.join(diffs)}")
+    _check_data_position(state.loader, saved["data"], path, t.resume_ignore_config_changes)
+    ckpt_state.load(path, state.parts, dist)
+    state.restore(saved, path)
+    if saved.get("world_size") != dist.world_size:
+        say(
+            f"minirl: the checkpoint was written by {saved.get('world_size')} rank(s), this run has "
+            f"{dist.world_size}: weights and optimizer state are resharded; the run is not bit-identical "
+            "to an uninterrupted one"
+        )
+    return int(saved["step"])
+
+
+def _check_data_position(loader, data: dict, path: str, ignore: bool) -> None:
+    """The saved position (epoch, batch) means the same prompts only over the same data."""
+    now = {"steps_per_epoch": loader.steps_per_epoch, "num_prompts": len(loader.records)}
+    changed = [f"{k} {data.get(k)} (checkpoint) vs {v} (now)" for k, v in now.items() if data.get(k) != v]
+    if changed and not ignore:
+        raise UserError(
+            f"resume refused: the training data differs from checkpoint {path}'s ({', '.join(changed)}), so "
+            "its data position would point at other prompts; restore data.train_files and the filters, or "
+            "set trainer.resume_ignore_config_changes = true"
+        )
