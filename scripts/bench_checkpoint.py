@@ -83,7 +83,7 @@ def main() -> None:
     cfg, dist, actor, optimizer, tokenizer = build(args.preset, args.device)
     n_params = sum(p.numel() for p in actor.parameters())
     parts = ckpt_state.Checkpointable(actor, optimizer)
-    trainer_state = {"step": 1, "data": {}, "scheduler": {}, "kl_coef": None, "seed": 1, "world_size": 1}
+    trainer_state = {"step": 1, "data": {}, "schedulers": {}, "kl_coef": None, "seed": 1, "world_size": 1}
     path = os.path.join(args.out, "ckpt_1")
     save_s = timed(lambda: ckpt_state.save(args.out, 1, parts, trainer_state, to_toml(cfg), dist, 0), dist.device)
     size = du(path)
