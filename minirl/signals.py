@@ -23,16 +23,14 @@ REPEAT_WINDOW_S = 1.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class StopRequest:
-    """Context manager that turns the first SIGTERM/SIGINT into a request the loop honours."""
+class SignalHandler:
+    """Context manager base: `_handle(signum, frame)` handles SIGTERM and SIGINT inside the
+    `with` block (main thread only: Python delivers signals there), and the previous handlers
+    come back on exit. The trainer, the spawn supervisor and the Ray driver subclass it."""
 
-    def __init__(self):
-        self.signum: int | None = None
-        self._first_at = 0.0
+    def __enter__(self):
         self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> "StopRequest":
-        if threading.current_thread() is threading.main_thread():  # handlers live there only
+        if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -40,6 +38,17 @@ class StopRequest:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        raise NotImplementedError
+
+
+class StopRequest(SignalHandler):
+    """Turns the first SIGTERM/SIGINT into a request the loop honours."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._first_at = 0.0
 
     def _handle(self, signum: int, frame) -> None:
         now = time.monotonic()

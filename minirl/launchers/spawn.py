@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from minirl.launchers.report import Report, print_report, report_of
+from minirl.signals import SignalHandler
 from minirl.spmd import free_port
 
 _STOP_GRACE_S = 5.0  # how long a stopped worker may take to exit before it is killed
@@ -88,25 +89,15 @@ def _exit_with_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
-class _ForwardSignals:
+class _ForwardSignals(SignalHandler):
     """The supervisor passes SIGTERM/SIGINT on: the first as SIGTERM (workers finish the step and
     checkpoint), a second as SIGKILL. Kubernetes signals only the container's first process, so
     the workers would otherwise never hear of it."""
 
     def __init__(self, procs: list):
-        self.procs, self.count, self.previous = procs, 0, {}
+        self.procs, self.count = procs, 0
 
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.previous[sig] = signal.signal(sig, self._forward)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def _forward(self, signum, frame) -> None:
+    def _handle(self, signum, frame) -> None:
         self.count += 1
         for p in self.procs:
             if p.is_alive():

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from minirl import spmd
 from minirl.launchers import ray_address
 from minirl.launchers.report import EXIT_CRASH, Report, print_report
-from minirl.signals import REPEAT_WINDOW_S
+from minirl.signals import REPEAT_WINDOW_S, SignalHandler
 from minirl_plugins.ray_launcher import cluster
 from minirl_plugins.ray_launcher.worker import RankActor
 
@@ -168,12 +167,12 @@ def _send_signal(pid: int, signum: int) -> None:
     os.kill(pid, signum)
 
 
-class _StopSignals:
+class _StopSignals(SignalHandler):
     """SIGTERM/SIGINT to the driver: the first reaches every rank as SIGTERM (by a task on the
     rank's node, which may be another machine), the second kills every actor."""
 
     def __init__(self):
-        self.signum, self.count, self.sent, self.previous, self.first_at = 0, 0, False, {}, 0.0
+        self.signum, self.count, self.sent, self.first_at = 0, 0, False, 0.0
 
     @property
     def kill_now(self) -> bool:
@@ -182,16 +181,6 @@ class _StopSignals:
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum else ""
-
-    def __enter__(self) -> _StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
         # only flags: the Ray calls wait for the loop. A repeat within a second is the same signal
