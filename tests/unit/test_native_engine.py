@@ -20,13 +20,7 @@ from minirl_plugins.native.testing import engine_context, tiny_config, tiny_hf_m
 PROMPTS = [[5, 17, 42], [7] * 16, list(range(100, 131)), [9, 8, 7, 6, 5, 4, 3]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class _Cfg:
