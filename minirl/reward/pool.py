@@ -16,6 +16,7 @@ a call's timeout.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import time
 from collections import deque
@@ -27,6 +28,7 @@ from minirl.reward.scorers import Outcome, Row
 
 STARTUP_TIMEOUT_S = 300.0  # loading the reward functions (imports) in a new worker
 STOP_GRACE_S = 2.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _context():
@@ -37,8 +39,29 @@ def _context():
     return ctx
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when its parent, the forkserver, exits, so that a hung reward
+    call never outlives a trainer killed with -9. The forkserver exits when the last holder of
+    its "alive" pipe closes it; CPython hands that pipe to every forked child, so the worker
+    closes its copy, leaving the trainer the only holder."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(fd, int):
+        os.close(fd)
+        server._forkserver_alive_fd = None
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux/glibc: idle workers still exit on EOF
+        pass
+
+
 def _serve(conn, load: Callable[[], Any]) -> None:
     """A worker's loop: load the scorers, say ready, then answer calls until None or EOF."""
+    _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle (StopRequest)
     try:
         scorers, fatal = load(), ""
@@ -71,9 +94,14 @@ class _Worker:
         self.index: int | None = None  # the call it is running
         self.deadline = time.monotonic() + STARTUP_TIMEOUT_S
 
-    def assign(self, index: int, rows: Sequence[Row], timeout_s: float) -> None:
+    def assign(self, index: int, rows: Sequence[Row], timeout_s: float) -> bool:
+        """Send a call; False when the worker is already gone (it is replaced on the next wait)."""
+        try:
+            self.conn.send(list(rows))
+        except OSError:
+            return False
         self.index, self.deadline = index, time.monotonic() + timeout_s
-        self.conn.send(list(rows))
+        return True
 
     def receive(self) -> Any:
         """The next message, or None when the worker died."""
@@ -115,12 +143,15 @@ class RewardPool:
             self.workers = [_Worker(self._ctx, self.load) for _ in range(self.num_workers)]
         results: list[list[Outcome] | None] = [None] * len(calls)
         todo = deque(range(len(calls)))
-        while todo or any(w.index is not None for w in self.workers):
-            for w in self.workers:
-                if w.ready and w.index is None and todo:
-                    i = todo.popleft()
-                    w.assign(i, calls[i], self.timeout_s)
-            self._wait(calls, results)
+        try:
+            while todo or any(w.index is not None for w in self.workers):
+                for w in self.workers:
+                    if w.ready and w.index is None and todo and w.assign(todo[0], calls[todo[0]], self.timeout_s):
+                        todo.popleft()
+                self._wait(calls, results)
+        except BaseException:  # no worker may keep a call whose answer nobody will read
+            self.close()
+            raise
         return results  # type: ignore[return-value]
 
     def _wait(self, calls, results) -> None:
