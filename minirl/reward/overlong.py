@@ -7,7 +7,8 @@ penalised linearly, down to -penalty_factor at L_max:
     exceed   = |y| - expected
     penalty  = min(-exceed / len * penalty_factor, 0)
 
-added to the rule score of the training rollouts (never to validation scores, as in verl).
+with |y| the response's token count (EOS included, as verl's valid response length), added to
+the rule score of the training rollouts (never to validation scores, as in verl).
 Shape legend: B sequences.
 """
 

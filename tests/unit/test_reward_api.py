@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minirl.data import PromptRecord
 from minirl.dist import DistContext
@@ -197,6 +199,25 @@ def test_overlong_penalty_golden_values():
     assert overlong_penalty([0, 20], 20, SimpleNamespace(enable=False, len=4, penalty_factor=0.5)).tolist() == [0, 0]
     full = overlong_penalty([1, 7, 8], 8, SimpleNamespace(enable=True, len=7, penalty_factor=1.0))
     assert torch.allclose(full, torch.tensor([0.0, -6 / 7, -1.0]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    max_len=st.integers(2, 4096),
+    data=st.data(),
+    factor=st.floats(0, 10, allow_nan=False),
+)
+def test_overlong_penalty_properties(max_len, data, factor):
+    """Against the float64 formula: 0 up to L_max - len, linear in between, -factor at L_max, and
+    never positive or below -factor for any length in [0, L_max]."""
+    buf_len = data.draw(st.integers(1, max_len - 1))
+    lengths = data.draw(st.lists(st.integers(0, max_len), min_size=1, max_size=16))
+    got = overlong_penalty(lengths, max_len, SimpleNamespace(enable=True, len=buf_len, penalty_factor=factor))
+    expected = [min(-(n - (max_len - buf_len)) / buf_len * factor, 0.0) for n in lengths]
+    assert torch.allclose(got.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    assert bool((got <= 0).all()) and bool((got >= -factor * (1 + 1e-6)).all())
+    at_max = overlong_penalty([max_len], max_len, SimpleNamespace(enable=True, len=buf_len, penalty_factor=factor))
+    assert at_max.item() == pytest.approx(-factor, rel=1e-6)
 
 
 def test_overlong_metrics():
