@@ -3,8 +3,12 @@ pool, DAPO's overlong penalty in the step's scores, and the pool closed however 
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
+from minirl.errors import Stopped
 from tests.integration.conftest import make_trainer
 
 REWARD_FILE = """
@@ -94,3 +98,21 @@ def test_pool_is_closed_when_the_run_fails(tmp_path, data_dir, reward_file, monk
         trainer.fit()
     assert started and not any(p.is_alive() for p in started)
     assert trainer.rewards.pool.workers == []
+
+
+def test_pool_is_closed_when_the_run_is_stopped(tmp_path, data_dir, reward_file, monkeypatch):
+    """SIGTERM during a step: the step finishes, a checkpoint is written, Stopped is raised, and
+    the reward workers are gone (they ignore Ctrl-C and die with the trainer, but fit() stops them)."""
+    overrides = SMALL + [f"custom_reward_function.path={reward_file}", "reward.num_workers=1"]
+    trainer = make_trainer(tmp_path, data_dir, overrides)
+    started, advantages = [], trainer.advantages
+
+    def signalled(batch):
+        started.extend(w.process for w in trainer.rewards.pool.workers)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return advantages(batch)
+
+    monkeypatch.setattr(trainer, "advantages", signalled)
+    with pytest.raises(Stopped, match="stopped by SIGTERM after step 1"):
+        trainer.fit()
+    assert started and not any(p.is_alive() for p in started)
