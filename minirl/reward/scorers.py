@@ -40,7 +40,9 @@ class Outcome:
 
 def as_score(value: Any) -> float:
     """A reward function may return a number, a bool, or verl's {"score": x, ...} dict."""
-    if isinstance(value, dict) and "score" in value:
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise TypeError(f"a reward function's dict answer needs a 'score' key, got keys {sorted(value)}")
         value = value["score"]
     if hasattr(value, "numel") and value.numel() == 1:  # a one-element tensor or array
         value = value.item()

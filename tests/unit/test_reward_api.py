@@ -30,6 +30,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         os.abort()
     if solution_str == "raise":
         raise RuntimeError("broken grader")
+    if solution_str == "no score":
+        return {"acc": 0.0}
     return {"score": float(solution_str == ground_truth) + extra_info["bonus"], "acc": 1.0, "note": "text"}
 
 def batch_score(data_sources, solution_strs, ground_truths, extra_infos):
@@ -68,13 +70,13 @@ def test_custom_function_scores_every_data_source_with_verl_keywords(reward_file
     """The custom function scores any data_source (none is registered here), gets the row's
     extra_info, and a dict answer's numeric extra keys are kept for the metrics."""
     records = [rec("anything", "7", 0, bonus=0.5), rec("other", "7", 1), rec("x", "1", 2)]
-    result = manager(reward_file).score(records, ["7", "8", "raise"])
-    assert result.scores == [1.5, 0.0, 0.0]
-    assert result.failures["error"] == {"x": 1}
+    result = manager(reward_file).score(records + [rec("x", "1", 3)], ["7", "8", "raise", "no score"])
+    assert result.scores == [1.5, 0.0, 0.0, 0.0]
+    assert result.failures["error"] == {"x": 2}
     assert result.extras == {"acc": [1.0, 1.0]}
     metrics = reward_metrics(result, None, DistContext(device=torch.device("cpu")))
     assert metrics == {
-        "reward/errors": 1.0,
+        "reward/errors": 2.0,
         "reward/timeouts": 0.0,
         "reward/crashes": 0.0,
         "reward/extra/acc/mean": 1.0,
