@@ -165,6 +165,29 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (minirl.reward.overlong)."""
+
+    enable: bool = False
+    len: int = 0  # the last `len` tokens before data.max_response_length are penalised linearly
+    penalty_factor: float = 1.0  # the penalty at data.max_response_length (as -penalty_factor)
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    reward_manager: str = "naive"  # naive: one call per response | batch: one call for many (needs a custom function)
+    num_workers: int = 0  # worker processes for the reward calls; 0: in the training process
+    timeout_s: float = 60.0  # per call, with num_workers > 0: a call past it scores 0 (reward/timeouts)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass(frozen=True)
+class CustomRewardFunctionConfig:
+    path: str = ""  # a Python file; its function scores every data_source (empty: the registry)
+    name: str = "compute_score"  # the function in it: (data_source, solution_str, ground_truth, extra_info=None)
+
+
+@dataclass(frozen=True)
 class PluginsConfig:
     modules: list[str] = field(default_factory=list)
 
@@ -177,5 +200,7 @@ CORE_SECTIONS: dict[str, type] = {
     "ref": RefConfig,
     "algorithm": AlgorithmConfig,
     "trainer": TrainerConfig,
+    "reward": RewardConfig,
+    "custom_reward_function": CustomRewardFunctionConfig,
     "plugins": PluginsConfig,
 }

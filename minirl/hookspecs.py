@@ -79,7 +79,10 @@ def minirl_reward_functions() -> dict[str, RewardFunction]:
 
     Called once at start-up; every plugin's answer is merged.
 
-    :return: data_source -> reward function; each parquet row's ``data_source`` picks one.
+    :return: data_source -> reward function; each parquet row's ``data_source`` picks one
+        (unless ``custom_reward_function.path`` names one function for every data_source). With
+        ``reward.num_workers > 0`` each worker process rebuilds this registry from the same
+        plugin modules, so the functions need not pickle.
 
     Built-in: ``minirl_plugins.rewards`` (gsm8k, openai/gsm8k, math, lighteval/MATH,
     DigitalLearningGmbH/MATH-lighteval, countdown, copy).

@@ -31,7 +31,7 @@ from minirl.guard import NonFiniteGuard
 from minirl.kl_control import apply_kl_in_reward, build_kl_controller
 from minirl.metrics import PhaseTimer, summary_table
 from minirl.protocols import AdvantageInputs, SamplingParams
-from minirl.reward import RewardManager, place_scores
+from minirl.reward import build_reward_manager, overlong_penalty, place_scores, reward_metrics
 from minirl.signals import StopRequest
 from minirl.step_metrics import data_metrics, perf_metrics
 from minirl.validation import validate
@@ -51,7 +51,9 @@ class Trainer:
         self.total_steps = build.total_steps(cfg.trainer, self.loader.steps_per_epoch)
         self.optimizer, self.scheduler = assembly.build_optimizer(pm, self.actor, cfg.actor.optim, self.total_steps)
         self.engine = build.engine(pm, cfg, self.actor, self.tokenizer, dist)
-        self.rewards = RewardManager(pm["reward_functions"], self.tokenizer)
+        self.rewards = build_reward_manager(
+            cfg.reward, cfg.custom_reward_function, pm["reward_functions"], self.tokenizer, cfg.plugins.modules
+        )
         self.estimator = pm["advantage_estimators"].get(cfg.algorithm.adv_estimator)
         self.losses = build.losses(pm, cfg.actor, self.ref)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
@@ -86,6 +88,12 @@ class Trainer:
     # -----------------------------------------------------------------------------------------
 
     def fit(self) -> list[dict[str, float]]:
+        try:
+            return self._fit()
+        finally:  # normal end, an exception, or Stopped: the reward workers never outlive the run
+            self.rewards.close()
+
+    def _fit(self) -> list[dict[str, float]]:
         t = self.cfg.trainer
         self._print(effective_batch_line(self.cfg, self.dist, self.loader.steps_per_epoch, self.total_steps))
         if self.start_step >= self.total_steps:
@@ -239,12 +247,13 @@ class Trainer:
     def score(self, batch: RolloutBatch) -> dict[str, float]:
         texts = self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True)
         result = self.rewards.score(batch.records, texts)
-        scores_B = torch.tensor(result.scores, dtype=torch.float32, device=self.dist.device)
-        batch.tensors["scores"] = scores_B
         lens = [len(r) for r in batch.responses]
+        buffer = self.cfg.reward.overlong_buffer
+        penalty_B = overlong_penalty(lens, self.cfg.data.max_response_length, buffer).to(self.dist.device)
+        scores_B = torch.tensor(result.scores, dtype=torch.float32, device=self.dist.device) + penalty_B
+        batch.tensors["scores"] = scores_B
         batch.tensors["token_scores"] = place_scores(scores_B, lens, batch.mask_BT.shape[1])
-        errors = self.dist.all_reduce(torch.tensor(float(result.n_errors), device=self.dist.device))
-        return {"reward/errors": float(errors)}
+        return reward_metrics(result, penalty_B if buffer.enable else None, self.dist)
 
     def log_probs(self, model, section, batch: RolloutBatch) -> torch.Tensor:
         micro = (

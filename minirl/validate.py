@@ -44,7 +44,7 @@ def find_problems(cfg: Config, pm, files: bool = True) -> list[Problem]:
     from minirl.validate_values import value_problems
 
     found: dict[str, Problem] = {}
-    for check in (value_problems, _batches, _launcher, _device, _layout, _steps, _resume):
+    for check in (value_problems, _batches, _launcher, _device, _layout, _steps, _resume, _reward):
         for p in check(cfg, pm):
             found.setdefault(p.key, p)
     if files and not any(k.startswith(("data.", "trainer.total")) for k in found):  # need sane sizes
@@ -259,3 +259,17 @@ def _resume(cfg: Config, pm) -> list[Problem]:
             )
         ]
     return []
+
+
+def _reward(cfg: Config, pm) -> list[Problem]:
+    """The overlong buffer fits inside the response; a batch manager has a function to call."""
+    r, out = cfg.reward, []
+    buf, max_len = r.overlong_buffer, cfg.data.max_response_length
+    if buf.enable and not 0 < buf.len < max_len:
+        rule = f"must lie in (0, data.max_response_length = {max_len}) with reward.overlong_buffer.enable"
+        out.append(Problem("reward.overlong_buffer.len", buf.len, rule, f"use e.g. {max(1, max_len // 4)}"))
+    if r.reward_manager == "batch" and not cfg.custom_reward_function.path:
+        rule = "a batch manager calls custom_reward_function with lists, and custom_reward_function.path is empty"
+        fix = "set custom_reward_function.path, or use 'naive'"
+        out.append(Problem("reward.reward_manager", r.reward_manager, rule, fix))
+    return out

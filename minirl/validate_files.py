@@ -21,7 +21,7 @@ MODEL_DIR_FIX = "point it at a local Hugging Face model directory, or leave it e
 
 
 def file_problems(cfg, pm) -> list[Problem]:
-    return [*_model(cfg.model), *_data(cfg, pm), *_output(cfg.trainer)]
+    return [*_model(cfg.model), *_data(cfg, pm), *_custom_reward(cfg), *_output(cfg.trainer)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,7 +144,7 @@ def _tokenizer_dir(key: str, path: str) -> list[Problem]:
 def _data(cfg, pm) -> list[Problem]:
     d, t = cfg.data, cfg.trainer
     rows, problems = 0, []
-    registered = pm["reward_functions"]
+    registered = None if cfg.custom_reward_function.path else pm["reward_functions"]  # None: one function for all
     for path in d.train_files:
         n, p = _parquet(path, "data.train_files", registered)
         rows, problems = rows + n, problems + p
@@ -197,6 +197,8 @@ def _parquet(path: str, key: str, rewards) -> tuple[int, list[Problem]]:
 
 
 def _unrewarded(sources: list[Any], path: str, key: str, rewards) -> list[Problem]:
+    if rewards is None:
+        return []
     out, seen = [], set()
     for row, src in enumerate(sources):
         if not isinstance(src, str) or src in seen:
@@ -219,6 +221,26 @@ def _short(exc: BaseException) -> str:
     from minirl.errors import describe
 
     return describe(exc)
+
+
+# ---------------------------------------------------------------------------------------------
+# the custom reward function
+# ---------------------------------------------------------------------------------------------
+
+
+def _custom_reward(cfg) -> list[Problem]:
+    """custom_reward_function: the file imports and defines the function with verl's parameters
+    (loading runs the file's top level, as the trainer will)."""
+    custom = cfg.custom_reward_function
+    if not custom.path:
+        return []
+    from minirl.reward.custom import CustomRewardError, load_custom_function
+
+    try:
+        load_custom_function(custom.path, custom.name, batch=cfg.reward.reward_manager == "batch")
+    except CustomRewardError as exc:
+        return [Problem(exc.key, exc.value, exc.rule, exc.fix)]
+    return []
 
 
 # ---------------------------------------------------------------------------------------------

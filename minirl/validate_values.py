@@ -116,6 +116,9 @@ RANGES: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("trainer.peak_flops", at_least(0), "must be >= 0 (0: from the device name)", "use 0"),
     ("trainer.max_nonfinite_steps", at_least(1), "must be at least 1 step", "use 3"),
     ("trainer.max_ckpt_to_keep", at_least(0), "must be >= 0 (0 keeps all)", "use 0"),
+    ("reward.num_workers", at_least(0), "must be >= 0 (0 scores in the training process)", "use 0, or e.g. 4"),
+    ("reward.timeout_s", lambda v: v > 0, "must be > 0 seconds", "use e.g. 60"),
+    ("reward.overlong_buffer.penalty_factor", at_least(0), "a negative factor rewards overlong answers", "use 1.0"),
     ("trainer.experiment_name", bool, "must not be empty (it names the run directory)", "use e.g. 'run'"),
 ]
 
@@ -134,6 +137,7 @@ CHOICES: list[tuple[str, tuple[str, ...]]] = [
     ("algorithm.kl_ctrl.type", ("fixed", "adaptive")),
     ("trainer.device", ("auto", "cpu", "cuda")),
     ("trainer.resume_mode", ("auto", "disable", "resume_path")),
+    ("reward.reward_manager", ("naive", "batch")),
 ]
 
 

@@ -41,6 +41,7 @@ _FREE_KEYS = {
         "peak_flops max_nonfinite_steps launcher ray_address ray_placement_timeout_s"
     ),
     "data": "val_files",
+    "reward": "num_workers timeout_s",
     "model": "enable_gradient_checkpointing",
     "actor": "ppo_micro_batch_size_per_gpu use_dynamic_bsz ppo_max_token_len_per_gpu ulysses_sequence_parallel_size",
     "rollout": (

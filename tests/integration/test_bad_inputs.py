@@ -171,6 +171,24 @@ CONFIG_CASES = {
     "engine_name": (["rollout.name=vllm"], "rollout.name = 'vllm'", "no such rollout engine"),
     "logger_name": (['trainer.logger=["consol"]'], "trainer.logger[0] = 'consol'", "console"),
     "empty_experiment_name": (['trainer.experiment_name=""'], "trainer.experiment_name"),
+    "reward_workers_negative": (["reward.num_workers=-1"], "reward.num_workers = -1"),
+    "reward_timeout_zero": (["reward.timeout_s=0"], "reward.timeout_s = 0.0", "> 0"),
+    "reward_manager_typo": (["reward.reward_manager=batched"], "reward.reward_manager = 'batched'", "'batch'"),
+    "batch_manager_without_function": (
+        ["reward.reward_manager=batch"],
+        "reward.reward_manager = 'batch'",
+        "custom_reward_function.path",
+    ),
+    "overlong_len_zero": (["reward.overlong_buffer.enable=true"], "reward.overlong_buffer.len = 0", "(0, "),
+    "overlong_len_whole_response": (
+        ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=2"],
+        "reward.overlong_buffer.len = 2",
+        "data.max_response_length = 2",
+    ),
+    "overlong_factor_negative": (
+        ["reward.overlong_buffer.penalty_factor=-1.0"],
+        "reward.overlong_buffer.penalty_factor = -1.0",
+    ),
 }
 
 
@@ -415,6 +433,55 @@ def test_reward_manager_error_is_a_user_error():
 
     with pytest.raises(UserError, match=r"f.parquet:3: data_source 'nope' has no reward function"):
         RewardManager({"copy": None}).score([Rec()], ["x"])
+
+
+CUSTOM_REWARD_CASES = {
+    "syntax_error": ("x = 1\ndef compute_score(:\n", "custom_reward_function.path", "r.py:2", "SyntaxError"),
+    "import_error": ("import os\nimport not_a_package_xyz\n", "r.py:2", "not_a_package_xyz", "install"),
+    "raises_at_import": ("raise KeyError('token')\n", "r.py:1", "KeyError"),
+    "missing_function": ("def score(): pass\n", "custom_reward_function.name = 'compute_score'", "defines no"),
+    "not_callable": ("compute_score = {}\n", "is a dict, not a function"),
+    "wrong_parameters": ("def compute_score(text, truth):\n    return 0.0\n", "data_source, solution_str"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CUSTOM_REWARD_CASES))
+def test_broken_custom_reward_file_is_one_line(capsys, tmp_path, base, case):
+    """custom_reward_function is loaded in the validation pass: a broken file names itself, the
+    line and the fix before any model loads."""
+    body, *needles = CUSTOM_REWARD_CASES[case]
+    (tmp_path / "r.py").write_text(body)
+    fails(capsys, base + [f"custom_reward_function.path={tmp_path / 'r.py'}"], *needles)
+
+
+def test_custom_reward_file_missing(capsys, tmp_path, base):
+    fails(capsys, base + [f"custom_reward_function.path={tmp_path / 'no.py'}"], "no such file")
+    fails(capsys, base + [f"custom_reward_function.path={tmp_path}"], "is a directory")
+
+
+def test_batch_custom_function_needs_list_parameters(capsys, tmp_path, base):
+    (tmp_path / "r.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0\n"
+    )
+    argv = base + [f"custom_reward_function.path={tmp_path / 'r.py'}", "reward.reward_manager=batch"]
+    fails(capsys, argv, "data_sources, solution_strs, ground_truths, extra_infos")
+
+
+def test_custom_reward_function_scores_unregistered_data_sources(tmp_path, base):
+    """With a custom function, a data_source without a registered function is fine (it scores all)."""
+    from minirl.config import load_config
+    from minirl.plugins import PluginManager
+    from minirl.validate import find_problems
+
+    (tmp_path / "r.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1\n"
+    )
+    path = write_rows(tmp_path / "d.parquet", [good_row(i, data_source="my_task") for i in range(4)])
+    overrides = [a for a in base[4:]] + [files_override(path), f"custom_reward_function.path={tmp_path / 'r.py'}"]
+    cfg = load_config(BENCH, overrides, profile="cpu")
+    assert find_problems(cfg, PluginManager(cfg.plugins.modules)) == []
+    cfg = load_config(BENCH, overrides[:-1], profile="cpu")
+    assert "my_task" in find_problems(cfg, PluginManager(cfg.plugins.modules))[0].rule
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,178 @@
+"""Scoring responses with the reward functions, and placing the scores on tokens.
+
+Each record's data_source picks a function from the reward registry (filled by the
+`minirl_reward_functions` hook), unless custom_reward_function names one function for every
+data_source. reward.reward_manager = "batch" scores many responses per call; reward.num_workers
+> 0 runs the calls in worker processes (minirl.reward.pool), each call limited to
+reward.timeout_s. A function that raises or returns a non-finite or non-number value, a call
+that times out and a worker that crashes are data failures, not crashes of the run: the
+response scores 0, the failure is counted per kind and data_source (for the step's metrics)
+and logged once per kind and data_source.
+
+Shape legend: B sequences, T response positions.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from minirl.errors import UserError
+from minirl.reward.pool import RewardPool
+from minirl.reward.scorers import Outcome, RewardSource, Row, Scorers
+
+log = logging.getLogger("minirl.reward")
+
+FAILURES = ("error", "timeout", "crash")
+METRIC = {"error": "reward/errors", "timeout": "reward/timeouts", "crash": "reward/crashes"}
+
+
+@dataclass
+class RewardResult:
+    """scores: one per response; failures: kind ("error", "timeout", "crash") -> data_source ->
+    number of responses scored 0 for it; extras: key -> the values of that key of dict answers."""
+
+    scores: list[float]
+    failures: dict[str, dict[str, int]] = field(default_factory=lambda: {k: {} for k in FAILURES})
+    extras: dict[str, list[float]] = field(default_factory=dict)
+
+    def count(self, kind: str) -> int:
+        return sum(self.failures[kind].values())
+
+    @property
+    def n_errors(self) -> int:
+        return self.count("error")
+
+    @property
+    def errors_by_source(self) -> dict[str, int]:
+        return self.failures["error"]
+
+
+def _registered_names(registry: Any) -> list[str]:
+    """Names in a minirl Registry (whose .items is a dict) or in a plain mapping."""
+    items = getattr(registry, "items", None)
+    names = registry.keys() if callable(items) else items
+    return sorted(names or [])
+
+
+class RewardManager:
+    """Scores decoded responses: by data_source, or with one custom function; in this process
+    or in a RewardPool. `close()` stops the pool's workers."""
+
+    def __init__(self, registry: Any, tokenizer: Any = None, *, scorers: Scorers | None = None, pool=None, chunks=1):
+        self.registry = registry  # every data_source must be in it, unless a custom function scores all
+        self.tokenizer = tokenizer
+        self.scorers = scorers or Scorers(registry=registry)
+        self.pool: RewardPool | None = pool
+        self.chunks = chunks  # calls per batch (a batch manager splits the responses over the workers)
+        self._warned: set[tuple[str, str]] = set()  # per manager, so each run logs each source once
+
+    def _check_sources(self, records: Sequence[Any]) -> None:
+        """Look up every data_source before scoring, so a typo fails before any work is done."""
+        if self.scorers.custom is not None:
+            return
+        names = set(_registered_names(self.registry))
+        for rec in records:
+            if rec.data_source not in names:
+                raise UserError(
+                    f"{rec.source}: data_source {rec.data_source!r} has no reward function; "
+                    f"registered: {', '.join(sorted(names)) or '(none)'}. Fix the data_source column or "
+                    f"register a function for it with the minirl_reward_functions hook"
+                )
+
+    def score(self, records: Sequence[Any], responses_text: Sequence[str]) -> RewardResult:
+        """Score response i against records[i] (records already expanded n times per prompt)."""
+        if len(records) != len(responses_text):
+            raise ValueError(f"{len(records)} records but {len(responses_text)} responses")
+        self._check_sources(records)
+        rows = [Row(r.data_source, text, r.ground_truth, r.extra_info) for r, text in zip(records, responses_text)]
+        outcomes = [o for call in self._run(self._calls(rows)) for o in call]
+        result = RewardResult(scores=[])
+        for rec, outcome in zip(records, outcomes):
+            result.scores.append(outcome.score if not outcome.failure else 0.0)
+            if outcome.failure:
+                self._record_failure(result, rec, outcome)
+            for key, v in outcome.extras.items():
+                result.extras.setdefault(key, []).append(v)
+        return result
+
+    def _calls(self, rows: list[Row]) -> list[list[Row]]:
+        """naive: one call per row; batch: `chunks` contiguous calls (order is kept)."""
+        if not self.scorers.batch:
+            return [[row] for row in rows]
+        size = max(1, -(-len(rows) // self.chunks))
+        return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+    def _run(self, calls: list[list[Row]]) -> list[list[Outcome]]:
+        if self.pool is None:
+            return [self.scorers.run(call) for call in calls]
+        return self.pool.run(calls)
+
+    def score_ids(self, records: Sequence[Any], response_ids: Sequence[Sequence[int]]) -> RewardResult:
+        """Decode (skipping special tokens such as EOS) with the tokenizer, then score."""
+        if self.tokenizer is None:
+            raise ValueError("RewardManager.score_ids needs a tokenizer; pass one to RewardManager")
+        texts = [self.tokenizer.decode(list(ids), skip_special_tokens=True) for ids in response_ids]
+        return self.score(records, texts)
+
+    def close(self) -> None:
+        """Stop the worker processes, if any (a later score() starts them again)."""
+        if self.pool is not None:
+            self.pool.close()
+
+    def __enter__(self) -> RewardManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _record_failure(self, result: RewardResult, rec: Any, outcome: Outcome) -> None:
+        counts = result.failures[outcome.failure]
+        counts[rec.data_source] = counts.get(rec.data_source, 0) + 1
+        if (outcome.failure, rec.data_source) in self._warned:
+            return
+        self._warned.add((outcome.failure, rec.data_source))
+        what = {"error": "failed", "timeout": "timed out", "crash": "crashed its worker"}[outcome.failure]
+        log.warning(
+            "reward function for data_source %r %s on %s (%s); scoring 0. Further cases of this data_source "
+            "are counted in the metric %s, not logged.",
+            rec.data_source,
+            what,
+            rec.source,
+            outcome.detail,
+            METRIC[outcome.failure],
+        )
+
+
+def build_reward_manager(reward_cfg, custom_cfg, registry: Any, tokenizer: Any, plugin_modules=()) -> RewardManager:
+    """The RewardManager of the [reward] and [custom_reward_function] sections."""
+    batch = reward_cfg.reward_manager == "batch"
+    source = RewardSource(custom_cfg.path, custom_cfg.name, batch, tuple(plugin_modules))
+    scorers = source.load() if custom_cfg.path else Scorers(registry=registry)
+    pool = RewardPool(source.load, reward_cfg.num_workers, reward_cfg.timeout_s) if reward_cfg.num_workers else None
+    return RewardManager(registry, tokenizer, scorers=scorers, pool=pool, chunks=max(1, reward_cfg.num_workers))
+
+
+def place_scores(scores_B: Any, response_lengths_B: Any, T: int) -> torch.Tensor:
+    """token_scores_BT: each score on its response's last valid token (index length - 1).
+
+    A zero-length response has no valid token, so its row is all zero: the estimators read a
+    sequence's score as Σ token_rewards·mask (plugins/advantage.py, convention 1), which is 0
+    for it whatever it scored, and this row says the same.
+    """
+    scores_B = torch.as_tensor(scores_B, dtype=torch.float32)
+    lengths_B = torch.as_tensor(response_lengths_B, dtype=torch.long, device=scores_B.device)
+    if scores_B.ndim != 1 or scores_B.shape != lengths_B.shape:
+        raise ValueError(f"scores {tuple(scores_B.shape)} and lengths {tuple(lengths_B.shape)} must be (B,)")
+    if T < 1:
+        raise ValueError(f"T = {T}: the response tensor needs at least one position")
+    if bool((lengths_B > T).any()) or bool((lengths_B < 0).any()):
+        raise ValueError(f"response lengths must lie in [0, {T}], got {lengths_B.tolist()}")
+    token_scores_BT = torch.zeros(len(scores_B), T, dtype=torch.float32, device=scores_B.device)
+    last_B = (lengths_B - 1).clamp(min=0)
+    placed_B = torch.where(lengths_B > 0, scores_B, torch.zeros_like(scores_B))
+    token_scores_BT[torch.arange(len(scores_B), device=scores_B.device), last_B] = placed_B
+    return token_scores_BT

@@ -1,0 +1,38 @@
+"""The step's reward metrics, summed over data-parallel ranks: failure counts by kind, the
+means of the extra keys of dict answers, and the overlong penalty."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+
+from minirl.reward.manager import FAILURES, METRIC, RewardResult
+
+
+def reward_metrics(result: RewardResult, penalty_B: torch.Tensor | None, dist) -> dict[str, float]:
+    """reward/errors|timeouts|crashes (counts), reward/extra/<key>/mean, and with the overlong
+    buffer on: reward/overlong_penalty/mean and reward/overlong_penalty/frac (share penalised)."""
+    dev = dist.device
+    counts = dist.all_reduce(torch.tensor([float(result.count(k)) for k in FAILURES], device=dev))
+    out = {METRIC[k]: float(c) for k, c in zip(FAILURES, counts.tolist())}
+    keys = _all_keys(sorted(result.extras), dist)
+    if keys:
+        sums = [[sum(result.extras.get(k, [])), float(len(result.extras.get(k, [])))] for k in keys]
+        t = dist.all_reduce(torch.tensor(sums, dtype=torch.float64, device=dev))
+        out.update({f"reward/extra/{k}/mean": float(s / max(n, 1.0)) for k, (s, n) in zip(keys, t.tolist())})
+    if penalty_B is not None:
+        p = penalty_B.detach().double()
+        n = torch.tensor(float(p.numel()), dtype=torch.float64, device=p.device)
+        t = dist.all_reduce(torch.stack([p.sum(), (p < 0).double().sum(), n]))
+        n = max(float(t[2]), 1.0)
+        out.update({"reward/overlong_penalty/mean": float(t[0]) / n, "reward/overlong_penalty/frac": float(t[1]) / n})
+    return out
+
+
+def _all_keys(keys: list[str], dist) -> list[str]:
+    """The union of the ranks' extra keys, so every rank reduces the same tensor."""
+    if dist.dp_size == 1 or not tdist.is_initialized():
+        return keys
+    gathered: list = [None] * dist.dp_size
+    tdist.all_gather_object(gathered, keys, group=dist.dp_group)
+    return sorted({k for ks in gathered for k in ks})

@@ -1,0 +1,28 @@
+"""DAPO's overlong reward shaping (Yu et al. 2025, "soft overlong punishment").
+
+Responses that run into the last `len` tokens before L_max = data.max_response_length are
+penalised linearly, down to -penalty_factor at L_max:
+
+    expected = L_max - len
+    exceed   = |y| - expected
+    penalty  = min(-exceed / len * penalty_factor, 0)
+
+with |y| the response's token count (EOS included, as verl's valid response length), added to
+the rule score of the training rollouts (never to validation scores, as in verl).
+Shape legend: B sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def overlong_penalty(response_lengths_B, max_response_length: int, cfg) -> torch.Tensor:
+    """penalty_B (float32, <= 0) for `cfg` = reward.overlong_buffer; all zero when disabled."""
+    lengths_B = torch.as_tensor(response_lengths_B, dtype=torch.float64)
+    if not cfg.enable:
+        return torch.zeros_like(lengths_B, dtype=torch.float32)
+    expected = max_response_length - cfg.len
+    exceed_B = lengths_B - expected
+    penalty_B = torch.clamp(-exceed_B / cfg.len * cfg.penalty_factor, max=0.0)
+    return penalty_B.to(torch.float32)
