@@ -31,6 +31,7 @@ from minirl.kl_control import apply_kl_in_reward, build_kl_controller
 from minirl.metrics import PhaseTimer, summary_table
 from minirl.protocols import AdvantageInputs, EngineContext, SamplingParams
 from minirl.reward import RewardManager, place_scores
+from minirl.rollout_corr import ROLLOUT_LOG_PROBS, require_rollout_log_probs, rollout_log_probs_BT
 from minirl.signals import StopRequest
 from minirl.step_metrics import data_metrics, perf_metrics
 from minirl.validation import ValSet, load_val_set, validate
@@ -376,6 +377,10 @@ class Trainer:
             finish_reasons=[c.finish_reason for c in completions],
         )
         batch.tensors["mask"] = response_mask(batch.responses, self.dist.device)
+        if r.calculate_log_probs:
+            lp_BT = rollout_log_probs_BT(completions, batch.mask_BT, r.name)
+            batch.tensors.update({} if lp_BT is None else {ROLLOUT_LOG_PROBS: lp_BT})
+            require_rollout_log_probs(batch.tensors, self.cfg.actor.tis_imp_ratio_cap, r.name)
         return batch
 
     def score(self, batch: RolloutBatch) -> dict[str, float]:
