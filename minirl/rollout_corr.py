@@ -20,6 +20,9 @@ Legend: B sequences, T response positions.
 
 from __future__ import annotations
 
+import array
+import itertools
+
 import torch
 
 from minirl.batch import scatter_tokens
@@ -40,8 +43,9 @@ def rollout_log_probs_BT(completions, mask_BT: torch.Tensor, engine: str) -> tor
                 "log-probs; the engine must return one log-prob per sampled token (Completion.logprobs); fix the "
                 "engine, or set rollout.calculate_log_probs = false (and actor.tis_imp_ratio_cap = -1)"
             )
-    flat = torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32, device=mask_BT.device)
-    return scatter_tokens(flat, mask_BT)
+    flat = array.array("f", itertools.chain.from_iterable(c.logprobs for c in completions))  # 3x torch.tensor(list)
+    flat_N = torch.frombuffer(flat, dtype=torch.float32) if len(flat) else torch.zeros(0)
+    return scatter_tokens(flat_N.to(mask_BT.device), mask_BT)
 
 
 def require_rollout_log_probs(tensors: dict, cap: float, engine: str = "") -> None:
