@@ -25,6 +25,7 @@ from minirl.errors import UserError
 from minirl.forward import response_hidden, response_logprobs
 from minirl.guard import PHASE_METRIC, STEPS_METRIC, first_nonfinite_input, phase_code
 from minirl.loss_agg import aggregate, mini_batch_norm
+from minirl.rollout_corr import ROLLOUT_LOG_PROBS, MismatchStats, require_rollout_log_probs, tis_weights
 
 
 @torch.no_grad()
@@ -71,10 +72,14 @@ class Losses:
 
 
 class MetricSums:
-    """Sums of per-micro-batch loss contributions; each already carries its global normaliser."""
+    """Sums of per-micro-batch loss contributions; each already carries its global normaliser.
 
-    def __init__(self):
+    mismatch: the step's rollout / training mismatch (None without rollout log-probs).
+    """
+
+    def __init__(self, mismatch: MismatchStats | None = None):
         self.sums: dict[str, float] = {}
+        self.mismatch = mismatch
 
     def add(self, name: str, value: torch.Tensor) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + float(value.detach())
@@ -100,11 +105,14 @@ def update_actor(
 
     An optimizer step whose loss or gradient norm is non-finite on any rank is skipped
     (minirl.guard); the metrics count those and name the phase of the first non-finite value.
+    Without "old_log_probs" in the batch the update must be on-policy (one epoch, one mini-batch):
+    the old log-probs are then each micro-batch's own forward, detached.
     """
     check_advantages(batch)
+    require_rollout_log_probs(batch.tensors, cfg.tis_imp_ratio_cap)
     input_phase = first_nonfinite_input(batch.tensors, dist.reduce_sum)
     seqs_per_mini = cfg.ppo_mini_batch_size * n // dist.dp_size
-    sums, grad_norms, bad_phases = MetricSums(), [], []
+    sums, grad_norms, bad_phases = MetricSums(_mismatch_stats(batch, dist)), [], []
     for _epoch in range(cfg.ppo_epochs):
         order = torch.randperm(len(batch)) if cfg.shuffle else None
         for mini in mini_batches(len(batch), seqs_per_mini, order):
@@ -118,7 +126,20 @@ def update_actor(
     metrics["actor/grad_norm"] = sum(finite) / max(1, len(finite))
     metrics[STEPS_METRIC] = float(len(bad_phases))
     metrics[PHASE_METRIC] = phase_code((input_phase or bad_phases[0]) if bad_phases else "")
+    if sums.mismatch is not None:
+        metrics.update(sums.mismatch.reduced(dist))
     return metrics
+
+
+def _mismatch_stats(batch: RolloutBatch, dist: DistContext) -> MismatchStats | None:
+    """None without rollout log-probs. With the separate pass the whole batch's old log-probs
+    are known now; with the on-policy shortcut each micro-batch adds its own in the update."""
+    if ROLLOUT_LOG_PROBS not in batch.tensors:
+        return None
+    stats = MismatchStats(dist.device)
+    if "old_log_probs" in batch.tensors:
+        stats.add(batch.tensors["old_log_probs"], batch.tensors[ROLLOUT_LOG_PROBS], batch.mask_BT)
+    return stats
 
 
 def check_advantages(batch: RolloutBatch) -> None:
@@ -176,10 +197,13 @@ def _micro_batch_loss(model, mb: RolloutBatch, cfg, temperature, norm, losses: L
     logp_R, ent_R = response_logprobs(model, mb.prompts, mb.responses, temperature, dist.device, with_entropy=True)
     logp_BT = scatter_tokens(logp_R.float(), mask_BT)
     ent_BT = scatter_tokens(ent_R.float(), mask_BT)
-    old_BT = mb.tensors["old_log_probs"] if "old_log_probs" in mb.tensors else logp_BT.detach()  # on-policy
+    on_policy = "old_log_probs" not in mb.tensors
+    old_BT = logp_BT.detach() if on_policy else mb.tensors["old_log_probs"]
+    if on_policy and sums.mismatch is not None:
+        sums.mismatch.add(old_BT, mb.tensors[ROLLOUT_LOG_PROBS], mask_BT)
     pg = losses.policy_loss(logp_BT, old_BT, mb.tensors["advantages"], mask_BT, cfg)
     mode = cfg.loss_agg_mode
-    pg_loss = aggregate(pg.loss_BT, mask_BT, mode, norm)
+    pg_loss = aggregate(_tis(pg.loss_BT, old_BT, mb, cfg.tis_imp_ratio_cap, norm, sums), mask_BT, mode, norm)
     loss = pg_loss
     if cfg.entropy_coeff != 0:
         loss = loss - cfg.entropy_coeff * aggregate(ent_BT, mask_BT, mode, norm)
@@ -194,6 +218,18 @@ def _micro_batch_loss(model, mb: RolloutBatch, cfg, temperature, norm, losses: L
         sums.add("kl_loss", kl)
         loss = loss + cfg.kl_loss_coef * kl
     return loss
+
+
+def _tis(loss_BT, old_BT, mb: RolloutBatch, cap: float, norm, sums: MetricSums) -> torch.Tensor:
+    """Truncated importance sampling (minirl.rollout_corr): loss_BT · min(exp(lp_old − lp_roll), cap),
+    the weight detached. Off (cap <= 0, i.e. -1) returns loss_BT itself, so the loss is bit for bit
+    the unweighted one. Logs the token-mean weight and the share of valid tokens at the cap."""
+    if not cap > 0:
+        return loss_BT
+    w_BT = tis_weights(old_BT, mb.tensors[ROLLOUT_LOG_PROBS], cap)
+    sums.add("tis_weight_mean", aggregate(w_BT, mb.mask_BT, "token-mean", norm))
+    sums.add("tis_capped_frac", aggregate((w_BT >= cap).to(w_BT.dtype), mb.mask_BT, "token-mean", norm))
+    return loss_BT * w_BT
 
 
 def _kl_loss_terms(model, mb: RolloutBatch, logp_BT, temperature, losses: Losses, dist) -> torch.Tensor:

@@ -64,10 +64,10 @@ class ActorConfig:
     ppo_max_token_len_per_gpu: int = 16384  # token budget per micro-batch with dynamic bsz
     ppo_epochs: int = 1
     shuffle: bool = False
-    policy_loss: str = "vanilla"
-    clip_ratio: float = 0.2
-    clip_ratio_low: Optional[float] = None
-    clip_ratio_high: Optional[float] = None
+    policy_loss: str = "vanilla"  # vanilla (PPO clip) | gspo (sequence-level ratio; docs/plugins.md)
+    clip_ratio: float = 0.2  # vanilla: the clip range where _low / _high are unset (gspo ignores it)
+    clip_ratio_low: Optional[float] = None  # unset: clip_ratio (vanilla), 3e-4 (gspo)
+    clip_ratio_high: Optional[float] = None  # unset: clip_ratio (vanilla), 4e-4 (gspo)
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: Optional[float] = None
@@ -76,6 +76,8 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     grad_clip: float = 1.0
+    # truncated importance sampling: policy loss per token x min(exp(lp_old - lp_rollout), cap); -1: off
+    tis_imp_ratio_cap: float = -1.0
     ulysses_sequence_parallel_size: int = 1
     # one mini-batch and one epoch: the old log-probs are the update forward's own, detached, so
     # the separate prev-log-prob pass is skipped (minirl.actor.on_policy); false forces the pass
@@ -101,7 +103,7 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: int = 8
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
-    calculate_log_probs: bool = False  # keep the engine's sampled-token log-probs (rollout_log_probs)
+    calculate_log_probs: bool = True  # keep the engine's sampled-token log-probs (rollout_log_probs, rollout_corr/*)
     update_weights_bucket_megabytes: int = 512  # sglang: weight-sync bucket size
 
 

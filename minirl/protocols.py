@@ -75,7 +75,8 @@ class KLEstimator(Protocol):
 class PolicyLossOutput:
     """Per-token pieces; the trainer aggregates them over the global mini-batch.
 
-    loss_BT: per-token loss before aggregation.
+    loss_BT: per-token loss before aggregation (and before the TIS weight, actor.tis_imp_ratio_cap,
+    which the trainer applies to any policy loss).
     clipped_BT: 1.0 where the clipped branch is active (pg_clipfrac).
     clipped_lower_BT: 1.0 where the dual clip is active (pg_clipfrac_lower).
     approx_kl_BT: lp_old - lp (ppo_kl).

@@ -32,6 +32,7 @@ from minirl.kl_control import apply_kl_in_reward, build_kl_controller
 from minirl.metrics import PhaseTimer, summary_table
 from minirl.protocols import AdvantageInputs, SamplingParams
 from minirl.reward import build_reward_manager, overlong_penalty, place_scores, reward_metrics
+from minirl.rollout_corr import ROLLOUT_LOG_PROBS, require_rollout_log_probs, rollout_log_probs_BT
 from minirl.signals import StopRequest
 from minirl.step_metrics import data_metrics, perf_metrics
 from minirl.validation import validate
@@ -242,6 +243,10 @@ class Trainer:
             finish_reasons=[c.finish_reason for c in completions],
         )
         batch.tensors["mask"] = response_mask(batch.responses, self.dist.device)
+        if r.calculate_log_probs:
+            lp_BT = rollout_log_probs_BT(completions, batch.mask_BT, r.name)
+            batch.tensors.update({} if lp_BT is None else {ROLLOUT_LOG_PROBS: lp_BT})
+            require_rollout_log_probs(batch.tensors, self.cfg.actor.tis_imp_ratio_cap, r.name)
         return batch
 
     def score(self, batch: RolloutBatch) -> dict[str, float]:

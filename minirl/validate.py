@@ -4,10 +4,10 @@
 per problem: the key, its value, where the value came from (file, profile, command line or
 default), the rule it breaks and the fix. Besides each key's own range it checks the rules
 that join keys (mini-batch <= batch and dividing it, sp dividing the world, batches dividing
-over data-parallel ranks, more than zero steps). minirl.validate_values holds the rules of one
-key at a time; minirl.validate_files checks the files the config names: the model directory,
-the data (row counts, a reward function for every data_source) and the output directory.
-`python -m minirl` and `--print-config` both run it.
+over data-parallel ranks, more than zero steps, TIS with rollout log-probs, GSPO's clip range).
+minirl.validate_values holds the rules of one key at a time; minirl.validate_files checks the
+files the config names: the model directory, the data (row counts, a reward function for every
+data_source) and the output directory. `python -m minirl` and `--print-config` both run it.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def find_problems(cfg: Config, pm, files: bool = True) -> list[Problem]:
     from minirl.validate_values import value_problems
 
     found: dict[str, Problem] = {}
-    for check in (value_problems, _batches, _launcher, _device, _layout, _steps, _resume, _reward):
+    for check in (value_problems, _batches, _launcher, _device, _layout, _steps, _resume, _reward, _policy_loss):
         for p in check(cfg, pm):
             found.setdefault(p.key, p)
     if files and not any(k.startswith(("data.", "trainer.total")) for k in found):  # need sane sizes
@@ -272,4 +272,28 @@ def _reward(cfg: Config, pm) -> list[Problem]:
         rule = "a batch manager calls custom_reward_function with lists, and custom_reward_function.path is empty"
         fix = "set custom_reward_function.path, or use 'naive'"
         out.append(Problem("reward.reward_manager", r.reward_manager, rule, fix))
+    return out
+
+
+def _policy_loss(cfg: Config, pm) -> list[Problem]:
+    """TIS needs the engine's log-probs; GSPO's lower clip bound 1 − clip_ratio_low must be > 0."""
+    a, out = cfg.actor, []
+    if a.tis_imp_ratio_cap > 0 and not cfg.rollout.calculate_log_probs:
+        out.append(
+            Problem(
+                "actor.tis_imp_ratio_cap",
+                a.tis_imp_ratio_cap,
+                "truncated importance sampling needs the rollout log-probs, and rollout.calculate_log_probs = false",
+                "set rollout.calculate_log_probs = true, or actor.tis_imp_ratio_cap = -1",
+            )
+        )
+    if a.policy_loss == "gspo" and a.clip_ratio_low is not None and a.clip_ratio_low >= 1:
+        out.append(
+            Problem(
+                "actor.clip_ratio_low",
+                a.clip_ratio_low,
+                "gspo clips the sequence ratio at 1 - clip_ratio_low, which must stay > 0",
+                "leave it unset (GSPO's 3e-4), or use a value in [0, 1)",
+            )
+        )
     return out

@@ -74,6 +74,12 @@ RANGES: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("actor.loss_scale_factor", optional(lambda v: v > 0), "must be > 0", "leave it unset"),
     ("actor.kl_loss_coef", at_least(0), "a negative coefficient rewards drifting away", "use a value >= 0"),
     ("actor.grad_clip", lambda v: v > 0, "must be > 0", "use 1.0"),
+    (
+        "actor.tis_imp_ratio_cap",
+        lambda v: v > 0 or v == -1,
+        "the truncated importance weight's cap must be > 0 (on) or -1 (off)",
+        "use -1, or e.g. 2.0",
+    ),
     ("actor.ulysses_sequence_parallel_size", at_least(1), "must be at least 1", "use 1 (no sequence parallelism)"),
     ("actor.optim.lr", at_least(0), "a learning rate must be >= 0", "use e.g. 1e-6"),
     ("actor.optim.weight_decay", at_least(0), "must be >= 0", "use 0.01"),

@@ -30,6 +30,9 @@ def test_cpu_profile_three_steps_pass_through_every_phase(tmp_path, data_dir, ca
             "actor/lr",
             "perf/throughput",
             "batch/solve_none_or_all_share",
+            "rollout_corr/prob_diff_mean",
+            "rollout_corr/prob_diff_max",
+            "rollout_corr/log_ratio_mean",
         ):
             assert key in metrics, key
     out = capsys.readouterr().out
@@ -38,6 +41,24 @@ def test_cpu_profile_three_steps_pass_through_every_phase(tmp_path, data_dir, ca
     lines = (tmp_path / "bench" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
     assert (tmp_path / "bench" / "config.toml").exists()
+
+
+@pytest.mark.parametrize("engine", ["hf", "native"])
+@pytest.mark.parametrize("on_policy", [True, False])
+def test_gspo_with_tis_runs_on_the_engines_log_probs(tmp_path, data_dir, engine, on_policy):
+    """GSPO with TIS through the real loop, with and without the on-policy shortcut: each step
+    keeps the engine's log-probs, and in float32 on CPU they agree with the actor's, so every TIS
+    weight is about 1 (none at the cap) and the mismatch metrics are about 0."""
+    mini = 16 if on_policy else 8
+    overrides = ["trainer.total_training_steps=2", f"rollout.name={engine}", f"actor.ppo_mini_batch_size={mini}"]
+    overrides += ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean", "actor.tis_imp_ratio_cap=2.0"]
+    history = run_job(tmp_path, data_dir, overrides)
+    assert len(history) == 2
+    for m in history:
+        assert ("timing_s/old_log_prob" in m) != on_policy
+        assert m["actor/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4) and m["actor/tis_capped_frac"] == 0.0
+        assert 0 <= m["rollout_corr/prob_diff_mean"] <= m["rollout_corr/prob_diff_max"] < 1e-4
+        assert abs(m["rollout_corr/log_ratio_mean"]) < 1e-4
 
 
 @pytest.mark.parametrize("engine", ["hf", "native"])

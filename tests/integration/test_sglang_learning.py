@@ -52,6 +52,7 @@ def test_engine_weights_equal_the_actors_after_every_step(tmp_path, data_dir, fa
     _check_every_sync(trainer, checks)
     history = trainer.fit()
     assert len(history) == 3 and checks == [True] * 3
+    assert all(m["rollout_corr/prob_diff_max"] < 1e-3 for m in history)  # SGLang's log-probs are kept
     assert type(trainer.engine).__name__ == "SGLangEngine"
 
 

@@ -137,5 +137,5 @@ def test_bad_clip_settings_are_user_errors():
 
 
 def test_registry():
-    """actor.policy_loss = "vanilla" selects ppo_clip."""
-    assert set(minirl_policy_losses()) == {"vanilla"}
+    """actor.policy_loss = "vanilla" selects ppo_clip, "gspo" GSPO (tests/unit/test_gspo.py)."""
+    assert set(minirl_policy_losses()) == {"vanilla", "gspo"}

@@ -1,0 +1,89 @@
+"""Rollout / training mismatch: the engine's sampled-token log-probs against the actor's.
+
+The rollout engine samples with its own kernels (bf16, CUDA graphs, another attention), so the
+probability it gave a sampled token, p_roll = exp(lp_roll), differs from the one the training
+forward gives the same weights, p_old = exp(lp_old). `lp_roll` is kept with the batch as
+`rollout_log_probs` [B, T] (rollout.calculate_log_probs); `lp_old` is the old log-prob the update
+uses (the prev-log-prob pass, or with the on-policy shortcut the update forward's own, detached).
+
+Metrics, over the valid tokens of the whole step on all data-parallel ranks (m the mask):
+    rollout_corr/prob_diff_mean = Σ m·|p_roll − p_old| / Σ m
+    rollout_corr/prob_diff_max  = max over valid tokens of |p_roll − p_old|
+    rollout_corr/log_ratio_mean = Σ m·(lp_old − lp_roll) / Σ m    (a k1 estimate of KL(roll ‖ old))
+All three are 0 when the two agree.
+
+Truncated importance sampling (TIS, actor.tis_imp_ratio_cap = C > 0, verl's key): the samples
+come from π_roll, not π_old, so each token's policy loss is reweighted before aggregation by
+    w = min(exp(lp_old − lp_roll), C)      (detached: a weight, not a path for the gradient)
+Legend: B sequences, T response positions.
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+
+import torch
+
+from minirl.batch import scatter_tokens
+from minirl.errors import UserError
+
+ROLLOUT_LOG_PROBS = "rollout_log_probs"
+
+
+def rollout_log_probs_BT(completions, mask_BT: torch.Tensor, engine: str) -> torch.Tensor | None:
+    """The completions' sampled-token log-probs as [B, T] (0 after the last token), or None when
+    the engine returned none. A count that differs from the token count is the engine's bug."""
+    if any(c.logprobs is None for c in completions):
+        return None
+    for i, c in enumerate(completions):
+        if len(c.logprobs) != len(c.token_ids):
+            raise UserError(
+                f"rollout.name = {engine!r}: completion {i} has {len(c.token_ids)} tokens but {len(c.logprobs)} "
+                "log-probs; the engine must return one log-prob per sampled token (Completion.logprobs); fix the "
+                "engine, or set rollout.calculate_log_probs = false (and actor.tis_imp_ratio_cap = -1)"
+            )
+    flat = array.array("f", itertools.chain.from_iterable(c.logprobs for c in completions))  # 3x torch.tensor(list)
+    flat_N = torch.frombuffer(flat, dtype=torch.float32) if len(flat) else torch.zeros(0)
+    return scatter_tokens(flat_N.to(mask_BT.device), mask_BT)
+
+
+def require_rollout_log_probs(tensors: dict, cap: float, engine: str = "") -> None:
+    """TIS needs the engine's log-probs: a UserError naming the keys when the batch has none."""
+    if cap > 0 and ROLLOUT_LOG_PROBS not in tensors:
+        which = f"rollout.name = {engine!r} returned no Completion.logprobs" if engine else "the batch has none"
+        raise UserError(
+            f"actor.tis_imp_ratio_cap = {cap!r} needs the rollout engine's sampled-token log-probs (batch key "
+            f"{ROLLOUT_LOG_PROBS!r}), but {which}: set rollout.calculate_log_probs = true and use an engine that "
+            "returns them (native, hf and sglang do), or set actor.tis_imp_ratio_cap = -1"
+        )
+
+
+def tis_weights(old_BT: torch.Tensor, rollout_BT: torch.Tensor, cap: float) -> torch.Tensor:
+    """w = min(exp(lp_old − lp_roll), cap), detached. Padding positions get some weight; the
+    per-token loss there is 0 already."""
+    return torch.exp(old_BT.detach() - rollout_BT).clamp(max=cap)
+
+
+class MismatchStats:
+    """Local sums of one step's mismatch, reduced exactly over data-parallel ranks at the end:
+    sums and the token count by one all-reduce (float64), the maximum by another."""
+
+    def __init__(self, device):
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # Σ m|Δp|, Σ m·(lp_old − lp_roll), Σ m
+        self.max = torch.zeros((), dtype=torch.float64, device=device)
+
+    def add(self, old_BT: torch.Tensor, rollout_BT: torch.Tensor, mask_BT: torch.Tensor) -> None:
+        old, roll, m = (x.detach().to(torch.float64) for x in (old_BT, rollout_BT, mask_BT))
+        diff_BT = (old.exp() - roll.exp()).abs() * m
+        self.sums += torch.stack([diff_BT.sum(), ((old - roll) * m).sum(), m.sum()])
+        self.max = torch.maximum(self.max, diff_BT.max() if diff_BT.numel() else self.max)
+
+    def reduced(self, dist) -> dict[str, float]:
+        diff_sum, log_ratio_sum, tokens = dist.all_reduce(self.sums).tolist()
+        tokens = max(tokens, 1.0)
+        return {
+            "rollout_corr/prob_diff_mean": diff_sum / tokens,
+            "rollout_corr/prob_diff_max": float(dist.all_reduce(self.max, "max")),
+            "rollout_corr/log_ratio_mean": log_ratio_sum / tokens,
+        }
