@@ -147,9 +147,9 @@ def _is_family_member(run_dir: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def check_config(saved_toml: str, current: dict, path: str, ignore: bool) -> list[str]:
+def check_config(saved_toml: str, current: dict, path: str, ignore: bool, defaults: dict | None = None) -> list[str]:
     """The math-changing differences; raises unless `ignore` (then the caller reports them)."""
-    diffs = config_differences(tomllib.loads(saved_toml), current)
+    diffs = config_differences(tomllib.loads(saved_toml), current, defaults)
     if diffs and not ignore:
         raise UserError(
             f"resume refused: checkpoint {path} was written with other values of keys that change the "
@@ -159,14 +159,18 @@ def check_config(saved_toml: str, current: dict, path: str, ignore: bool) -> lis
     return diffs
 
 
-def config_differences(saved: dict, current: dict) -> list[str]:
-    """'key = saved (checkpoint) vs now' for every math-changing key whose value differs."""
-    old, new = _flatten(saved), _flatten(current)
+def config_differences(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
+    """'key = saved (checkpoint) vs now' for every math-changing key whose value differs.
+
+    A key the checkpoint's config lacks (one added to minirl after it was written) counts as
+    its default from `defaults` (same layout as `current`), so an upgrade alone never blocks a
+    resume; a key whose new default differs from what it replaced is a change the keys list."""
+    old, new, base = _flatten(saved), _flatten(current), _flatten(defaults or {})
     diffs = []
     for key in sorted(set(old) | set(new)):
         if key in FREE_KEYS or key.startswith(FREE_PREFIXES):
             continue
-        a, b = old.get(key), new.get(key)
+        a, b = old.get(key, base.get(key)), new.get(key)
         if a != b and not (_is_nan(a) and _is_nan(b)):
             diffs.append(f"{key} = {a!r} (checkpoint) vs {b!r} (now)")
     return diffs

@@ -4,6 +4,7 @@ trainer_state.json, and restoring all of it (minirl.checkpoint.state moves the b
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -74,7 +75,8 @@ def resume(path: str, state: TrainingState, cfg: Config, dist: DistContext, say:
     """Restore `state` from checkpoint `path`; returns the step to continue after."""
     t = cfg.trainer
     saved = ckpt_state.read_trainer_state(path)
-    diffs = check_config(ckpt_state.read_config(path), cfg.to_dict(), path, t.resume_ignore_config_changes)
+    defaults = {name: dataclasses.asdict(type(section)()) for name, section in cfg.sections.items()}
+    diffs = check_config(ckpt_state.read_config(path), cfg.to_dict(), path, t.resume_ignore_config_changes, defaults)
     if diffs:
         say(f"minirl: resuming despite config changes (trainer.resume_ignore_config_changes): {'; '.join(diffs)}")
     _check_data_position(state.loader, saved["data"], path, t.resume_ignore_config_changes)
