@@ -171,6 +171,17 @@ CONFIG_CASES = {
     "engine_name": (["rollout.name=vllm"], "rollout.name = 'vllm'", "no such rollout engine"),
     "logger_name": (['trainer.logger=["consol"]'], "trainer.logger[0] = 'consol'", "console"),
     "empty_experiment_name": (['trainer.experiment_name=""'], "trainer.experiment_name"),
+    "filter_groups_metric": (["algorithm.filter_groups.metric=acc"], "algorithm.filter_groups.metric = 'acc'", "score"),
+    "filter_groups_one_sample": (["algorithm.filter_groups.enable=true", "rollout.n=1"], "rollout.n = 1", "spread"),
+    "filter_groups_final_reward_with_kl": (
+        [
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.metric=seq_final_reward",
+            "algorithm.use_kl_in_reward=true",
+        ],
+        "algorithm.filter_groups.metric = 'seq_final_reward'",
+        "use_kl_in_reward",
+    ),
 }
 
 
