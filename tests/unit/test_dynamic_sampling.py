@@ -9,6 +9,8 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minirl.batch import RolloutBatch, concat, response_mask
 from minirl.config_schema import FilterGroupsConfig
@@ -151,6 +153,35 @@ def test_seq_reward_reads_the_token_scores():
 def test_choose_groups_keeps_the_first_informative_in_global_order(flags, target, ranks, want, padded):
     keys, n_padded = choose_groups([torch.tensor(f, dtype=torch.bool) for f in flags], target, ranks)
     assert keys == sorted(want) and n_padded == padded and len(keys) % ranks == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(ranks=st.integers(1, 3), per_rank=st.integers(1, 3), batches=st.integers(1, 4), data=st.data())
+def test_choose_groups_properties(ranks, per_rank, batches, data):
+    """For any flags: the kept informative groups are the first min(target, found) in global
+    order; the count is a positive multiple of the ranks, at most the target; padding only when
+    short, and then the earliest uninformative groups."""
+    target = ranks * per_rank
+    flags = [
+        torch.tensor(
+            data.draw(
+                st.lists(st.lists(st.booleans(), min_size=per_rank, max_size=per_rank), min_size=ranks, max_size=ranks)
+            )
+        )
+        for _ in range(batches)
+    ]
+    keys, padded = choose_groups(flags, target, ranks)
+    order = [(d, r, j) for d in range(batches) for r in range(ranks) for j in range(per_rank)]
+    informative = [k for k in order if flags[k[0]][k[1], k[2]]]
+    uninformative = [k for k in order if not flags[k[0]][k[1], k[2]]]
+    kept_informative = min(target, len(informative))
+    assert keys == sorted(keys) and len(set(keys)) == len(keys)
+    assert len(keys) % ranks == 0 and ranks <= len(keys) <= target
+    assert [k for k in keys if k in informative] == informative[:kept_informative]
+    assert sorted(k for k in keys if k not in informative) == uninformative[:padded]
+    assert padded == len(keys) - kept_informative and padded < ranks + (kept_informative == 0)
+    if padded:  # only a short step is padded, and the first batch holds what it needs
+        assert kept_informative < target and all(d == 0 for d, _, _ in uninformative[:padded])
 
 
 def test_concat_repads_token_tensors_and_joins_sequence_tensors():
