@@ -9,7 +9,11 @@ prompt, the sample and the batch number only, so one process and two ranks gener
 
 from __future__ import annotations
 
+import json
+
 import dist_helpers as h
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -102,3 +106,35 @@ def test_dp2_short_steps_stay_balanced(results):
         assert sorted(g for g, f in kept if f) == sorted(tuple(g) for g in one[step]["groups"])
         assert sum(1 for _, f in kept if not f) == ranks[0][step]["metrics"]["filter_groups/groups_padded"] <= 1
         assert ranks[0][step]["metrics"]["filter_groups/cap_hit"] == 1.0
+
+
+def test_cli_world_2_trains_short_balanced_steps(tmp_path, data_dir):
+    """The real loop over 2 ranks (FSDP2, gloo) with the cap at one batch: steps keep the
+    informative groups of their batch, padded to an even count, and train (a step of 2 or 6
+    groups has a mini-batch of fewer than actor.ppo_mini_batch_size = 4 groups; measured: steps of
+    4, 4 and 2 groups)."""
+    table = pq.read_table(data_dir / "copy" / "train.parquet")
+    column = table.column_names.index("data_source")
+    pq.write_table(
+        table.set_column(column, "data_source", pa.array(["half_solved"] * table.num_rows)), tmp_path / "t.parquet"
+    )
+    proc = h.run_cli(
+        tmp_path,
+        data_dir,
+        f'data.train_files=["{tmp_path / "t.parquet"}"]',
+        'plugins.modules=["ds_half_solved"]',
+        "trainer.total_training_steps=3",
+        "data.train_batch_size=8",
+        "actor.ppo_mini_batch_size=4",
+        "rollout.n=4",
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.max_num_gen_batches=1",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "bench" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    print("groups kept per step:", [r["filter_groups/groups_kept"] for r in rows])
+    for r in rows:
+        kept, informative = r["filter_groups/groups_kept"], r["filter_groups/groups_informative"]
+        assert kept % 2 == 0 and kept - r["filter_groups/groups_padded"] == min(informative, 8)
+        assert r["filter_groups/num_gen_batches"] == 1.0 and r["actor/grad_norm"] > 0
