@@ -58,10 +58,15 @@ Key = tuple[int, int, int]  # (generation batch of the step, data-parallel rank,
 
 @dataclass
 class Generated:
-    """One generation batch of the step: this rank's part and the informative flags of all ranks."""
+    """One generation batch of the step: the informative flags of all ranks, and this rank's groups
+    that may be kept (all of the step's first batch, which padding draws on; the informative ones
+    of later batches, so that a long search holds no more than it can use)."""
 
-    batch: RolloutBatch
     informative_RG: torch.Tensor  # bool
+    batch: RolloutBatch  # this rank's groups `groups` of the generation batch
+    groups: list[int]
+    score_sum: torch.Tensor  # of every sequence this rank generated, before the filter
+    num_sequences: int
 
 
 def informative_groups(batch: RolloutBatch, metric: str, n: int) -> torch.Tensor:
@@ -83,7 +88,8 @@ def fill_batch(gen_and_score, records, loader, cfg, train_batch_size: int, n: in
     reward_metrics: list[dict[str, float]] = []
     while True:
         batch, metrics = gen_and_score(records, loader.drawn)
-        drawn.append(Generated(batch, _gather_flags(informative_groups(batch, cfg.metric, n), dist)))
+        flags_RG = _gather_flags(informative_groups(batch, cfg.metric, n), dist)
+        drawn.append(_generated(batch, flags_RG, first=not drawn, n=n, rank=dist.dp_rank))
         reward_metrics.append(metrics)
         found = sum(int(g.informative_RG.sum()) for g in drawn)
         if found >= train_batch_size or _capped(len(drawn), cfg.max_num_gen_batches):
@@ -98,6 +104,13 @@ def fill_batch(gen_and_score, records, loader, cfg, train_batch_size: int, n: in
     if found < train_batch_size:
         _warn_short(cfg.max_num_gen_batches, found, train_batch_size, len(keys), padded, dist)
     return batch, out
+
+
+def _generated(batch: RolloutBatch, informative_RG: torch.Tensor, first: bool, n: int, rank: int) -> Generated:
+    groups = list(range(informative_RG.shape[1])) if first else informative_RG[rank].nonzero()[:, 0].tolist()
+    scores_B = batch.tensors["scores"].detach().double()
+    kept = batch if first else batch.select(_sequences(groups, n))
+    return Generated(informative_RG, kept, groups, scores_B.sum(), len(scores_B))
 
 
 def _capped(num_gen_batches: int, cap: int) -> bool:
@@ -129,7 +142,8 @@ def _own_groups(drawn: list[Generated], keys: list[Key], rank: int, n: int) -> l
     """This rank's kept groups, one batch per generation batch that holds some, in global order."""
     parts = []
     for d, g in enumerate(drawn):
-        groups = [j for dd, r, j in keys if dd == d and r == rank]
+        position = {j: p for p, j in enumerate(g.groups)}
+        groups = [position[j] for dd, r, j in keys if dd == d and r == rank]
         if groups:
             parts.append(g.batch.select(_sequences(groups, n)))
     return parts
@@ -183,9 +197,9 @@ def merge_reward_metrics(per_batch: list[dict[str, float]]) -> dict[str, float]:
 def _metrics(drawn: list[Generated], target: int, kept: int, padded: int, moved: int, epoch: float, dist):
     generated = sum(g.informative_RG.numel() for g in drawn)
     informative = sum(int(g.informative_RG.sum()) for g in drawn)
-    scores = torch.cat([g.batch.tensors["scores"].detach().double().flatten() for g in drawn])
-    count = torch.tensor(float(scores.numel()), dtype=torch.float64, device=scores.device)
-    totals = dist.all_reduce(torch.stack([scores.sum(), count]))
+    score_sum = sum(g.score_sum for g in drawn)
+    count = torch.tensor(float(sum(g.num_sequences for g in drawn)), dtype=torch.float64, device=score_sum.device)
+    totals = dist.all_reduce(torch.stack([score_sum, count]))
     return {
         "filter_groups/num_gen_batches": float(len(drawn)),
         "filter_groups/groups_generated": float(generated),
