@@ -148,3 +148,31 @@ def select_micro(batch: RolloutBatch, idx: list[int]) -> RolloutBatch:
     sub = batch.select([0])
     sub.tensors["mask"] = torch.zeros_like(sub.tensors["mask"])
     return sub
+
+
+def concat(batches: list[RolloutBatch]) -> RolloutBatch:
+    """The batches one after another. [B, T] tensors are re-padded with zeros to the longest
+    response of the result (past its length a row holds only padding); [B] tensors are joined."""
+    width = max(1, max((len(r) for b in batches for r in b.responses), default=0))
+    names = batches[0].tensors.keys()
+    for b in batches[1:]:
+        if b.tensors.keys() != names:
+            raise ValueError(f"cannot join batches holding {sorted(names)} and {sorted(b.tensors)}")
+    return RolloutBatch(
+        prompts=[p for b in batches for p in b.prompts],
+        responses=[r for b in batches for r in b.responses],
+        group_B=torch.cat([b.group_B for b in batches]),
+        records=[rec for b in batches for rec in b.records],
+        finish_reasons=[f for b in batches for f in b.finish_reasons],
+        tensors={k: torch.cat([_to_width(b.tensors[k], width) for b in batches]) for k in names},
+    )
+
+
+def _to_width(x: torch.Tensor, width: int) -> torch.Tensor:
+    if x.ndim < 2:
+        return x
+    if x.shape[1] >= width:
+        return x[:, :width]
+    out = x.new_zeros((x.shape[0], width, *x.shape[2:]))
+    out[:, : x.shape[1]] = x
+    return out

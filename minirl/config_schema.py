@@ -126,6 +126,15 @@ class KLCtrlConfig:
 
 
 @dataclass(frozen=True)
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (minirl.dynamic_sampling)."""
+
+    enable: bool = False  # drop groups whose metric is the same for all n samples; refill from more prompts
+    metric: str = "score"  # score | seq_reward | seq_final_reward (minirl.dynamic_sampling.SEQUENCE_METRICS)
+    max_num_gen_batches: int = 0  # most generation batches per step (then a short step); <= 0: no cap
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     gamma: float = 1.0
@@ -134,6 +143,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass(frozen=True)

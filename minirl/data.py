@@ -276,6 +276,10 @@ class PromptLoader:
     exactly batch_size prompts; the last partial batch of an epoch is dropped, so every step
     sees the same number of prompts. A shard (rank, world) yields only its contiguous slice of
     each global batch: all ranks walk the same global order without communicating.
+
+    `next_batch()` hands the batches out one after another, epoch after epoch; `drawn` counts
+    them (the data position a checkpoint saves). A step draws one batch, or more with dynamic
+    sampling (minirl.dynamic_sampling), so the position is not derived from the step.
     """
 
     def __init__(
@@ -304,6 +308,8 @@ class PromptLoader:
             )
         self.records, self.batch_size, self.shuffle, self.seed = records, batch_size, shuffle, seed
         self.rank, self.world = rank, world
+        self.drawn = 0  # batches handed out by next_batch, over all epochs
+        self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its order), drawn once per epoch
 
     @property
     def steps_per_epoch(self) -> int:
@@ -324,10 +330,28 @@ class PromptLoader:
         return torch.randperm(len(self.records), generator=gen).tolist()
 
     def epoch_batches(self, epoch: int) -> Iterator[list[PromptRecord]]:
-        order, per_rank = self.order(epoch), self.batch_size // self.world
+        order = self.order(epoch)
         for step in range(self.steps_per_epoch):
-            start = step * self.batch_size + self.rank * per_rank
-            yield [self.records[i] for i in order[start : start + per_rank]]
+            yield self._batch(order, step)
+
+    def _batch(self, order: list[int], i: int) -> list[PromptRecord]:
+        """This shard's prompts of batch i of an epoch visited in `order`."""
+        per_rank = self.batch_size // self.world
+        start = i * self.batch_size + self.rank * per_rank
+        return [self.records[j] for j in order[start : start + per_rank]]
+
+    @property
+    def epoch(self) -> float:
+        """Epochs drawn so far, fractional: drawn / steps_per_epoch."""
+        return self.drawn / self.steps_per_epoch
+
+    def next_batch(self) -> list[PromptRecord]:
+        """The batch after the last one handed out (into the next epoch after an epoch's last)."""
+        epoch, i = divmod(self.drawn, self.steps_per_epoch)
+        if self._order[0] != epoch:
+            self._order = (epoch, self.order(epoch))
+        self.drawn += 1
+        return self._batch(self._order[1], i)
 
     def iter_steps(self, start_step: int = 0) -> Iterator[tuple[int, list[PromptRecord]]]:
         """(global step, batch) forever from start_step (0-based): resume lands on the same data."""

@@ -60,6 +60,14 @@ class DistContext:
         """The largest n over the data-parallel ranks: counts of passes that must agree (FSDP)."""
         return int(self.all_reduce(torch.tensor(n, device=self.device), "max"))
 
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """Every data-parallel rank's `obj` (picklable), in rank order, on every rank."""
+        if self.dp_size == 1 or not tdist.is_initialized():
+            return [obj]
+        out = [None] * self.dp_size
+        tdist.all_gather_object(out, obj, group=self.dp_group)
+        return out
+
     def sp_broadcast(self, obj: Any) -> Any:
         """The first sp rank's `obj` on every rank of its sp group. Ranks of an sp group must hold
         the same batch, and sampling on different GPUs need not be bit-identical."""

@@ -8,7 +8,6 @@ Legend: B sequences, T response positions.
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 
@@ -16,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from minirl import actor as actor_lib
-from minirl import assembly, build
+from minirl import assembly, build, dynamic_sampling
 from minirl.batch import RolloutBatch, response_mask
 from minirl.checkpoint import faults, save_hf_checkpoint
 from minirl.checkpoint import state as ckpt_state
@@ -123,17 +122,10 @@ class Trainer:
         return self._finish(bar)
 
     def _batches(self, start_step: int):
-        """(step, prompts) for steps start_step+1 .. total_steps, epoch after epoch (each epoch
-        reshuffled); a resumed run re-enters its epoch at the batch after the checkpoint's."""
-        per_epoch = self.loader.steps_per_epoch
-        step, epoch, skip = start_step, start_step // per_epoch, start_step % per_epoch
-        while step < self.total_steps:
-            for records in itertools.islice(self.loader.epoch_batches(epoch), skip, None):
-                if step == self.total_steps:
-                    return
-                step += 1
-                yield step, records
-            epoch, skip = epoch + 1, 0
+        """(step, prompts) for steps start_step+1 .. total_steps: the loader's next batch, epoch
+        after epoch (each epoch reshuffled); a resumed run continues at the checkpoint's position."""
+        for step in range(start_step + 1, self.total_steps + 1):
+            yield step, self.loader.next_batch()
 
     def _validate_after(self, step: int) -> bool:
         return self.val is not None and self._is_due(self.cfg.trainer.test_freq, step)
@@ -192,10 +184,7 @@ class Trainer:
     def train_step(self, records, step: int) -> dict[str, float]:
         timer = PhaseTimer(self.dist.device)
         with timer.phase("step"):
-            with timer.phase("gen"):
-                batch = self.generate(records, step)
-            with timer.phase("reward"):
-                reward_metrics = self.score(batch)
+            batch, reward_metrics = self.rollout(records, step, timer)
             if not self.on_policy:
                 with timer.phase("old_log_prob"):
                     batch.tensors["old_log_probs"] = self.log_probs(self.actor, self.cfg.rollout, batch)
@@ -216,6 +205,24 @@ class Trainer:
     # -----------------------------------------------------------------------------------------
     # phases
     # -----------------------------------------------------------------------------------------
+
+    def rollout(self, records, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
+        """gen + reward; with algorithm.filter_groups, further prompt batches until the step holds
+        data.train_batch_size informative groups (minirl.dynamic_sampling). The number handed to
+        generate (its seed and uids) is then the loader's count of batches drawn, unique per batch."""
+
+        def gen_and_score(prompts, number: int):
+            with timer.phase("gen"):
+                batch = self.generate(prompts, number)
+            with timer.phase("reward"):
+                return batch, self.score(batch)
+
+        fg = self.cfg.algorithm.filter_groups
+        if not fg.enable:
+            return gen_and_score(records, step)
+        return dynamic_sampling.fill_batch(
+            gen_and_score, records, self.loader, fg, self.cfg.data.train_batch_size, self.cfg.rollout.n, self.dist
+        )
 
     def generate(self, records, step: int) -> RolloutBatch:
         r, n = self.cfg.rollout, self.cfg.rollout.n

@@ -44,7 +44,18 @@ def find_problems(cfg: Config, pm, files: bool = True) -> list[Problem]:
     from minirl.validate_values import value_problems
 
     found: dict[str, Problem] = {}
-    for check in (value_problems, _batches, _launcher, _device, _layout, _steps, _resume, _reward, _policy_loss):
+    for check in (
+        value_problems,
+        _batches,
+        _launcher,
+        _device,
+        _layout,
+        _steps,
+        _resume,
+        _reward,
+        _policy_loss,
+        _filter_groups,
+    ):
         for p in check(cfg, pm):
             found.setdefault(p.key, p)
     if files and not any(k.startswith(("data.", "trainer.total")) for k in found):  # need sane sizes
@@ -297,3 +308,23 @@ def _policy_loss(cfg: Config, pm) -> list[Problem]:
             )
         )
     return out
+
+
+def _filter_groups(cfg: Config, pm) -> list[Problem]:
+    """Dynamic sampling compares the n samples of a group, before the KL penalty is applied."""
+    fg = cfg.algorithm.filter_groups
+    if not fg.enable:
+        return []
+    if cfg.rollout.n < 2:
+        rule = "algorithm.filter_groups.enable = true compares the samples of a prompt; one has no spread"
+        return [Problem("rollout.n", cfg.rollout.n, rule, "use rollout.n >= 2, or turn filter_groups off")]
+    if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        return [
+            Problem(
+                "algorithm.filter_groups.metric",
+                fg.metric,
+                "the KL penalty (algorithm.use_kl_in_reward) needs log-probs computed after the filter",
+                "use 'seq_reward' or 'score'",
+            )
+        ]
+    return []

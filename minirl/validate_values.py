@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from minirl.config import Config
 from minirl.config_schema import CORE_SECTIONS
+from minirl.dynamic_sampling import SEQUENCE_METRICS
 from minirl.loss_agg import LOSS_AGG_MODES
 from minirl.validate import Problem, value
 
@@ -144,6 +145,7 @@ CHOICES: list[tuple[str, tuple[str, ...]]] = [
     ("trainer.device", ("auto", "cpu", "cuda")),
     ("trainer.resume_mode", ("auto", "disable", "resume_path")),
     ("reward.reward_manager", ("naive", "batch")),
+    ("algorithm.filter_groups.metric", tuple(SEQUENCE_METRICS)),
 ]
 
 

@@ -20,7 +20,8 @@ class TrainingState:
     """Everything the next step depends on besides the config.
 
     parts: the models and optimizers (DCP shards); schedulers: LR schedulers by name ("actor",
-    "critic"); loader: the prompt loader (its data position is derived from the step);
+    "critic"); loader: the prompt loader (its data position: `drawn` batches, one per step, or
+    more with dynamic sampling);
     kl_ctrl: the adaptive KL controller or None; guard: the non-finite step guard.
     """
 
@@ -32,12 +33,13 @@ class TrainingState:
     extra: dict[str, Any] = field(default_factory=dict)  # JSON-able state of other components
 
     def to_json(self, step: int, seed: int, world_size: int) -> dict:
-        per_epoch = self.loader.steps_per_epoch
+        per_epoch, drawn = self.loader.steps_per_epoch, self.loader.drawn
         return {
             "step": step,
             "data": {
-                "epoch": step // per_epoch,
-                "batch_in_epoch": step % per_epoch,
+                "batches_drawn": drawn,
+                "epoch": drawn // per_epoch,
+                "batch_in_epoch": drawn % per_epoch,
                 "steps_per_epoch": per_epoch,
                 "num_prompts": len(self.loader.records),
                 "shuffle_seed": self.loader.seed,
@@ -61,6 +63,8 @@ class TrainingState:
         if self.kl_ctrl is not None and saved.get("kl_coef") is not None:
             self.kl_ctrl.value = float(saved["kl_coef"])
         self.guard.load_state_dict(saved.get("nonfinite_guard", self.guard.state_dict()))
+        data = saved["data"]  # checkpoints before dynamic sampling have no batches_drawn
+        self.loader.drawn = data.get("batches_drawn", data["epoch"] * data["steps_per_epoch"] + data["batch_in_epoch"])
         self.extra.update(saved.get("extra", {}))
 
 

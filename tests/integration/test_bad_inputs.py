@@ -201,6 +201,17 @@ CONFIG_CASES = {
         ["reward.overlong_buffer.penalty_factor=-1.0"],
         "reward.overlong_buffer.penalty_factor = -1.0",
     ),
+    "filter_groups_metric": (["algorithm.filter_groups.metric=acc"], "algorithm.filter_groups.metric = 'acc'", "score"),
+    "filter_groups_one_sample": (["algorithm.filter_groups.enable=true", "rollout.n=1"], "rollout.n = 1", "spread"),
+    "filter_groups_final_reward_with_kl": (
+        [
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.metric=seq_final_reward",
+            "algorithm.use_kl_in_reward=true",
+        ],
+        "algorithm.filter_groups.metric = 'seq_final_reward'",
+        "use_kl_in_reward",
+    ),
 }
 
 

@@ -325,3 +325,14 @@ def test_expand_groups_is_prompt_major():
     assert uids == [10, 10, 11, 11, 12, 12]
     with pytest.raises(ValueError, match="rollout.n = 0"):
         expand_groups(recs, 0, 0)
+
+
+def test_next_batch_walks_the_epochs_and_counts_the_position():
+    """next_batch hands out epoch_batches(0), then epoch_batches(1), ...; `drawn` counts them (the
+    data position a checkpoint saves), and a loader set to a position continues from there."""
+    loader = PromptLoader(records(20), 8, True, seed=2).shard(1, 2)
+    want = [[r.index for r in b] for e in range(3) for b in loader.epoch_batches(e)]
+    assert [[r.index for r in loader.next_batch()] for _ in range(5)] == want[:5] and loader.drawn == 5
+    resumed = PromptLoader(records(20), 8, True, seed=2).shard(1, 2)
+    resumed.drawn = 3
+    assert [r.index for r in resumed.next_batch()] == want[3] and resumed.epoch == 4 / 2
