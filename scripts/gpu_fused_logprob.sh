@@ -19,13 +19,13 @@ echo "== micro-benchmark"
 timeout 120 python3 scripts/bench_fused_logprob.py
 python3 scripts/make_data.py --out data --seed 0 --tasks gsm8k >/dev/null
 W="--profile h200 data.train_batch_size=32 rollout.n=8 actor.ppo_mini_batch_size=32 trainer.total_training_steps=3"
-W="$W trainer.progress_bar=false trainer.default_local_dir=$OUT/runs"
+W="$W trainer.progress_bar=false trainer.default_local_dir=/tmp/runs"
 for impl in auto plain; do
   echo "== MINIRL_LOGPROB_IMPL=$impl"
   MINIRL_LOGPROB_IMPL=$impl timeout "${RUN_LIMIT:-150}" python3 -m minirl --config bench.toml $W \
     trainer.experiment_name=lp_$impl >"$OUT/lp_$impl.log" 2>&1
   echo "exit $?"
-  python3 - "$OUT/runs" "lp_$impl" <<'PY'
+  python3 - /tmp/runs "lp_$impl" <<'PY'
 import glob, json, os, sys
 for path in glob.glob(os.path.join(sys.argv[1], "**", "metrics.jsonl"), recursive=True):
     if sys.argv[2] not in path:
