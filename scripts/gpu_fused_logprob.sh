@@ -13,10 +13,16 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried to a machine without an
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-echo "== gpu tests"
-timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_logprob_fused.py 2>&1 | tail -5
-echo "== micro-benchmark"
-timeout 120 python3 scripts/bench_fused_logprob.py
+STAGES=${STAGES:-tests bench workload}
+if [[ $STAGES == *tests* ]]; then
+  echo "== gpu tests"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_logprob_fused.py 2>&1 | tail -5
+fi
+if [[ $STAGES == *bench* ]]; then
+  echo "== micro-benchmark"
+  timeout 120 python3 scripts/bench_fused_logprob.py
+fi
+[[ $STAGES == *workload* ]] || exit 0
 python3 scripts/make_data.py --out data --seed 0 --tasks gsm8k >/dev/null
 W="--profile h200 data.train_batch_size=32 rollout.n=8 actor.ppo_mini_batch_size=32 trainer.total_training_steps=3"
 W="$W trainer.progress_bar=false trainer.default_local_dir=/tmp/runs"
