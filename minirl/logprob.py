@@ -11,7 +11,8 @@ computed in float32 whatever the model dtype.
 
 Two implementations of a chunk's statistics: the plain PyTorch one below (the reference, and the
 CPU path) and a fused Triton one (`minirl/logprob_triton.py`: one streaming kernel forward, one
-backward, no float32 [n, V] tensor), chosen on CUDA when triton imports. MINIRL_LOGPROB_IMPL =
+backward, no float32 [n, V] tensor), chosen on CUDA when its kernels compile and pass a check
+against the plain path (else a warning and the plain path). MINIRL_LOGPROB_IMPL =
 auto | fused | plain (read at import; or set `logprob.IMPL`, or pass impl=) forces either.
 
 Shape legend: N packed token positions, V vocabulary, H hidden size.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import Callable
 
 import torch
@@ -28,16 +30,40 @@ from torch.utils.checkpoint import checkpoint
 
 DEFAULT_CHUNK_SIZE = 1024  # 1024 × 151,936 × 4 B ≈ 0.6 GB per float32 chunk tensor
 IMPLS = ("auto", "fused", "plain")
-IMPL = os.environ.get("MINIRL_LOGPROB_IMPL", "auto")  # auto: fused on CUDA when triton imports
+IMPL = os.environ.get("MINIRL_LOGPROB_IMPL", "auto")  # auto: fused on CUDA when its kernels check out
 
 
 @functools.cache
-def _triton_ok() -> bool:
+def fused_works(device: str) -> bool:
+    """The fused kernels import, compile and agree with the plain path on a small problem on
+    `device` (checked once per device): a broken triton costs speed, never correctness."""
     try:
-        import minirl.logprob_triton  # noqa: F401
-    except Exception:  # triton missing or broken: the plain path is always there
-        return False
-    return True
+        from minirl.logprob_triton import fused_logprob_entropy
+
+        gen = torch.Generator().manual_seed(0)
+        z_nV = (4 * torch.randn(5, 9000, generator=gen)).to(device)  # rows of several blocks
+        labels_n = torch.tensor([0, 8999, 3, 4500, 77], device=device)
+        got, ref = [], []
+        for fn, out in ((fused_logprob_entropy, got), (_chunk_stats_of_logits, ref)):
+            with torch.enable_grad():
+                z = z_nV.clone().requires_grad_()
+                logp_n, ent_n = fn(z, labels_n, 0.7, True)
+                out += [logp_n, ent_n, *torch.autograd.grad(logp_n.sum() - 0.5 * ent_n.sum(), [z])]
+        ok = all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got, ref, strict=True))
+        problem = "disagree with the plain path"
+    except Exception as exc:  # triton missing or broken, no compiler for this device
+        ok, problem = False, f"failed ({type(exc).__name__}: {str(exc)[:200]})"
+    if not ok:
+        warnings.warn(f"fused log-prob kernels on {device} {problem}; using the plain torch path")
+    return ok
+
+
+def _chunk_stats_of_logits(z_nV, labels_n, temperature, with_entropy):
+    return _chunk_stats(z_nV, labels_n, _identity, temperature, with_entropy)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def use_fused(device: torch.device, impl: str | None = None) -> bool:
@@ -46,7 +72,7 @@ def use_fused(device: torch.device, impl: str | None = None) -> bool:
     if impl not in IMPLS:
         raise ValueError(f"logprob impl = {impl!r} (MINIRL_LOGPROB_IMPL): must be one of {', '.join(IMPLS)}")
     if impl == "auto":
-        return device.type == "cuda" and _triton_ok()
+        return device.type == "cuda" and fused_works(str(device))
     return impl == "fused"
 
 
@@ -134,7 +160,7 @@ def chunked_logprobs(
     chunk's float32 intermediates for backward (as much memory as the unchunked form: use it
     only for small vocabularies; the fused path keeps each chunk's logits in the head's dtype).
     Under torch.no_grad checkpointing is skipped, it saves nothing.
-    impl: "auto" (fused Triton kernels on CUDA when triton imports, else plain torch), "fused",
+    impl: "auto" (fused Triton kernels on CUDA when they check out, else plain torch), "fused",
     "plain"; None reads the module's IMPL (env MINIRL_LOGPROB_IMPL).
     Returns (logp_N, entropy_N or None), float32.
     """

@@ -248,15 +248,42 @@ def test_out_of_range_label_is_nan_and_no_grad_path_matches():
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_impl_switch():
-    """auto picks the fused kernels exactly on CUDA (triton imports here); fused/plain force
+def test_impl_switch(monkeypatch):
+    """auto picks the fused kernels exactly on CUDA where they check out; fused/plain force
     either; anything else names the variable and the choices."""
+    monkeypatch.setattr(logprob, "fused_works", lambda device: True)
     assert logprob.use_fused(torch.device("cpu"), "auto") is False
     assert logprob.use_fused(torch.device("cuda"), "auto") is True
+    monkeypatch.setattr(logprob, "fused_works", lambda device: False)
+    assert logprob.use_fused(torch.device("cuda"), "auto") is False
     assert logprob.use_fused(torch.device("cpu"), "fused") is True
     assert logprob.use_fused(torch.device("cuda"), "plain") is False
     with pytest.raises(ValueError, match="MINIRL_LOGPROB_IMPL.*auto, fused, plain"):
         logprob.use_fused(torch.device("cpu"), "triton")
+
+
+def test_self_check_passes_and_rejects_a_wrong_kernel(monkeypatch):
+    """The once-per-device check accepts the real kernels and turns a kernel that is off (here by
+    a shifted log-prob) or raises into a warning and the plain path."""
+    logprob.fused_works.cache_clear()
+    try:
+        assert logprob.fused_works(str(DEVICE)) is True
+        logprob.fused_works.cache_clear()
+        real = lt.fused_logprob_entropy
+
+        def shifted(z, labels, temperature, with_entropy):
+            logp, ent = real(z, labels, temperature, with_entropy)
+            return logp + 1e-2, ent
+
+        monkeypatch.setattr(lt, "fused_logprob_entropy", shifted)
+        with pytest.warns(UserWarning, match="disagree with the plain path"):
+            assert logprob.fused_works(str(DEVICE)) is False
+        logprob.fused_works.cache_clear()
+        monkeypatch.setattr(lt, "fused_logprob_entropy", None)
+        with pytest.warns(UserWarning, match="failed .TypeError"):
+            assert logprob.fused_works(str(DEVICE)) is False
+    finally:
+        logprob.fused_works.cache_clear()
 
 
 @pytest.mark.gpu
@@ -264,8 +291,10 @@ def test_impl_switch():
 @pytest.mark.parametrize("with_entropy", [True, False])
 def test_fused_equals_plain_at_real_vocabulary(with_entropy):
     """On CUDA at Qwen2's vocabulary (151,936) under bf16 autocast over fp32 weights, as the actor
-    runs: the fused log-probs/entropies equal float64 ones of the same bf16 logits, and its
-    gradients to the hidden states and the head equal the plain path's (both round grad_z to bf16)."""
+    runs: auto picks the fused kernels (they pass their self-check), their log-probs/entropies
+    equal float64 ones of the same bf16 logits, and their gradients to the hidden states and the
+    head equal the plain path's (both round grad_z to bf16)."""
+    assert logprob.use_fused(torch.device("cuda"), "auto"), "the kernels failed their self-check"
     gen = torch.Generator(device="cuda").manual_seed(0)
     n, hidden, vocab, temperature = 3000, 1536, 151_936, 0.6
     head = torch.nn.Linear(hidden, vocab, bias=False, device="cuda")
