@@ -38,24 +38,29 @@ def fused_works(device: str) -> bool:
     """The fused kernels import, compile and agree with the plain path on a small problem on
     `device` (checked once per device): a broken triton costs speed, never correctness."""
     try:
-        from minirl.logprob_triton import fused_logprob_entropy
-
-        gen = torch.Generator().manual_seed(0)
-        z_nV = (4 * torch.randn(5, 9000, generator=gen)).to(device)  # rows of several blocks
-        labels_n = torch.tensor([0, 8999, 3, 4500, 77], device=device)
-        got, ref = [], []
-        for fn, out in ((fused_logprob_entropy, got), (_chunk_stats_of_logits, ref)):
-            with torch.enable_grad():
-                z = z_nV.clone().requires_grad_()
-                logp_n, ent_n = fn(z, labels_n, 0.7, True)
-                out += [logp_n, ent_n, *torch.autograd.grad(logp_n.sum() - 0.5 * ent_n.sum(), [z])]
-        ok = all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got, ref, strict=True))
+        # the same check whatever mode the first caller is in (no_grad, inference, autocast)
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.split(":")[0], enabled=False):
+            ok = _fused_agrees(device)
         problem = "disagree with the plain path"
     except Exception as exc:  # triton missing or broken, no compiler for this device
         ok, problem = False, f"failed ({type(exc).__name__}: {str(exc)[:200]})"
     if not ok:
         warnings.warn(f"fused log-prob kernels on {device} {problem}; using the plain torch path")
     return ok
+
+
+def _fused_agrees(device: str) -> bool:
+    from minirl.logprob_triton import fused_logprob_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    z_nV = (4 * torch.randn(5, 9000, generator=gen)).to(device)  # rows of several blocks
+    labels_n = torch.tensor([0, 8999, 3, 4500, 77], device=device)
+    got, ref = [], []
+    for fn, out in ((fused_logprob_entropy, got), (_chunk_stats_of_logits, ref)):
+        z = z_nV.clone().requires_grad_()
+        logp_n, ent_n = fn(z, labels_n, 0.7, True)
+        out += [logp_n, ent_n, *torch.autograd.grad(logp_n.sum() - 0.5 * ent_n.sum(), [z])]
+    return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got, ref, strict=True))
 
 
 def _chunk_stats_of_logits(z_nV, labels_n, temperature, with_entropy):
