@@ -21,7 +21,8 @@ LOGIT_CHUNK = 2048  # response positions per output-projection chunk
 
 def mixed_precision(device: torch.device):
     """bf16 matmuls over fp32 master weights on CUDA (what FSDP2's MixedPrecisionPolicy does
-    when sharded); the log-softmax stays float32 (chunked_logprobs upcasts each chunk)."""
+    when sharded); the log-softmax stays float32 (chunked_logprobs computes it in float32 from
+    each bf16 logits chunk)."""
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()

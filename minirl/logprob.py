@@ -9,17 +9,76 @@ chunk's logits instead of keeping them: the peak is a few chunk × V float32 ten
 All log-probs are of temperature-scaled logits (logits / rollout temperature, ALGORITHMS.md),
 computed in float32 whatever the model dtype.
 
+Two implementations of a chunk's statistics: the plain PyTorch one below (the reference, and the
+CPU path) and a fused Triton one (`minirl/logprob_triton.py`: one streaming kernel forward, one
+backward, no float32 [n, V] tensor), chosen on CUDA when its kernels compile and pass a check
+against the plain path (else a warning and the plain path). MINIRL_LOGPROB_IMPL =
+auto | fused | plain (read at import; or set `logprob.IMPL`, or pass impl=) forces either.
+
 Shape legend: N packed token positions, V vocabulary, H hidden size.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import warnings
 from typing import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 DEFAULT_CHUNK_SIZE = 1024  # 1024 × 151,936 × 4 B ≈ 0.6 GB per float32 chunk tensor
+IMPLS = ("auto", "fused", "plain")
+IMPL = os.environ.get("MINIRL_LOGPROB_IMPL", "auto")  # auto: fused on CUDA when its kernels check out
+
+
+@functools.cache
+def fused_works(device: str) -> bool:
+    """The fused kernels import, compile and agree with the plain path on a small problem on
+    `device` (checked once per device): a broken triton costs speed, never correctness."""
+    try:
+        # the same check whatever mode the first caller is in (no_grad, inference, autocast)
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.split(":")[0], enabled=False):
+            ok = _fused_agrees(device)
+        problem = "disagree with the plain path"
+    except Exception as exc:  # triton missing or broken, no compiler for this device
+        ok, problem = False, f"failed ({type(exc).__name__}: {str(exc)[:200]})"
+    if not ok:
+        warnings.warn(f"fused log-prob kernels on {device} {problem}; using the plain torch path")
+    return ok
+
+
+def _fused_agrees(device: str) -> bool:
+    from minirl.logprob_triton import fused_logprob_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    z_nV = (4 * torch.randn(5, 9000, generator=gen)).to(device)  # rows of several blocks
+    labels_n = torch.tensor([0, 8999, 3, 4500, 77], device=device)
+    got, ref = [], []
+    for fn, out in ((fused_logprob_entropy, got), (_chunk_stats_of_logits, ref)):
+        z = z_nV.clone().requires_grad_()
+        logp_n, ent_n = fn(z, labels_n, 0.7, True)
+        out += [logp_n, ent_n, *torch.autograd.grad(logp_n.sum() - 0.5 * ent_n.sum(), [z])]
+    return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got, ref, strict=True))
+
+
+def _chunk_stats_of_logits(z_nV, labels_n, temperature, with_entropy):
+    return _chunk_stats(z_nV, labels_n, _identity, temperature, with_entropy)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def use_fused(device: torch.device, impl: str | None = None) -> bool:
+    """Whether chunked_logprobs takes the fused Triton path for tensors on `device`."""
+    impl = IMPL if impl is None else impl
+    if impl not in IMPLS:
+        raise ValueError(f"logprob impl = {impl!r} (MINIRL_LOGPROB_IMPL): must be one of {', '.join(IMPLS)}")
+    if impl == "auto":
+        return device.type == "cuda" and fused_works(str(device))
+    return impl == "fused"
 
 
 def _check_temperature(temperature: float) -> None:
@@ -74,6 +133,19 @@ def _chunk_stats(
     return logp_n, lse_n - (p_nV * z_nV).sum(-1)
 
 
+def _chunk_stats_fused(
+    hidden_nH: torch.Tensor,
+    labels_n: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """_chunk_stats with the softmax math in two Triton kernels; the head's GEMM stays cuBLAS."""
+    from minirl.logprob_triton import fused_logprob_entropy
+
+    return fused_logprob_entropy(head(hidden_nH), labels_n, temperature, with_entropy)
+
+
 def chunked_logprobs(
     hidden_NH: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
@@ -82,6 +154,7 @@ def chunked_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = False,
     recompute: bool = True,
+    impl: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and optionally entropies) of labels_N under head(hidden_NH) / temperature.
 
@@ -90,22 +163,26 @@ def chunked_logprobs(
     recompute=True: each chunk runs under torch.utils.checkpoint (use_reentrant=False), so
     backward recomputes its logits; only the hidden chunk is kept. recompute=False keeps every
     chunk's float32 intermediates for backward (as much memory as the unchunked form: use it
-    only for small vocabularies). Under torch.no_grad checkpointing is skipped, it saves nothing.
+    only for small vocabularies; the fused path keeps each chunk's logits in the head's dtype).
+    Under torch.no_grad checkpointing is skipped, it saves nothing.
+    impl: "auto" (fused Triton kernels on CUDA when they check out, else plain torch), "fused",
+    "plain"; None reads the module's IMPL (env MINIRL_LOGPROB_IMPL).
     Returns (logp_N, entropy_N or None), float32.
     """
     _check_temperature(temperature)
     if chunk_size < 1:
         raise ValueError(f"chunk_size = {chunk_size}: must be >= 1 positions")
     use_checkpoint = recompute and torch.is_grad_enabled()
+    stats = _chunk_stats_fused if use_fused(hidden_NH.device, impl) else _chunk_stats
     logps, entropies = [], []
     for start in range(0, hidden_NH.shape[0], chunk_size):
         h_nH = hidden_NH[start : start + chunk_size]
         y_n = labels_N[start : start + chunk_size]
         args = (h_nH, y_n, head, temperature, with_entropy)
         if use_checkpoint:
-            logp_n, ent_n = checkpoint(_chunk_stats, *args, use_reentrant=False)
+            logp_n, ent_n = checkpoint(stats, *args, use_reentrant=False)
         else:
-            logp_n, ent_n = _chunk_stats(*args)
+            logp_n, ent_n = stats(*args)
         logps.append(logp_n)
         entropies.append(ent_n)
     if not logps:  # zero positions: keep the dtype/device contract
