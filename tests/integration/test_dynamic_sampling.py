@@ -23,20 +23,7 @@ from minirl.cli import main
 from tests.integration.conftest import ROOT, _make_data_module
 
 VOLATILE = ("timing_s/", "perf/", "memory_gib/")
-PLUGIN = """
-from minirl import hookimpl
-
-
-def half_solved(response, ground_truth, extra_info=None):
-    if int(ground_truth) % 2 == 0:
-        return 1.0
-    return float(bool(response) and ord(response[0]) % 2 == 0)
-
-
-@hookimpl
-def minirl_reward_functions():
-    return {"half_solved": half_solved}
-"""
+PLUGIN = (Path(__file__).parents[1] / "distributed" / "ds_half_solved.py").read_text()  # the reward plugin
 
 
 @pytest.fixture(scope="module")
