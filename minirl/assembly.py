@@ -1,4 +1,4 @@
-"""Turning a plain model into the actor and the reference, in the order the core fixes:
+"""Turning a plain model into the actor, the reference and the critic, in the order the core fixes:
 sequence parallel -> activation checkpointing -> data-parallel sharding -> optimizer.
 
 Plugins do the work through the assembly hooks; this module only calls them in order.
@@ -21,6 +21,15 @@ def assemble_actor(pm, model: torch.nn.Module, cfg, dist: DistContext) -> torch.
     pm.hook.minirl_apply_sequence_parallel(model=model, cfg=cfg.actor, mesh=dist.mesh)
     pm.hook.minirl_apply_activation_checkpointing(model=model, cfg=cfg.model)
     wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=cfg.actor, mesh=dist.mesh)
+    return model if wrapped is None else wrapped
+
+
+def assemble_critic(pm, model: torch.nn.Module, critic_cfg, dist: DistContext) -> torch.nn.Module:
+    """The value model through the actor's recipe; the hooks get the critic's sections (critic,
+    critic.model), which carry the same key names as the actor's."""
+    pm.hook.minirl_apply_sequence_parallel(model=model, cfg=critic_cfg, mesh=dist.mesh)
+    pm.hook.minirl_apply_activation_checkpointing(model=model, cfg=critic_cfg.model)
+    wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=critic_cfg, mesh=dist.mesh)
     return model if wrapped is None else wrapped
 
 

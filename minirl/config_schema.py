@@ -116,6 +116,35 @@ class RefConfig:
 
 
 @dataclass(frozen=True)
+class CriticModelConfig:
+    path: str = ""  # the value model's backbone: a local Hugging Face directory; empty = the actor's model
+    enable_gradient_checkpointing: bool = False
+
+
+def _critic_optim() -> OptimConfig:
+    return OptimConfig(lr=1e-5)  # verl's critic default
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """The value model of PPO with GAE (built only when algorithm.adv_estimator needs values)."""
+
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    optim: OptimConfig = field(default_factory=_critic_optim)
+    ppo_mini_batch_size: int = 8  # prompts per critic mini-batch (times rollout.n sequences)
+    ppo_micro_batch_size_per_gpu: int = 4  # sequences per micro-batch, update and values pass
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384  # token budget per micro-batch with dynamic bsz
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    cliprange_value: float = 0.5  # new values stay within old ± this in the clipped branch
+    loss_agg_mode: str = "token-mean"
+    grad_clip: float = 1.0
+    ulysses_sequence_parallel_size: int = 1  # runs on the actor's mesh: 1 or the actor's
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass(frozen=True)
 class KLCtrlConfig:
     type: str = "fixed"  # fixed | adaptive
     kl_coef: float = 0.001
@@ -162,6 +191,7 @@ class TrainerConfig:
     collective_timeout_s: int = 300
     peak_flops: float = 0.0  # per-GPU dense bf16 FLOP/s for MFU; 0: from the device name
     max_nonfinite_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
+    critic_warmup: int = 0  # the first N steps update only the critic (the actor update is skipped)
 
 
 @dataclass(frozen=True)
@@ -175,6 +205,7 @@ CORE_SECTIONS: dict[str, type] = {
     "actor": ActorConfig,
     "rollout": RolloutConfig,
     "ref": RefConfig,
+    "critic": CriticConfig,
     "algorithm": AlgorithmConfig,
     "trainer": TrainerConfig,
     "plugins": PluginsConfig,
