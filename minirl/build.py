@@ -13,7 +13,7 @@ import torch
 from minirl import actor as actor_lib
 from minirl import assembly, spmd
 from minirl.config import Config, to_toml
-from minirl.critic import Critic, needs_values
+from minirl.critic import Critic, needs_values, resolved
 from minirl.critic.model import build_value_model
 from minirl.data import PromptLoader, load_prompts
 from minirl.dist import DistContext
@@ -54,7 +54,7 @@ def critic(pm, cfg: Config, dist: DistContext, total_steps: int, estimator, say)
         return None
     model = build_value_model(pm, cfg, dist)
     optimizer, scheduler = assembly.build_optimizer(pm, model, cfg.critic.optim, total_steps)
-    return Critic(model, optimizer, scheduler)
+    return Critic(resolved(cfg.critic, cfg.actor), model, optimizer, scheduler)
 
 
 def train_loader(data_cfg, tokenizer, dist: DistContext) -> PromptLoader:

@@ -131,7 +131,7 @@ class CriticConfig:
 
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     optim: OptimConfig = field(default_factory=_critic_optim)
-    ppo_mini_batch_size: int = 8  # prompts per critic mini-batch (times rollout.n sequences)
+    ppo_mini_batch_size: Optional[int] = None  # prompts per critic mini-batch (x rollout.n); unset: the actor's
     ppo_micro_batch_size_per_gpu: int = 4  # sequences per micro-batch, update and values pass
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384  # token budget per micro-batch with dynamic bsz

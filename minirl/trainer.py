@@ -96,7 +96,7 @@ class Trainer:
         t = self.cfg.trainer
         self._print(effective_batch_line(self.cfg, self.dist, self.loader.steps_per_epoch, self.total_steps))
         if self.critic is not None:
-            self._print(critic_line(self.cfg, self.cfg.data.train_batch_size))
+            self._print(critic_line(self.cfg, self.critic.cfg))
         if self.start_step >= self.total_steps:
             self._print(f"nothing to train: the checkpoint is at step {self.start_step} of {self.total_steps}")
         if t.val_before_train and self.start_step == 0:
@@ -317,13 +317,13 @@ class Trainer:
         return metrics
 
     def values(self, batch: RolloutBatch) -> torch.Tensor:
-        return critic_lib.compute_values(self.critic.model, batch, self.cfg.critic, self.dist)
+        return critic_lib.compute_values(self.critic.model, batch, self.critic.cfg, self.dist)
 
     def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
         critic, cfg = self.critic, self.cfg
         critic.model.train()
         metrics = critic_lib.update_critic(
-            critic.model, critic.optimizer, batch, cfg.critic, cfg.data.max_response_length, self.dist, cfg.rollout.n
+            critic.model, critic.optimizer, batch, critic.cfg, cfg.data.max_response_length, self.dist, cfg.rollout.n
         )
         metrics["critic/lr"] = critic.scheduler.get_last_lr()[0]
         critic.scheduler.step()

@@ -40,11 +40,12 @@ def validate(cfg: Config, pm, files: bool = True) -> None:
 
 def find_problems(cfg: Config, pm, files: bool = True) -> list[Problem]:
     """Every problem, at most one per key (the first rule a key breaks)."""
+    from minirl.validate_critic import critic_problems
     from minirl.validate_files import file_problems
     from minirl.validate_values import value_problems
 
     found: dict[str, Problem] = {}
-    for check in (value_problems, _batches, _launcher, _device, _layout, _steps, _resume):
+    for check in (value_problems, _batches, _launcher, _device, _layout, _steps, _resume, critic_problems):
         for p in check(cfg, pm):
             found.setdefault(p.key, p)
     if files and not any(k.startswith(("data.", "trainer.total")) for k in found):  # need sane sizes

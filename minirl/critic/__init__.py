@@ -12,14 +12,17 @@ The trainer builds a critic only when the advantage estimator needs values (`nee
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 
 @dataclass
 class Critic:
-    """The assembled value model, its optimizer and its LR scheduler (minirl.build.critic)."""
+    """The assembled value model, its optimizer and LR scheduler, and its config section with
+    ppo_mini_batch_size resolved (unset: the actor's), built by minirl.build.critic."""
 
+    cfg: Any
     model: Any
     optimizer: Any
     scheduler: Any
@@ -31,9 +34,16 @@ def needs_values(estimator) -> bool:
     return bool(getattr(estimator, "needs_values", False))
 
 
-def critic_line(cfg, train_batch_size: int) -> str:
+def resolved(critic_cfg, actor_cfg):
+    """The critic section with ppo_mini_batch_size set (unset means the actor's, as in verl)."""
+    if critic_cfg.ppo_mini_batch_size is not None:
+        return critic_cfg
+    return dataclasses.replace(critic_cfg, ppo_mini_batch_size=actor_cfg.ppo_mini_batch_size)
+
+
+def critic_line(cfg, critic_cfg) -> str:
     """The start-up line that spells out the critic (beside the effective-batch line)."""
-    c, warmup = cfg.critic, cfg.trainer.critic_warmup
+    c, warmup, train_batch_size = critic_cfg, cfg.trainer.critic_warmup, cfg.data.train_batch_size
     minis = train_batch_size // c.ppo_mini_batch_size
     backbone = c.model.path or cfg.model.path or f"preset {cfg.model.preset!r}"
     warm = f"; steps 1..{warmup} update only the critic (critic_warmup: the actor update is skipped)" if warmup else ""

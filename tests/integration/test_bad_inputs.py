@@ -171,6 +171,29 @@ CONFIG_CASES = {
     "engine_name": (["rollout.name=vllm"], "rollout.name = 'vllm'", "no such rollout engine"),
     "logger_name": (['trainer.logger=["consol"]'], "trainer.logger[0] = 'consol'", "console"),
     "empty_experiment_name": (['trainer.experiment_name=""'], "trainer.experiment_name"),
+    # the [critic] rules apply when the estimator trains a critic (gae)
+    "critic_mini_not_dividing": (
+        ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=3"],
+        "critic.ppo_mini_batch_size = 3",
+        "divide",
+    ),
+    "critic_epochs_zero": (["algorithm.adv_estimator=gae", "critic.ppo_epochs=0"], "critic.ppo_epochs = 0"),
+    "critic_cliprange_zero": (["algorithm.adv_estimator=gae", "critic.cliprange_value=0.0"], "critic.cliprange_value"),
+    "critic_loss_agg_mode": (
+        ["algorithm.adv_estimator=gae", "critic.loss_agg_mode=token_mean"],
+        "critic.loss_agg_mode = 'token_mean'",
+        "token-mean",
+    ),
+    "critic_lr_negative": (["algorithm.adv_estimator=gae", "critic.optim.lr=-1.0"], "critic.optim.lr = -1.0"),
+    "critic_warmup_negative": (["algorithm.adv_estimator=gae", "trainer.critic_warmup=-1"], "trainer.critic_warmup"),
+    "critic_sp": (
+        ["algorithm.adv_estimator=gae", "critic.ulysses_sequence_parallel_size=3"],
+        "critic.ulysses_sequence_parallel_size = 3",
+    ),
+    "critic_model_path": (
+        ["algorithm.adv_estimator=gae", "critic.model.path=/no/such/model"],
+        "critic.model.path = '/no/such/model'",
+    ),
 }
 
 
