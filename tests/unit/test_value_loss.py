@@ -48,7 +48,7 @@ def _norm(mask_BT):
 def test_matches_a_float64_reference(batch, clip):
     """Per token ½·max((V−R)², (V_old + clamp(V−V_old, ±c) − R)²), written out element by element."""
     vpred, old, returns, mask = batch
-    out = clipped_value_loss(vpred, old, returns, mask, clip)
+    out = clipped_value_loss(vpred.detach(), old, returns, mask, clip)
     for i, j in itertools.product(range(mask.shape[0]), range(mask.shape[1])):
         v, o, r = float(vpred.detach()[i, j]), float(old[i, j]), float(returns[i, j])
         vclip = o + min(max(v - o, -clip), clip)
