@@ -63,11 +63,11 @@ def test_inactive_clip_is_half_the_mean_squared_error(batch):
     """A clip range wider than every |V − V_old| leaves V_clip = V: the token-mean loss is ½·MSE
     over the valid tokens, its gradient (V − R)/N, and nothing counts as clipped."""
     vpred, old, returns, mask = batch
-    clip = float((vpred - old).abs().max()) + 1.0
+    clip = float((vpred.detach() - old).abs().max()) + 1.0
     out = clipped_value_loss(vpred, old, returns, mask, clip)
     loss = aggregate(out.loss_BT, mask, "token-mean", _norm(mask))
     mse = _token_mean((vpred.detach() - returns) ** 2, mask)
-    assert float(loss) == pytest.approx(0.5 * float(mse), rel=1e-12)
+    assert float(loss.detach()) == pytest.approx(0.5 * float(mse), rel=1e-12)
     (grad,) = torch.autograd.grad(loss, vpred)
     torch.testing.assert_close(grad, (vpred.detach() - returns) * mask / mask.sum(), rtol=1e-12, atol=1e-15)
     assert float(out.clipped_BT.sum()) == 0.0
@@ -119,7 +119,7 @@ def test_micro_batch_split_does_not_change_value_or_gradient(batch, mode, clip, 
         for p in parts
     )
     (got_grad,) = torch.autograd.grad(total, vpred)
-    assert float(total) == pytest.approx(float(whole), rel=1e-10, abs=1e-12)
+    assert float(total.detach()) == pytest.approx(float(whole.detach()), rel=1e-10, abs=1e-12)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-10, atol=1e-12)
 
 
