@@ -46,6 +46,17 @@ def build_optimizer(pm, model: torch.nn.Module, optim_cfg, total_steps: int):
     return result
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Free the gathered parameters a forward without backward leaves behind (a log-prob or
+    values pass): FSDP2 keeps the root, and a trained model's last layer, gathered for a
+    backward that never comes. Every sharded module, not just the root: a layer left gathered
+    kept its pre-update copy in the next update's forward passes, so mini-batches after the
+    first trained on stale weights (tests/distributed/test_dp_update_parity.py)."""
+    for module in model.modules():
+        if hasattr(module, "reshard"):
+            module.reshard()
+
+
 def hf_name(name: str) -> str:
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
