@@ -64,7 +64,9 @@ def build_value_model(pm, cfg, dist: DistContext) -> torch.nn.Module:
 def _packed_values(model, input_ids_1N, seq_lens, pred_pos_R, labels_R) -> torch.Tensor:
     ids_1n, kwargs, pos_r, _, gather = split(model, input_ids_1N, seq_lens, pred_pos_R, labels_R)
     hidden_nH = model.get_decoder()(input_ids=ids_1n, **kwargs).last_hidden_state[0]
-    values_r = model.get_output_embeddings()(hidden_nH[pos_r]).squeeze(-1).float()
+    # sum over the head's one output: exactly that value, and a new tensor rather than a view
+    # (FSDP2 hooks a root output for backward; a view of it may lose the hook)
+    values_r = model.get_output_embeddings()(hidden_nH[pos_r]).float().sum(-1)
     if pos_r.numel() == 0 and torch.is_grad_enabled():
         # a Ulysses slice without response positions still runs its backward (collectives inside)
         values_r = values_r + 0.0 * hidden_nH.sum()

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from minirl import assembly
 from minirl.batch import RolloutBatch, mini_batches, scatter_tokens, select_micro, split_micro
 from minirl.critic.model import response_values
 from minirl.critic.value_loss import clipped_value_loss, explained_variance
@@ -48,8 +49,7 @@ def compute_values(model, batch: RolloutBatch, cfg, dist: DistContext) -> torch.
         values_R = response_values(model, sub.prompts, sub.responses, dist.device)
         if idx:
             out_BT[torch.tensor(idx, device=dist.device)] = scatter_tokens(values_R, sub.mask_BT)
-    if hasattr(model, "reshard"):  # FSDP2 keeps the root gathered for a backward that never comes
-        model.reshard()
+    assembly.reshard(model)
     return out_BT
 
 
