@@ -127,18 +127,19 @@ def _critic_optim() -> OptimConfig:
 
 @dataclass(frozen=True)
 class CriticConfig:
-    """The value model of PPO with GAE (built only when algorithm.adv_estimator needs values)."""
+    """The value model of PPO with GAE (built only when algorithm.adv_estimator needs values).
+    A key left unset takes the actor's value, as in verl (minirl.critic.resolved)."""
 
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     optim: OptimConfig = field(default_factory=_critic_optim)
-    ppo_mini_batch_size: Optional[int] = None  # prompts per critic mini-batch (x rollout.n); unset: the actor's
-    ppo_micro_batch_size_per_gpu: int = 4  # sequences per micro-batch, update and values pass
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 16384  # token budget per micro-batch with dynamic bsz
-    ppo_epochs: int = 1
-    shuffle: bool = False
+    ppo_mini_batch_size: Optional[int] = None  # prompts per critic mini-batch (x rollout.n)
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # sequences per micro-batch, update and values pass
+    use_dynamic_bsz: Optional[bool] = None
+    ppo_max_token_len_per_gpu: Optional[int] = None  # token budget per micro-batch with dynamic bsz
+    ppo_epochs: Optional[int] = None
+    shuffle: Optional[bool] = None
     cliprange_value: float = 0.5  # new values stay within old ± this in the clipped branch
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: Optional[str] = None
     grad_clip: float = 1.0
     ulysses_sequence_parallel_size: int = 1  # runs on the actor's mesh: 1 or the actor's
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)

@@ -1,7 +1,10 @@
 """The rules of the [critic] section and trainer.critic_warmup (part of minirl.validate).
 
 They apply only when algorithm.adv_estimator needs values (gae): otherwise no critic is built and
-its keys are ignored, with a notice at start-up (minirl.build.critic).
+its keys are ignored, with a notice at start-up (minirl.build.critic). A key left unset takes the
+actor's value (minirl.critic.resolved), which the actor's rules already check, so the rules of
+one key check only the keys that are set; the rules that join keys check the resolved values
+when one of their critic keys is set.
 """
 
 from __future__ import annotations
@@ -9,15 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from minirl.config import Config
-from minirl.critic import needs_values
+from minirl.critic import needs_values, resolved
 from minirl.validate import Problem, value
 from minirl.validate_values import DTYPES, RANGES, at_least, optional
 
 CRITIC_RANGES = [
     ("critic.ppo_mini_batch_size", optional(at_least(1)), "must be at least 1 (prompts per step)", "leave it unset"),
-    ("critic.ppo_micro_batch_size_per_gpu", at_least(1), "must be at least 1 sequence", "use e.g. 4"),
-    ("critic.ppo_max_token_len_per_gpu", at_least(1), "must be at least 1 token", "use e.g. 16384"),
-    ("critic.ppo_epochs", at_least(1), "must be at least 1 (0 never updates the critic)", "use 1"),
+    ("critic.ppo_micro_batch_size_per_gpu", optional(at_least(1)), "must be at least 1 sequence", "use e.g. 4"),
+    ("critic.ppo_max_token_len_per_gpu", optional(at_least(1)), "must be at least 1 token", "use e.g. 16384"),
+    ("critic.ppo_epochs", optional(at_least(1)), "must be at least 1 (0 never updates the critic)", "use 1"),
     ("critic.cliprange_value", lambda v: v > 0, "must be > 0", "use 0.5 (a large value turns the clip off)"),
     ("critic.grad_clip", lambda v: v > 0, "must be > 0", "use 1.0"),
     ("critic.ulysses_sequence_parallel_size", at_least(1), "must be at least 1", "use 1 or the actor's"),
@@ -39,7 +42,9 @@ def critic_problems(cfg: Config, pm) -> list[Problem]:
         return []
     out = [Problem(k, value(cfg, k), rule, fix) for k, test, rule, fix in CRITIC_RANGES if not test(value(cfg, k))]
     out += _choices(cfg)
-    return out + _batches(cfg) + _layout(cfg) + _model_path(cfg)
+    if out:
+        return out  # the joins below need sane values
+    return _batches(cfg) + _token_budget(cfg) + _layout(cfg) + _model_path(cfg)
 
 
 def uses_critic(cfg: Config, pm) -> bool:
@@ -56,19 +61,17 @@ def _choices(cfg: Config) -> list[Problem]:
     for key, allowed in CRITIC_CHOICES:
         allowed = actor_choices[allowed] if isinstance(allowed, str) else allowed
         v = value(cfg, key)
-        if v not in allowed:
+        if v is not None and v not in allowed:
             out.append(Problem(key, v, "unknown value", f"choose one of {', '.join(allowed)}"))
     return out
 
 
 def _batches(cfg: Config) -> list[Problem]:
-    """Mini-batches cut the step's prompts; a dynamic micro-batch holds at least one sequence."""
+    """A critic mini-batch is whole prompts of the step, on every data-parallel rank."""
     from minirl.validate import world_size
 
     batch, mini, key = cfg.data.train_batch_size, cfg.critic.ppo_mini_batch_size, "critic.ppo_mini_batch_size"
-    if mini is None:
-        return _token_budget(cfg)  # the actor's mini-batch, checked by minirl.validate
-    if batch < 1 or mini < 1:
+    if mini is None or batch < 1:  # unset: the actor's mini-batch, checked by minirl.validate
         return []
     if mini > batch or batch % mini:
         return [
@@ -78,12 +81,15 @@ def _batches(cfg: Config) -> list[Problem]:
     dp = max(1, world_size(cfg) // sp)
     if mini % dp:
         return [Problem(key, mini, f"does not divide over {dp} data-parallel ranks", f"use a multiple of {dp}")]
-    return _token_budget(cfg)
+    return []
 
 
 def _token_budget(cfg: Config) -> list[Problem]:
+    """With dynamic batching a micro-batch holds at least one whole sequence."""
+    if cfg.critic.use_dynamic_bsz is None and cfg.critic.ppo_max_token_len_per_gpu is None:
+        return []  # both the actor's, checked by minirl.validate
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-    c = cfg.critic
+    c = resolved(cfg.critic, cfg.actor)
     if c.use_dynamic_bsz and c.ppo_max_token_len_per_gpu < longest:
         rule = f"smaller than one sequence (max_prompt_length + max_response_length = {longest})"
         return [Problem("critic.ppo_max_token_len_per_gpu", c.ppo_max_token_len_per_gpu, rule, f"use >= {longest}")]

@@ -34,11 +34,22 @@ def needs_values(estimator) -> bool:
     return bool(getattr(estimator, "needs_values", False))
 
 
+# critic keys that default to the actor's value when unset (verl's config interpolates them)
+FROM_ACTOR = (
+    "ppo_mini_batch_size",
+    "ppo_micro_batch_size_per_gpu",
+    "use_dynamic_bsz",
+    "ppo_max_token_len_per_gpu",
+    "ppo_epochs",
+    "shuffle",
+    "loss_agg_mode",
+)
+
+
 def resolved(critic_cfg, actor_cfg):
-    """The critic section with ppo_mini_batch_size set (unset means the actor's, as in verl)."""
-    if critic_cfg.ppo_mini_batch_size is not None:
-        return critic_cfg
-    return dataclasses.replace(critic_cfg, ppo_mini_batch_size=actor_cfg.ppo_mini_batch_size)
+    """The critic section with every unset FROM_ACTOR key set to the actor's value."""
+    unset = {k: getattr(actor_cfg, k) for k in FROM_ACTOR if getattr(critic_cfg, k) is None}
+    return dataclasses.replace(critic_cfg, **unset)
 
 
 def critic_line(cfg, critic_cfg) -> str:
@@ -47,7 +58,13 @@ def critic_line(cfg, critic_cfg) -> str:
     minis = train_batch_size // c.ppo_mini_batch_size
     backbone = c.model.path or cfg.model.path or f"preset {cfg.model.preset!r}"
     warm = f"; steps 1..{warmup} update only the critic (critic_warmup: the actor update is skipped)" if warmup else ""
+    micro = (
+        f"dynamic, <= {c.ppo_max_token_len_per_gpu} tokens/GPU"
+        if c.use_dynamic_bsz
+        else f"{c.ppo_micro_batch_size_per_gpu} sequences/GPU"
+    )
     return (
-        f"critic: {backbone} + a scalar value head; {minis} mini-batch(es) x {c.ppo_epochs} epoch(s), "
-        f"lr {c.optim.lr}, cliprange_value {c.cliprange_value}, loss_agg_mode {c.loss_agg_mode}{warm}"
+        f"critic: {backbone} + a scalar value head; {minis} mini-batch(es) x {c.ppo_epochs} epoch(s); "
+        f"micro-batches: {micro}; lr {c.optim.lr}, cliprange_value {c.cliprange_value}, "
+        f"loss_agg_mode {c.loss_agg_mode}{warm}"
     )

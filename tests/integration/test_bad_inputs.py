@@ -177,6 +177,10 @@ CONFIG_CASES = {
         "critic.ppo_mini_batch_size = 3",
         "divide",
     ),
+    "critic_token_budget": (
+        ["algorithm.adv_estimator=gae", "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=10"],
+        "critic.ppo_max_token_len_per_gpu = 10",
+    ),
     "critic_epochs_zero": (["algorithm.adv_estimator=gae", "critic.ppo_epochs=0"], "critic.ppo_epochs = 0"),
     "critic_cliprange_zero": (["algorithm.adv_estimator=gae", "critic.cliprange_value=0.0"], "critic.cliprange_value"),
     "critic_loss_agg_mode": (
