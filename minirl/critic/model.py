@@ -41,7 +41,9 @@ def add_value_head(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     """Replace the lm_head by a scalar head (see the module docstring for its init), in place."""
     config = model.config
     old = model.get_output_embeddings()
-    head = torch.nn.Linear(config.hidden_size, 1, bias=True, dtype=old.weight.dtype, device=old.weight.device)
+    # built on the meta device: nn.Linear's own init would draw from the run's random stream
+    head = torch.nn.Linear(config.hidden_size, 1, bias=True, dtype=old.weight.dtype, device="meta")
+    head = head.to_empty(device=old.weight.device)
     if not old.weight.is_meta:  # a meta model (ranks > 0 with a checkpoint) gets rank 0's head
         g = torch.Generator().manual_seed(seed)
         std = getattr(config, "initializer_range", 0.02)
