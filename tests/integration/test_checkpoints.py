@@ -241,3 +241,21 @@ def test_a_second_signal_stops_at_once(tmp_path):
     out, err = proc.communicate(timeout=20)
     assert time.monotonic() - t0 < 15 and proc.returncode == 128 + signal.SIGTERM  # the step would run 30 s
     assert "finished the step" not in out and "second SIGTERM: stopping now" in err and "Traceback" not in err
+
+
+def test_a_gae_run_resumes_its_critic_exactly(tmp_path, small_data):
+    """PPO with a critic: the checkpoint carries the value model, its optimizer and its LR
+    schedule, so a run stopped at step 2 and resumed logs the same steps 3-4 as a straight run,
+    critic metrics included (they depend on the critic's weights and Adam state)."""
+    gae = ["algorithm.adv_estimator=gae", "critic.optim.lr=0.01", "trainer.critic_warmup=1"]
+    assert run(tmp_path / "straight", small_data, *gae, "trainer.total_training_steps=4") == 0
+    assert run(tmp_path / "resumed", small_data, *gae, "trainer.total_training_steps=2", "trainer.save_freq=2") == 0
+    assert run(tmp_path / "resumed", small_data, *gae, "trainer.total_training_steps=4") == 0
+    volatile = ("timing_s/", "perf/", "memory_gib/")
+    logged = {}
+    for name in ("straight", "resumed"):
+        lines = (tmp_path / name / "bench" / "metrics.jsonl").read_text().splitlines()
+        logged[name] = [{k: v for k, v in json.loads(x).items() if not k.startswith(volatile)} for x in lines]
+    assert [r["step"] for r in logged["resumed"]] == [1, 2, 3, 4]
+    assert "critic/vf_loss" in logged["resumed"][3] and "actor/pg_loss" in logged["resumed"][3]
+    assert logged["resumed"] == logged["straight"]
