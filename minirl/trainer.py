@@ -53,10 +53,11 @@ class Trainer:
         self.loader = build.train_loader(cfg.data, self.tokenizer, dist)
         self.total_steps = build.total_steps(cfg.trainer, self.loader.steps_per_epoch)
         self.optimizer, self.scheduler = assembly.build_optimizer(pm, self.actor, cfg.actor.optim, self.total_steps)
+        self.estimator = pm["advantage_estimators"].get(cfg.algorithm.adv_estimator)
+        # before the engine, whose KV cache takes a share of the memory left free (None: no gae)
+        self.critic = build.critic(pm, cfg, dist, self.total_steps, self.estimator, self._print)
         self.engine = build.engine(pm, cfg, self.actor, self.tokenizer, dist)
         self.rewards = RewardManager(pm["reward_functions"], self.tokenizer)
-        self.estimator = pm["advantage_estimators"].get(cfg.algorithm.adv_estimator)
-        self.critic = build.critic(pm, cfg, dist, self.total_steps, self.estimator, self._print)  # None: no gae
         self.losses = build.losses(pm, cfg.actor, self.ref)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.val = build.val_set(cfg.trainer, cfg.data, self.tokenizer, dist)
