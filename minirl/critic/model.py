@@ -68,10 +68,9 @@ def _packed_values(model, input_ids_1N, seq_lens, pred_pos_R, labels_R) -> torch
     hidden_nH = model.get_decoder()(input_ids=ids_1n, **kwargs).last_hidden_state[0]
     # sum over the head's one output: exactly that value, and a new tensor rather than a view
     # (FSDP2 hooks a root output for backward; a view of it may lose the hook)
+    # A Ulysses slice without response positions indexes nothing, yet the index keeps hidden_nH
+    # in the graph, so its backward (with the all-to-alls the other slice waits on) still runs
     values_r = model.get_output_embeddings()(hidden_nH[pos_r]).float().sum(-1)
-    if pos_r.numel() == 0 and torch.is_grad_enabled():
-        # a Ulysses slice without response positions still runs its backward (collectives inside)
-        values_r = values_r + 0.0 * hidden_nH.sum()
     return gather(values_r)
 
 
