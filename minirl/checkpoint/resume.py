@@ -43,6 +43,8 @@ _FREE_KEYS = {
     "data": "val_files",
     "model": "enable_gradient_checkpointing",
     "actor": "ppo_micro_batch_size_per_gpu use_dynamic_bsz ppo_max_token_len_per_gpu ulysses_sequence_parallel_size",
+    "critic": "ppo_micro_batch_size_per_gpu use_dynamic_bsz ppo_max_token_len_per_gpu ulysses_sequence_parallel_size",
+    "critic.model": "enable_gradient_checkpointing",
     "rollout": (
         "gpu_memory_utilization max_num_seqs enforce_eager free_cache_engine log_prob_micro_batch_size_per_gpu "
         "log_prob_use_dynamic_bsz log_prob_max_token_len_per_gpu"
@@ -54,7 +56,7 @@ _FREE_KEYS = {
     "plugins": "modules",
 }
 FREE_KEYS = {f"{section}.{key}" for section, keys in _FREE_KEYS.items() for key in keys.split()}
-FREE_PREFIXES = ("actor.fsdp_config.", "ref.fsdp_config.")
+FREE_PREFIXES = ("actor.fsdp_config.", "ref.fsdp_config.", "critic.fsdp_config.")
 
 
 @dataclass(frozen=True)
@@ -146,9 +148,11 @@ def _is_family_member(run_dir: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def check_config(saved_toml: str, current: dict, path: str, ignore: bool) -> list[str]:
-    """The math-changing differences; raises unless `ignore` (then the caller reports them)."""
-    diffs = config_differences(tomllib.loads(saved_toml), current)
+def check_config(saved_toml: str, current: dict, path: str, ignore: bool, unused: tuple[str, ...] = ()) -> list[str]:
+    """The math-changing differences; raises unless `ignore` (then the caller reports them).
+    Keys starting with an `unused` prefix change nothing in this run (a critic-free run's
+    [critic] section, also absent from checkpoints written before it existed)."""
+    diffs = config_differences(tomllib.loads(saved_toml), current, unused)
     if diffs and not ignore:
         raise UserError(
             f"resume refused: checkpoint {path} was written with other values of keys that change the "
@@ -158,12 +162,12 @@ def check_config(saved_toml: str, current: dict, path: str, ignore: bool) -> lis
     return diffs
 
 
-def config_differences(saved: dict, current: dict) -> list[str]:
+def config_differences(saved: dict, current: dict, unused: tuple[str, ...] = ()) -> list[str]:
     """'key = saved (checkpoint) vs now' for every math-changing key whose value differs."""
     old, new = _flatten(saved), _flatten(current)
     diffs = []
     for key in sorted(set(old) | set(new)):
-        if key in FREE_KEYS or key.startswith(FREE_PREFIXES):
+        if key in FREE_KEYS or key.startswith(FREE_PREFIXES + unused):
             continue
         a, b = old.get(key), new.get(key)
         if a != b and not (_is_nan(a) and _is_nan(b)):

@@ -74,7 +74,8 @@ def resume(path: str, state: TrainingState, cfg: Config, dist: DistContext, say:
     """Restore `state` from checkpoint `path`; returns the step to continue after."""
     t = cfg.trainer
     saved = ckpt_state.read_trainer_state(path)
-    diffs = check_config(ckpt_state.read_config(path), cfg.to_dict(), path, t.resume_ignore_config_changes)
+    unused = () if "critic" in state.schedulers else ("critic.", "trainer.critic_warmup")  # no critic: no effect
+    diffs = check_config(ckpt_state.read_config(path), cfg.to_dict(), path, t.resume_ignore_config_changes, unused)
     if diffs:
         say(f"minirl: resuming despite config changes (trainer.resume_ignore_config_changes): {'; '.join(diffs)}")
     _check_data_position(state.loader, saved["data"], path, t.resume_ignore_config_changes)

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from minirl.checkpoint.resume import check_config, config_differences
 from minirl.cli import main
+from minirl.config import load_config, to_toml
 from tests.integration.conftest import ROOT, _make_data_module
 
 
@@ -259,3 +261,30 @@ def test_a_gae_run_resumes_its_critic_exactly(tmp_path, small_data):
     assert [r["step"] for r in logged["resumed"]] == [1, 2, 3, 4]
     assert "critic/vf_loss" in logged["resumed"][3] and "actor/pg_loss" in logged["resumed"][3]
     assert logged["resumed"] == logged["straight"]
+
+
+def test_critic_keys_are_math_only_for_a_run_with_a_critic(tmp_path, small_data, capsys):
+    """A grpo run resumes with a [critic] key changed (no critic, no effect), and so does a
+    checkpoint written before the [critic] section existed (its config.toml lacks it); a gae run
+    refuses a changed critic lr like any math-changing key."""
+    assert run(tmp_path, small_data, "trainer.total_training_steps=2", "trainer.save_freq=2") == 0
+    assert run(tmp_path, small_data, "trainer.total_training_steps=3", "critic.optim.lr=0.1") == 0
+    assert steps(tmp_path / "bench") == [1, 2, 3]
+    current = load_config(None, []).to_dict()
+    before = {k: v for k, v in current.items() if k != "critic"}
+    before["trainer"] = {k: v for k, v in before["trainer"].items() if k != "critic_warmup"}
+    unused = ("critic.", "trainer.critic_warmup")
+    assert check_config(to_toml(load_config(None, [])), current, "ckpt", False, unused) == []
+    assert config_differences(before, current, unused) == []
+    assert "critic.cliprange_value = None (checkpoint) vs 0.5 (now)" in config_differences(before, current)
+    gae = tmp_path / "gae"
+    assert (
+        run(gae, small_data, "algorithm.adv_estimator=gae", "trainer.total_training_steps=2", "trainer.save_freq=2")
+        == 0
+    )
+    capsys.readouterr()
+    assert (
+        run(gae, small_data, "algorithm.adv_estimator=gae", "trainer.total_training_steps=3", "critic.optim.lr=0.1")
+        == 2
+    )
+    assert "critic.optim.lr = 1e-05 (checkpoint) vs 0.1 (now)" in one_error_line(capsys)
