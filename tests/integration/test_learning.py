@@ -1,7 +1,8 @@
 """A random-init tiny model learns the synthetic copy task with minirl's real loop.
 
 Chance is about 1/259 (the byte vocabulary). The test asks for a greedy validation score of at
-least 0.9 on held-out prompt phrasings after training, for each outcome estimator, and checks
+least 0.9 on held-out prompt phrasings after training, for each outcome estimator and for PPO
+with a critic (gae), and checks
 that both the sampled training reward and the validation before training start near chance.
 This is the end-to-end proof that rollout, reward, log-probs, advantages, loss and optimizer
 agree on signs and scales: a sign error or a broken normalisation anywhere keeps it at chance.
@@ -33,7 +34,10 @@ RECIPE = [
 # weight was picked per estimator at one thread (final greedy score): grpo 0.05 -> 1.0;
 # reinforce_plus_plus 0.025 -> 1.0 (0.05 -> 0.9, 0.1 -> 0.8: its whitened per-token advantages
 # need less push); rloo 0.025 -> 1.0 (0.0125 -> 0.9; its raw score differences are small).
-ENTROPY_COEFF = {"grpo": 0.05, "reinforce_plus_plus": 0.025, "rloo": 0.025}
+# gae (PPO with a critic, γ = λ = 1) at critic lr 5e-3: 0.035 -> 1.0 (0.05 -> 0.9); at critic
+# lr 2e-3: 0.035 -> 0.8, 0.05 -> 0.8 (0.9 at step 100, then down), and 0.025 with lr 1e-3 -> 0.4.
+ENTROPY_COEFF = {"grpo": 0.05, "reinforce_plus_plus": 0.025, "rloo": 0.025, "gae": 0.035}
+OWN_KEYS = {"gae": ["critic.optim.lr=5e-3"]}  # the critic must track the policy's improving values
 
 
 @pytest.fixture
@@ -51,6 +55,7 @@ def one_thread():
 @pytest.mark.parametrize("estimator", sorted(ENTROPY_COEFF))
 def test_tiny_model_learns_copy_task(tmp_path, data_dir, estimator, one_thread):
     overrides = [f"algorithm.adv_estimator={estimator}", f"actor.entropy_coeff={ENTROPY_COEFF[estimator]}"]
+    overrides += OWN_KEYS.get(estimator, [])
     history = run_job(tmp_path, data_dir, RECIPE + overrides)
     logged = [json.loads(line) for line in (tmp_path / "bench" / "metrics.jsonl").read_text().splitlines()]
     before, after = logged[0]["val/score/mean"], history[-1]["val/score/mean"]
