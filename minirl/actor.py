@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from minirl import assembly
 from minirl.batch import (
     RolloutBatch,
     mini_batches,
@@ -40,8 +41,7 @@ def compute_logprobs(model, batch: RolloutBatch, temperature: float, micro, dist
         logp_R, _ = response_logprobs(model, sub.prompts, sub.responses, temperature, dist.device)
         if idx:
             out_BT[torch.tensor(idx, device=dist.device)] = scatter_tokens(logp_R.float(), sub.mask_BT)
-    if hasattr(model, "reshard"):  # FSDP2 keeps the root gathered for a backward that never comes
-        model.reshard()
+    assembly.reshard(model)
     return out_BT
 
 

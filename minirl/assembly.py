@@ -1,4 +1,4 @@
-"""Turning a plain model into the actor and the reference, in the order the core fixes:
+"""Turning a plain model into the actor, the reference and the critic, in the order the core fixes:
 sequence parallel -> activation checkpointing -> data-parallel sharding -> optimizer.
 
 Plugins do the work through the assembly hooks; this module only calls them in order.
@@ -24,6 +24,15 @@ def assemble_actor(pm, model: torch.nn.Module, cfg, dist: DistContext) -> torch.
     return model if wrapped is None else wrapped
 
 
+def assemble_critic(pm, model: torch.nn.Module, critic_cfg, dist: DistContext) -> torch.nn.Module:
+    """The value model through the actor's recipe; the hooks get the critic's sections (critic,
+    critic.model), which carry the same key names as the actor's."""
+    pm.hook.minirl_apply_sequence_parallel(model=model, cfg=critic_cfg, mesh=dist.mesh)
+    pm.hook.minirl_apply_activation_checkpointing(model=model, cfg=critic_cfg.model)
+    wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=critic_cfg, mesh=dist.mesh)
+    return model if wrapped is None else wrapped
+
+
 def assemble_reference(pm, model: torch.nn.Module, ref_cfg, dist: DistContext) -> torch.nn.Module:
     pm.hook.minirl_apply_sequence_parallel(model=model, cfg=ref_cfg, mesh=dist.mesh)
     wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=ref_cfg, mesh=dist.mesh)
@@ -35,6 +44,17 @@ def build_optimizer(pm, model: torch.nn.Module, optim_cfg, total_steps: int):
     if result is None:
         raise RuntimeError("no plugin built an optimizer (minirl_plugins.optim should have)")
     return result
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the gathered parameters a forward without backward leaves behind (a log-prob or
+    values pass): FSDP2 keeps the root, and a trained model's last layer, gathered for a
+    backward that never comes. Every sharded module, not just the root: a layer left gathered
+    kept its pre-update copy in the next update's forward passes, so mini-batches after the
+    first trained on stale weights (tests/distributed/test_dp_update_parity.py)."""
+    for module in model.modules():
+        if hasattr(module, "reshard"):
+            module.reshard()
 
 
 def hf_name(name: str) -> str:

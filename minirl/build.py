@@ -13,6 +13,8 @@ import torch
 from minirl import actor as actor_lib
 from minirl import assembly, spmd
 from minirl.config import Config, to_toml
+from minirl.critic import Critic, needs_values, resolved
+from minirl.critic.model import build_value_model
 from minirl.data import PromptLoader, load_prompts
 from minirl.dist import DistContext
 from minirl.errors import UserError
@@ -36,6 +38,23 @@ def models(pm, cfg: Config, dist: DistContext):
         ref = assembly.assemble_reference(pm, ref, cfg.ref, dist)
     actor = assembly.assemble_actor(pm, model, cfg, dist)
     return tokenizer, actor, ref
+
+
+def critic(pm, cfg: Config, dist: DistContext, total_steps: int, estimator, say) -> Critic | None:
+    """The value model with its optimizer and LR schedule when the advantage estimator needs
+    values (gae); else None, and a configured [critic] key or trainer.critic_warmup is unused,
+    which `say` reports."""
+    if not needs_values(estimator):
+        unused = sorted(k for k in cfg.origins if k.startswith("critic.") or k == "trainer.critic_warmup")
+        if unused:
+            say(
+                f"minirl: notice: {', '.join(unused)} ignored: algorithm.adv_estimator = "
+                f"{cfg.algorithm.adv_estimator!r} needs no critic (only an estimator of values, e.g. gae, trains one)"
+            )
+        return None
+    model = build_value_model(pm, cfg, dist)
+    optimizer, scheduler = assembly.build_optimizer(pm, model, cfg.critic.optim, total_steps)
+    return Critic(resolved(cfg.critic, cfg.actor), model, optimizer, scheduler)
 
 
 def train_loader(data_cfg, tokenizer, dist: DistContext) -> PromptLoader:

@@ -118,6 +118,36 @@ class RefConfig:
 
 
 @dataclass(frozen=True)
+class CriticModelConfig:
+    path: str = ""  # the value model's backbone: a local Hugging Face directory; empty = the actor's model
+    enable_gradient_checkpointing: bool = False
+
+
+def _critic_optim() -> OptimConfig:
+    return OptimConfig(lr=1e-5)  # verl's critic default
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """The value model of PPO with GAE (built only when algorithm.adv_estimator needs values).
+    A key left unset takes the actor's value, as in verl (minirl.critic.resolved)."""
+
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    optim: OptimConfig = field(default_factory=_critic_optim)
+    ppo_mini_batch_size: Optional[int] = None  # prompts per critic mini-batch (x rollout.n)
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # sequences per micro-batch, update and values pass
+    use_dynamic_bsz: Optional[bool] = None
+    ppo_max_token_len_per_gpu: Optional[int] = None  # token budget per micro-batch with dynamic bsz
+    ppo_epochs: Optional[int] = None
+    shuffle: Optional[bool] = None
+    cliprange_value: float = 0.5  # new values stay within old ± this in the clipped branch
+    loss_agg_mode: Optional[str] = None
+    grad_clip: float = 1.0
+    ulysses_sequence_parallel_size: int = 1  # runs on the actor's mesh: 1 or the actor's
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass(frozen=True)
 class KLCtrlConfig:
     type: str = "fixed"  # fixed | adaptive
     kl_coef: float = 0.001
@@ -174,6 +204,7 @@ class TrainerConfig:
     collective_timeout_s: int = 300
     peak_flops: float = 0.0  # per-GPU dense bf16 FLOP/s for MFU; 0: from the device name
     max_nonfinite_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
+    critic_warmup: int = 0  # the first N steps update only the critic (the actor update is skipped)
 
 
 @dataclass(frozen=True)
@@ -210,6 +241,7 @@ CORE_SECTIONS: dict[str, type] = {
     "actor": ActorConfig,
     "rollout": RolloutConfig,
     "ref": RefConfig,
+    "critic": CriticConfig,
     "algorithm": AlgorithmConfig,
     "trainer": TrainerConfig,
     "reward": RewardConfig,

@@ -148,10 +148,10 @@ def minirl_launchers() -> dict[str, Launcher]:
 def minirl_apply_sequence_parallel(model: torch.nn.Module, cfg: Any, mesh: Any) -> None:
     """Make the model's attention sequence-parallel, in place.
 
-    Called first, for the actor and for the reference; every plugin's implementation runs.
+    Called first, for the actor, the reference and the critic; every plugin's implementation runs.
 
     :param model: the plain transformers model.
-    :param cfg: the ``actor`` (or ``ref``) config section.
+    :param cfg: the ``actor`` (or ``ref``, ``critic``) config section.
     :param mesh: the device mesh (dims ``dp``, ``sp``), or None on one CPU process.
 
     Built-in: ``minirl_plugins.ulysses`` (acts when ulysses_sequence_parallel_size > 1).
@@ -162,9 +162,9 @@ def minirl_apply_sequence_parallel(model: torch.nn.Module, cfg: Any, mesh: Any) 
 def minirl_apply_activation_checkpointing(model: torch.nn.Module, cfg: Any) -> None:
     """Wrap decoder layers with activation checkpointing, in place.
 
-    Called second, for the actor only; every plugin's implementation runs.
+    Called second, for the actor and the critic; every plugin's implementation runs.
 
-    :param cfg: the ``model`` config section (enable_gradient_checkpointing).
+    :param cfg: the ``model`` (or ``critic.model``) config section (enable_gradient_checkpointing).
 
     Built-in: ``minirl_plugins.checkpointing``.
     """
@@ -174,9 +174,9 @@ def minirl_apply_activation_checkpointing(model: torch.nn.Module, cfg: Any) -> N
 def minirl_apply_data_parallel(model: torch.nn.Module, cfg: Any, mesh: Any) -> torch.nn.Module | None:
     """Shard or replicate the model over the data-parallel ranks.
 
-    Called third, for the actor and for the reference; the first non-None answer wins.
+    Called third, for the actor, the reference and the critic; the first non-None answer wins.
 
-    :param cfg: the ``actor`` (or ``ref``) config section.
+    :param cfg: the ``actor`` (or ``ref``, ``critic``) config section.
     :param mesh: the device mesh, or None on one CPU process.
     :return: the wrapped module, or None to leave it to another plugin.
 
@@ -186,11 +186,11 @@ def minirl_apply_data_parallel(model: torch.nn.Module, cfg: Any, mesh: Any) -> t
 
 @hookspec(firstresult=True)
 def minirl_build_optimizer(model: torch.nn.Module, cfg: Any, total_steps: int) -> Any:
-    """Build the optimizer and learning-rate schedule of the actor.
+    """Build the optimizer and learning-rate schedule of the actor (and of the critic).
 
-    Called last, for the actor only; the first non-None answer wins.
+    Called last, for the actor and the critic; the first non-None answer wins.
 
-    :param cfg: the ``actor.optim`` config section.
+    :param cfg: the ``actor.optim`` (or ``critic.optim``) config section.
     :param total_steps: optimizer steps of the whole run (for warm-up ratios and decay).
     :return: (optimizer, lr_scheduler).
 

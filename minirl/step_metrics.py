@@ -76,11 +76,11 @@ def perf_metrics(batch: RolloutBatch, seconds: dict[str, float], actor, cfg, dis
         "perf/gen_throughput_per_gpu": resp / (seconds["gen"] * world),
         "perf/throughput": total / seconds["step"],
     }
-    for phase in ("old_log_prob", "ref"):  # either may be skipped (on-policy; no KL)
+    for phase in ("old_log_prob", "ref", "values"):  # each may be skipped (on-policy; no KL; no critic)
         if phase in seconds:
             out[f"perf/{phase}_throughput_per_gpu"] = total / (seconds[phase] * world)
     peak = peak_flops(dist.device, cfg.trainer.peak_flops)
-    if peak > 0:
+    if peak > 0 and "update_actor" in seconds:  # skipped during trainer.critic_warmup
         flops = cfg.actor.ppo_epochs * train_flops(actor.config, flops_params(actor), batch.seq_lens(), backward=True)
         flops = float(dist.all_reduce(torch.tensor(flops, dtype=torch.float64, device=dist.device)))
         out["perf/mfu/actor"] = flops / (seconds["update_actor"] * world * peak)

@@ -1,5 +1,6 @@
-"""The training loop: one step is rollout → reward → old log-probs → ref log-probs → advantages
-→ actor update → weight sync, each phase timed (DESIGN.md §2).
+"""The training loop: one step is rollout → reward → old log-probs → ref log-probs → values
+→ advantages → critic update → actor update → weight sync, each phase timed (DESIGN.md §2);
+values and the critic update run only for an estimator of values (gae, minirl.critic).
 
 The same code runs on one process and on every rank of an SPMD job: each rank takes whole
 prompt groups, and every batch-wide statistic goes through DistContext.all_reduce.
@@ -23,6 +24,8 @@ from minirl.checkpoint import training as ckpt_training
 from minirl.checkpoint.resume import plan_run
 from minirl.checkpoint.training import TrainingState
 from minirl.config import Config
+from minirl.critic import critic_line
+from minirl.critic import update as critic_lib
 from minirl.data import expand_groups
 from minirl.dist import DistContext
 from minirl.errors import Stopped
@@ -50,11 +53,13 @@ class Trainer:
         self.loader = build.train_loader(cfg.data, self.tokenizer, dist)
         self.total_steps = build.total_steps(cfg.trainer, self.loader.steps_per_epoch)
         self.optimizer, self.scheduler = assembly.build_optimizer(pm, self.actor, cfg.actor.optim, self.total_steps)
+        self.estimator = pm["advantage_estimators"].get(cfg.algorithm.adv_estimator)
+        # before the engine, whose KV cache takes a share of the memory left free (None: no gae)
+        self.critic = build.critic(pm, cfg, dist, self.total_steps, self.estimator, self._print)
         self.engine = build.engine(pm, cfg, self.actor, self.tokenizer, dist)
         self.rewards = build_reward_manager(
             cfg.reward, cfg.custom_reward_function, pm["reward_functions"], self.tokenizer, cfg.plugins.modules
         )
-        self.estimator = pm["advantage_estimators"].get(cfg.algorithm.adv_estimator)
         self.losses = build.losses(pm, cfg.actor, self.ref)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.val = build.val_set(cfg.trainer, cfg.data, self.tokenizer, dist)
@@ -69,6 +74,9 @@ class Trainer:
         """What a checkpoint saves and a resume restores (minirl.checkpoint.training)."""
         parts = ckpt_state.Checkpointable(model=self.actor, optimizer=self.optimizer)
         schedulers = {"actor": self.scheduler}
+        if self.critic is not None:
+            parts.others["critic"] = (self.critic.model, self.critic.optimizer)
+            schedulers["critic"] = self.critic.scheduler
         return TrainingState(parts, schedulers, self.loader, self.guard, self.kl_ctrl)
 
     @property
@@ -96,6 +104,8 @@ class Trainer:
     def _fit(self) -> list[dict[str, float]]:
         t = self.cfg.trainer
         self._print(effective_batch_line(self.cfg, self.dist, self.loader.steps_per_epoch, self.total_steps))
+        if self.critic is not None:
+            self._print(critic_line(self.cfg, self.critic.cfg))
         if self.start_step >= self.total_steps:
             self._print(f"nothing to train: the checkpoint is at step {self.start_step} of {self.total_steps}")
         if t.val_before_train and self.start_step == 0:
@@ -191,13 +201,21 @@ class Trainer:
             if self.ref is not None:
                 with timer.phase("ref"):
                     batch.tensors["ref_log_probs"] = self.log_probs(self.ref, self.cfg.ref, batch)
+            if self.critic is not None:
+                with timer.phase("values"):
+                    batch.tensors["values"] = self.values(batch)
             with timer.phase("adv"):
                 adv_metrics = self.advantages(batch)
-            with timer.phase("update_actor"):
-                actor_metrics = self.update(batch)
+            critic_metrics, actor_metrics = {}, {}
+            if self.critic is not None:
+                with timer.phase("update_critic"):
+                    critic_metrics = self.update_critic(batch)
+            if self.critic is None or step > self.cfg.trainer.critic_warmup:  # else: critic warm-up
+                with timer.phase("update_actor"):
+                    actor_metrics = self.update(batch)
             with timer.phase("update_weights"):
                 self.sync_weights()
-        metrics = {**reward_metrics, **adv_metrics, **actor_metrics, **timer.metrics()}
+        metrics = {**reward_metrics, **adv_metrics, **critic_metrics, **actor_metrics, **timer.metrics()}
         metrics.update(data_metrics(batch, self.dist))
         metrics.update(perf_metrics(batch, timer.seconds, self.actor, self.cfg, self.dist))
         return metrics
@@ -292,7 +310,11 @@ class Trainer:
             metrics = {"critic/kl": float(mean_kl), "critic/kl_coef": self.kl_ctrl.value}
             self.kl_ctrl.update(float(mean_kl), len(batch) * self.dist.dp_size)
         inputs = AdvantageInputs(
-            rewards_BT, batch.mask_BT, batch.group_B.to(self.dist.device), reduce=self.dist.reduce_sum
+            rewards_BT,
+            batch.mask_BT,
+            batch.group_B.to(self.dist.device),
+            values_BT=batch.tensors.get("values"),  # the critic's (gae); None without one
+            reduce=self.dist.reduce_sum,
         )
         adv_BT, ret_BT = self.estimator(inputs, self.cfg.algorithm)
         batch.tensors.update(rewards=rewards_BT, advantages=adv_BT, returns=ret_BT)
@@ -314,6 +336,21 @@ class Trainer:
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.actor.eval()
+        return metrics
+
+    def values(self, batch: RolloutBatch) -> torch.Tensor:
+        return critic_lib.compute_values(self.critic.model, batch, self.critic.cfg, self.dist)
+
+    def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
+        critic, cfg = self.critic, self.cfg
+        critic.model.train()
+        metrics = critic_lib.update_critic(
+            critic.model, critic.optimizer, batch, critic.cfg, cfg.data.max_response_length, self.dist, cfg.rollout.n
+        )
+        metrics["critic/lr"] = critic.scheduler.get_last_lr()[0]
+        critic.scheduler.step()
+        critic.model.eval()
+        metrics.update(critic_lib.value_metrics(batch, self.dist))
         return metrics
 
     def sync_weights(self) -> None:

@@ -40,6 +40,7 @@ def validate(cfg: Config, pm, files: bool = True) -> None:
 
 def find_problems(cfg: Config, pm, files: bool = True) -> list[Problem]:
     """Every problem, at most one per key (the first rule a key breaks)."""
+    from minirl.validate_critic import critic_problems
     from minirl.validate_files import file_problems
     from minirl.validate_values import value_problems
 
@@ -55,6 +56,7 @@ def find_problems(cfg: Config, pm, files: bool = True) -> list[Problem]:
         _reward,
         _policy_loss,
         _filter_groups,
+        critic_problems,
     ):
         for p in check(cfg, pm):
             found.setdefault(p.key, p)

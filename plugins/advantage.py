@@ -192,8 +192,8 @@ def gae(inputs: AdvantageInputs, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if inputs.values_BT is None:
         raise UserError(
             "gae needs a critic: AdvantageInputs.values_BT is None (algorithm.adv_estimator = "
-            "'gae'); enable a critic, or choose a critic-free estimator (grpo, rloo, "
-            "reinforce_plus_plus, reinforce_plus_plus_baseline, opo)"
+            "'gae'; the trainer builds one for it, so this is a caller's bug); pass values, or choose a "
+            "critic-free estimator (grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo)"
         )
     r_BT = inputs.token_rewards_BT
     m_BT = inputs.mask_BT.to(r_BT.dtype)
@@ -203,6 +203,9 @@ def gae(inputs: AdvantageInputs, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
     adv_BT = reverse_linear_scan(decay_BT, delta_BT) * m_BT
     returns_BT = (adv_BT + v_BT) * m_BT
     return masked_whiten(adv_BT, m_BT, inputs.reduce), returns_BT
+
+
+gae.needs_values = True  # the trainer builds a critic for it (minirl.critic.needs_values)
 
 
 @hookimpl

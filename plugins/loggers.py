@@ -21,6 +21,8 @@ CONSOLE_KEYS = (
     ("actor/kl_loss", "kl_loss"),
     ("actor/entropy", "entropy"),
     ("actor/grad_norm", "grad_norm"),
+    ("critic/vf_loss", "vf_loss"),
+    ("critic/vf_explained_var", "vf_ev"),
     ("timing_s/step", "step_s"),
     ("perf/throughput", "tok/s"),
     ("val/score/mean", "val_score"),

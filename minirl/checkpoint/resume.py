@@ -44,6 +44,8 @@ _FREE_KEYS = {
     "reward": "num_workers timeout_s",
     "model": "enable_gradient_checkpointing",
     "actor": "ppo_micro_batch_size_per_gpu use_dynamic_bsz ppo_max_token_len_per_gpu ulysses_sequence_parallel_size",
+    "critic": "ppo_micro_batch_size_per_gpu use_dynamic_bsz ppo_max_token_len_per_gpu ulysses_sequence_parallel_size",
+    "critic.model": "enable_gradient_checkpointing",
     "rollout": (
         "gpu_memory_utilization max_num_seqs enforce_eager free_cache_engine log_prob_micro_batch_size_per_gpu "
         "log_prob_use_dynamic_bsz log_prob_max_token_len_per_gpu calculate_log_probs"
@@ -55,7 +57,7 @@ _FREE_KEYS = {
     "plugins": "modules",
 }
 FREE_KEYS = {f"{section}.{key}" for section, keys in _FREE_KEYS.items() for key in keys.split()}
-FREE_PREFIXES = ("actor.fsdp_config.", "ref.fsdp_config.")
+FREE_PREFIXES = ("actor.fsdp_config.", "ref.fsdp_config.", "critic.fsdp_config.")
 
 
 @dataclass(frozen=True)
@@ -147,9 +149,17 @@ def _is_family_member(run_dir: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def check_config(saved_toml: str, current: dict, path: str, ignore: bool, defaults: dict | None = None) -> list[str]:
-    """The math-changing differences; raises unless `ignore` (then the caller reports them)."""
-    diffs = config_differences(tomllib.loads(saved_toml), current, defaults)
+def check_config(
+    saved_toml: str,
+    current: dict,
+    path: str,
+    ignore: bool,
+    defaults: dict | None = None,
+    unused: tuple[str, ...] = (),
+) -> list[str]:
+    """The math-changing differences; raises unless `ignore` (then the caller reports them).
+    `defaults` and `unused`: as config_differences takes them."""
+    diffs = config_differences(tomllib.loads(saved_toml), current, defaults, unused)
     if diffs and not ignore:
         raise UserError(
             f"resume refused: checkpoint {path} was written with other values of keys that change the "
@@ -159,16 +169,20 @@ def check_config(saved_toml: str, current: dict, path: str, ignore: bool, defaul
     return diffs
 
 
-def config_differences(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
+def config_differences(
+    saved: dict, current: dict, defaults: dict | None = None, unused: tuple[str, ...] = ()
+) -> list[str]:
     """'key = saved (checkpoint) vs now' for every math-changing key whose value differs.
 
     A key the checkpoint's config lacks (one added to minirl after it was written) counts as
     its default from `defaults` (same layout as `current`), so an upgrade alone never blocks a
-    resume; a key whose new default differs from what it replaced is a change the keys list."""
+    resume; a key whose new default differs from what it replaced is a change the keys list.
+    Keys starting with an `unused` prefix change nothing in this run (a critic-free run's
+    [critic] section)."""
     old, new, base = _flatten(saved), _flatten(current), _flatten(defaults or {})
     diffs = []
     for key in sorted(set(old) | set(new)):
-        if key in FREE_KEYS or key.startswith(FREE_PREFIXES):
+        if key in FREE_KEYS or key.startswith(FREE_PREFIXES + unused):
             continue
         a, b = old.get(key, base.get(key)), new.get(key)
         if a != b and not (_is_nan(a) and _is_nan(b)):

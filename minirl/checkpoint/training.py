@@ -80,7 +80,10 @@ def resume(path: str, state: TrainingState, cfg: Config, dist: DistContext, say:
     t = cfg.trainer
     saved = ckpt_state.read_trainer_state(path)
     defaults = {name: dataclasses.asdict(type(section)()) for name, section in cfg.sections.items()}
-    diffs = check_config(ckpt_state.read_config(path), cfg.to_dict(), path, t.resume_ignore_config_changes, defaults)
+    unused = () if "critic" in state.schedulers else ("critic.", "trainer.critic_warmup")  # no critic: no effect
+    diffs = check_config(
+        ckpt_state.read_config(path), cfg.to_dict(), path, t.resume_ignore_config_changes, defaults, unused
+    )
     if diffs:
         say(f"minirl: resuming despite config changes (trainer.resume_ignore_config_changes): {'; '.join(diffs)}")
     _check_data_position(state.loader, saved["data"], path, t.resume_ignore_config_changes)

@@ -39,3 +39,18 @@ def test_cpu_profile_runs_with_ulysses_sp_2(tmp_path, data_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world 2 (dp 1, sp 2)" in proc.stdout
     assert [m["step"] for m in _steps(tmp_path)] == [1]
+
+
+def test_cpu_profile_runs_ppo_with_a_critic_at_world_size_2(tmp_path, data_dir):
+    """algorithm.adv_estimator = gae over dp = 2: the FSDP2-sharded critic's values and update
+    phases run on both ranks, the critic metrics are logged, and the checkpoint holds its state."""
+    proc = h.run_cli(
+        tmp_path, data_dir, "trainer.total_training_steps=2", "algorithm.adv_estimator=gae", "trainer.save_freq=2"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "critic: preset 'tiny' + a scalar value head" in proc.stdout and "critic training time" in proc.stdout
+    for m in _steps(tmp_path):
+        assert m["timing_s/values"] > 0 and m["timing_s/update_critic"] > 0
+        assert m["critic/grad_norm"] > 0 and "critic/vf_explained_var" in m
+    saved = json.loads((tmp_path / "bench" / "ckpt_2" / "trainer_state.json").read_text())
+    assert set(saved["schedulers"]) == {"actor", "critic"}

@@ -212,6 +212,33 @@ CONFIG_CASES = {
         "algorithm.filter_groups.metric = 'seq_final_reward'",
         "use_kl_in_reward",
     ),
+    # the [critic] rules apply when the estimator trains a critic (gae)
+    "critic_mini_not_dividing": (
+        ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=3"],
+        "critic.ppo_mini_batch_size = 3",
+        "divide",
+    ),
+    "critic_token_budget": (
+        ["algorithm.adv_estimator=gae", "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=10"],
+        "critic.ppo_max_token_len_per_gpu = 10",
+    ),
+    "critic_epochs_zero": (["algorithm.adv_estimator=gae", "critic.ppo_epochs=0"], "critic.ppo_epochs = 0"),
+    "critic_cliprange_zero": (["algorithm.adv_estimator=gae", "critic.cliprange_value=0.0"], "critic.cliprange_value"),
+    "critic_loss_agg_mode": (
+        ["algorithm.adv_estimator=gae", "critic.loss_agg_mode=token_mean"],
+        "critic.loss_agg_mode = 'token_mean'",
+        "token-mean",
+    ),
+    "critic_lr_negative": (["algorithm.adv_estimator=gae", "critic.optim.lr=-1.0"], "critic.optim.lr = -1.0"),
+    "critic_warmup_negative": (["algorithm.adv_estimator=gae", "trainer.critic_warmup=-1"], "trainer.critic_warmup"),
+    "critic_sp": (
+        ["algorithm.adv_estimator=gae", "critic.ulysses_sequence_parallel_size=3"],
+        "critic.ulysses_sequence_parallel_size = 3",
+    ),
+    "critic_model_path": (
+        ["algorithm.adv_estimator=gae", "critic.model.path=/no/such/model"],
+        "critic.model.path = '/no/such/model'",
+    ),
 }
 
 

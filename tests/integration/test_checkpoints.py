@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from minirl.checkpoint.resume import check_config, config_differences
 from minirl.cli import main
+from minirl.config import load_config, to_toml
 from tests.integration.conftest import ROOT, _make_data_module
 
 
@@ -241,3 +243,48 @@ def test_a_second_signal_stops_at_once(tmp_path):
     out, err = proc.communicate(timeout=20)
     assert time.monotonic() - t0 < 15 and proc.returncode == 128 + signal.SIGTERM  # the step would run 30 s
     assert "finished the step" not in out and "second SIGTERM: stopping now" in err and "Traceback" not in err
+
+
+def test_a_gae_run_resumes_its_critic_exactly(tmp_path, small_data):
+    """PPO with a critic: the checkpoint carries the value model, its optimizer and its LR
+    schedule, so a run stopped at step 2 and resumed logs the same steps 3-4 as a straight run,
+    critic metrics included (they depend on the critic's weights and Adam state)."""
+    gae = ["algorithm.adv_estimator=gae", "critic.optim.lr=0.01", "trainer.critic_warmup=1"]
+    assert run(tmp_path / "straight", small_data, *gae, "trainer.total_training_steps=4") == 0
+    assert run(tmp_path / "resumed", small_data, *gae, "trainer.total_training_steps=2", "trainer.save_freq=2") == 0
+    assert run(tmp_path / "resumed", small_data, *gae, "trainer.total_training_steps=4") == 0
+    volatile = ("timing_s/", "perf/", "memory_gib/")
+    logged = {}
+    for name in ("straight", "resumed"):
+        lines = (tmp_path / name / "bench" / "metrics.jsonl").read_text().splitlines()
+        logged[name] = [{k: v for k, v in json.loads(x).items() if not k.startswith(volatile)} for x in lines]
+    assert [r["step"] for r in logged["resumed"]] == [1, 2, 3, 4]
+    assert "critic/vf_loss" in logged["resumed"][3] and "actor/pg_loss" in logged["resumed"][3]
+    assert logged["resumed"] == logged["straight"]
+
+
+def test_critic_keys_are_math_only_for_a_run_with_a_critic(tmp_path, small_data, capsys):
+    """A grpo run resumes with a [critic] key changed (no critic, no effect), and so does a
+    checkpoint written before the [critic] section existed (its config.toml lacks it); a gae run
+    refuses a changed critic lr like any math-changing key."""
+    assert run(tmp_path, small_data, "trainer.total_training_steps=2", "trainer.save_freq=2") == 0
+    assert run(tmp_path, small_data, "trainer.total_training_steps=3", "critic.optim.lr=0.1") == 0
+    assert steps(tmp_path / "bench") == [1, 2, 3]
+    current = load_config(None, []).to_dict()
+    before = {k: v for k, v in current.items() if k != "critic"}
+    before["trainer"] = {k: v for k, v in before["trainer"].items() if k != "critic_warmup"}
+    unused = ("critic.", "trainer.critic_warmup")
+    assert check_config(to_toml(load_config(None, [])), current, "ckpt", False, unused=unused) == []
+    assert config_differences(before, current, unused=unused) == []
+    assert "critic.cliprange_value = None (checkpoint) vs 0.5 (now)" in config_differences(before, current)
+    gae = tmp_path / "gae"
+    assert (
+        run(gae, small_data, "algorithm.adv_estimator=gae", "trainer.total_training_steps=2", "trainer.save_freq=2")
+        == 0
+    )
+    capsys.readouterr()
+    assert (
+        run(gae, small_data, "algorithm.adv_estimator=gae", "trainer.total_training_steps=3", "critic.optim.lr=0.1")
+        == 2
+    )
+    assert "critic.optim.lr = 1e-05 (checkpoint) vs 0.1 (now)" in one_error_line(capsys)

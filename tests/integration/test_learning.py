@@ -1,7 +1,8 @@
 """A random-init tiny model learns the synthetic copy task with minirl's real loop.
 
 Chance is about 1/259 (the byte vocabulary). The test asks for a greedy validation score of at
-least 0.9 on held-out prompt phrasings after training, for each outcome estimator, and checks
+least 0.9 on held-out prompt phrasings after training, for each outcome estimator and for PPO
+with a critic (gae), and checks
 that both the sampled training reward and the validation before training start near chance.
 This is the end-to-end proof that rollout, reward, log-probs, advantages, loss and optimizer
 agree on signs and scales: a sign error or a broken normalisation anywhere keeps it at chance.
@@ -32,12 +33,18 @@ RECIPE = [
 # weight was picked per estimator at one thread (final greedy score): grpo 0.05 -> 1.0;
 # reinforce_plus_plus 0.025 -> 1.0 (0.05 -> 0.9, 0.1 -> 0.8: its whitened per-token advantages
 # need less push); rloo 0.025 -> 1.0 (0.0125 -> 0.9; its raw score differences are small).
-ENTROPY_COEFF = {"grpo": 0.05, "reinforce_plus_plus": 0.025, "rloo": 0.025}
+# gae (PPO with a critic, γ = λ = 1) at critic lr 5e-3: 0.035 -> 1.0 (0.05 -> 0.9); at critic
+# lr 2e-3: 0.035 -> 0.8, 0.05 -> 0.8 (0.9 at step 100, then down), and 0.025 with lr 1e-3 -> 0.4.
+ENTROPY_COEFF = {"grpo": 0.05, "reinforce_plus_plus": 0.025, "rloo": 0.025, "gae": 0.035}
+OWN_KEYS = {"gae": ["critic.optim.lr=5e-3"]}  # the critic must track the policy's improving values
 
 # case -> overrides: each estimator with the PPO loss, and GSPO (grpo advantages, the sequence
 # ratio with its 3e-4 / 4e-4 clip, seq-mean-token-mean as its recipe has it). The cpu profile
 # has two mini-batches per step, so the second one's sequence ratios move off 1 and get clipped.
-CASES = {name: [f"algorithm.adv_estimator={name}", f"actor.entropy_coeff={c}"] for name, c in ENTROPY_COEFF.items()}
+CASES = {
+    name: [f"algorithm.adv_estimator={name}", f"actor.entropy_coeff={c}", *OWN_KEYS.get(name, [])]
+    for name, c in ENTROPY_COEFF.items()
+}
 CASES["gspo"] = [
     "algorithm.adv_estimator=grpo",
     "actor.policy_loss=gspo",

@@ -1,0 +1,70 @@
+"""The critic of PPO with GAE (algorithm.adv_estimator = "gae"): a value model, its values pass
+and its update.
+
+- minirl.critic.model: the value model (the actor's backbone + a scalar head) and its packed
+  forward, V at the positions that predict the response tokens;
+- minirl.critic.value_loss: verl's clipped value loss and the explained variance;
+- minirl.critic.update: the values pass (before the advantages) and the critic update (beside
+  the actor's), micro-batched and globally normalised exactly as the actor's.
+
+The trainer builds a critic only when the advantage estimator needs values (`needs_values`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Critic:
+    """The assembled value model, its optimizer and LR scheduler, and its config section with
+    ppo_mini_batch_size resolved (unset: the actor's), built by minirl.build.critic."""
+
+    cfg: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+
+
+def needs_values(estimator) -> bool:
+    """An advantage estimator that reads AdvantageInputs.values_BT says so with the attribute
+    `needs_values = True` (the built-in gae does); the trainer then builds a critic."""
+    return bool(getattr(estimator, "needs_values", False))
+
+
+# critic keys that default to the actor's value when unset (verl's config interpolates them)
+FROM_ACTOR = (
+    "ppo_mini_batch_size",
+    "ppo_micro_batch_size_per_gpu",
+    "use_dynamic_bsz",
+    "ppo_max_token_len_per_gpu",
+    "ppo_epochs",
+    "shuffle",
+    "loss_agg_mode",
+)
+
+
+def resolved(critic_cfg, actor_cfg):
+    """The critic section with every unset FROM_ACTOR key set to the actor's value."""
+    unset = {k: getattr(actor_cfg, k) for k in FROM_ACTOR if getattr(critic_cfg, k) is None}
+    return dataclasses.replace(critic_cfg, **unset)
+
+
+def critic_line(cfg, critic_cfg) -> str:
+    """The start-up line that spells out the critic (beside the effective-batch line)."""
+    c, warmup, train_batch_size = critic_cfg, cfg.trainer.critic_warmup, cfg.data.train_batch_size
+    minis = train_batch_size // c.ppo_mini_batch_size
+    backbone = c.model.path or cfg.model.path or f"preset {cfg.model.preset!r}"
+    warm = f"; steps 1..{warmup} update only the critic (critic_warmup: the actor update is skipped)" if warmup else ""
+    micro = (
+        f"dynamic, <= {c.ppo_max_token_len_per_gpu} tokens/GPU"
+        if c.use_dynamic_bsz
+        else f"{c.ppo_micro_batch_size_per_gpu} sequences/GPU"
+    )
+    return (
+        f"critic: {backbone} + a scalar value head; {minis} mini-batch(es) x {c.ppo_epochs} epoch(s); "
+        f"micro-batches: {micro}; lr {c.optim.lr}, cliprange_value {c.cliprange_value}, "
+        f"loss_agg_mode {c.loss_agg_mode}{warm}"
+    )

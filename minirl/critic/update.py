@@ -1,0 +1,125 @@
+"""The critic's two phases of a step: the values pass (before the advantages) and the update
+(beside the actor's), with the actor's mini-/micro-batching and global loss normalisation.
+
+The update's loss is minirl.critic.value_loss's, aggregated with critic.loss_agg_mode over the
+whole global mini-batch (minirl.loss_agg): each micro-batch contributes its partial sum divided
+by the mini-batch's global counts, so the gradient is the same for any split over micro-batches
+and data-parallel ranks. An optimizer step whose loss or gradient norm is non-finite on any rank
+is skipped (counted in critic/nonfinite_steps), as the actor's.
+Legend: B sequences, T response positions, R response tokens of a micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from minirl import assembly
+from minirl.batch import RolloutBatch, mini_batches, scatter_tokens, select_micro, split_micro
+from minirl.critic.model import response_values
+from minirl.critic.value_loss import clipped_value_loss, explained_variance
+from minirl.dist import DistContext
+from minirl.loss_agg import aggregate, mini_batch_norm
+from minirl.step_metrics import reduced_stats
+
+BUDGET_KEY = "critic.ppo_max_token_len_per_gpu"
+
+
+def _micro(batch: RolloutBatch, cfg, dist: DistContext) -> list[list[int]]:
+    """critic.ppo_micro_batch_size_per_gpu sequences, or critic.ppo_max_token_len_per_gpu tokens."""
+    return split_micro(
+        batch,
+        list(range(len(batch))),
+        cfg.ppo_micro_batch_size_per_gpu,
+        cfg.use_dynamic_bsz,
+        cfg.ppo_max_token_len_per_gpu,
+        BUDGET_KEY,
+        dist.max_over_ranks,
+        dist.sp_size,
+    )
+
+
+@torch.no_grad()
+def compute_values(model, batch: RolloutBatch, cfg, dist: DistContext) -> torch.Tensor:
+    """V [B, T] of the batch's responses (0 at masked positions); cfg is the `critic` section."""
+    out_BT = torch.zeros(batch.mask_BT.shape, device=dist.device)
+    for idx in _micro(batch, cfg, dist):
+        sub = select_micro(batch, idx)  # an empty idx still runs its forward: FSDP ranks run in step
+        values_R = response_values(model, sub.prompts, sub.responses, dist.device)
+        if idx:
+            out_BT[torch.tensor(idx, device=dist.device)] = scatter_tokens(values_R, sub.mask_BT)
+    assembly.reshard(model)
+    return out_BT
+
+
+def update_critic(model, optimizer, batch: RolloutBatch, cfg, max_response_length: int, dist: DistContext, n: int):
+    """critic.ppo_epochs passes over the batch in mini-batches of critic.ppo_mini_batch_size prompts.
+
+    Reads batch.tensors "values" (the values pass) and "returns" (the estimator's). Returns the
+    critic/ metrics: vf_loss, vf_clipfrac, vpred_mean (means over the optimizer steps),
+    grad_norm (mean over the finite ones) and nonfinite_steps.
+    """
+    seqs_per_mini = cfg.ppo_mini_batch_size * n // dist.dp_size
+    sums: dict[str, float] = {}
+    grad_norms, skipped = [], 0
+    for _epoch in range(cfg.ppo_epochs):
+        order = torch.randperm(len(batch)) if cfg.shuffle else None
+        for mini in mini_batches(len(batch), seqs_per_mini, order):
+            mb = batch.select(mini)
+            grad_norm, bad = _mini_batch_step(model, optimizer, mb, cfg, max_response_length, dist, sums)
+            grad_norms.append(grad_norm)
+            skipped += int(bad)
+    names = sorted(sums)
+    totals = dist.all_reduce(torch.tensor([sums[k] for k in names], dtype=torch.float64, device=dist.device))
+    metrics = {f"critic/{k}": v / len(grad_norms) for k, v in zip(names, totals.tolist())}
+    finite = [g for g in grad_norms if math.isfinite(g)]
+    metrics["critic/grad_norm"] = sum(finite) / max(1, len(finite))
+    metrics["critic/nonfinite_steps"] = float(skipped)
+    return metrics
+
+
+def _mini_batch_step(model, optimizer, mb: RolloutBatch, cfg, max_len: int, dist: DistContext, sums) -> tuple:
+    """Backward over the micro-batches, then one optimizer step unless a number is non-finite.
+
+    Returns (grad_norm, skipped: bool)."""
+    norm = mini_batch_norm([mb.mask_BT], dist.reduce_sum, None, max_len)
+    loss_sum = torch.zeros((), device=dist.device)
+    for idx in _micro(mb, cfg, dist):
+        loss = _micro_batch_loss(model, select_micro(mb, idx), cfg, norm, dist, sums)
+        (loss * dist.loss_scale).backward()
+        loss_sum = loss_sum + loss.detach().float()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
+        grad_norm = grad_norm.full_tensor()
+    flags = torch.stack([(~torch.isfinite(loss_sum)).float(), (~torch.isfinite(grad_norm.to(loss_sum.device))).float()])
+    bad = bool(dist.reduce_sum(flags).sum() > 0)  # all ranks agree
+    if not bad:
+        optimizer.step()  # a skipped step keeps NaN and inf out of the weights and the optimizer state
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm), bad
+
+
+def _micro_batch_loss(model, mb: RolloutBatch, cfg, norm, dist: DistContext, sums) -> torch.Tensor:
+    mask_BT = mb.mask_BT
+    vpred_BT = scatter_tokens(response_values(model, mb.prompts, mb.responses, dist.device), mask_BT)
+    out = clipped_value_loss(vpred_BT, mb.tensors["values"], mb.tensors["returns"], mask_BT, cfg.cliprange_value)
+    loss = aggregate(out.loss_BT, mask_BT, cfg.loss_agg_mode, norm)
+    for name, value in (
+        ("vf_loss", loss),
+        ("vf_clipfrac", aggregate(out.clipped_BT, mask_BT, "token-mean", norm)),
+        ("vpred_mean", aggregate(vpred_BT.detach(), mask_BT, "token-mean", norm)),
+    ):
+        sums[name] = sums.get(name, 0.0) + float(value.detach())
+    return loss
+
+
+def value_metrics(batch: RolloutBatch, dist: DistContext) -> dict[str, float]:
+    """critic/values/mean|max|min, critic/returns/mean and critic/vf_explained_var over the valid
+    tokens of every data-parallel rank (values from the values pass, returns from the estimator)."""
+    mask = batch.mask_BT.bool()
+    values_BT, returns_BT = batch.tensors["values"], batch.tensors["returns"]
+    out = reduced_stats("critic/values", values_BT[mask], dist)
+    out["critic/returns/mean"] = reduced_stats("critic/returns", returns_BT[mask], dist)["critic/returns/mean"]
+    out["critic/vf_explained_var"] = explained_variance(returns_BT, values_BT, batch.mask_BT, dist.reduce_sum)
+    return out

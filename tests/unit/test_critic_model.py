@@ -1,0 +1,68 @@
+"""The value model (minirl.critic.model): the scalar head and the alignment of the values.
+
+V_t must be read where the log-prob of response token t is read: at the hidden state of the
+position that predicts it (verl's alignment). The packed forward is compared with a plain,
+unpacked transformers forward of each sequence on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from minirl.config import load_config
+from minirl.critic import FROM_ACTOR, resolved
+from minirl.critic.model import add_value_head, backbone_config, response_values
+from minirl.models.loading import random_model
+from minirl.models.presets import preset_config
+
+
+def _critic(seed: int = 0) -> torch.nn.Module:
+    return add_value_head(random_model(preset_config("tiny"), "cpu", torch.float32, seed=3), seed)
+
+
+def test_values_sit_at_the_positions_that_predict_each_response_token():
+    """Packed values [R] equal head(h[len(p) − 1 + t]) of an unpacked forward, sequence by sequence."""
+    model = _critic()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 250, (n,), generator=g).tolist() for n in (5, 1, 9)]
+    responses = [torch.randint(1, 250, (n,), generator=g).tolist() for n in (3, 4, 1)]
+    with torch.no_grad():
+        got_R = response_values(model, prompts, responses, torch.device("cpu"))
+        want = []
+        for p, r in zip(prompts, responses):
+            hidden = model.get_decoder()(input_ids=torch.tensor([p + r])).last_hidden_state[0]
+            want.append(model.get_output_embeddings()(hidden[len(p) - 1 : len(p) - 1 + len(r)])[:, 0])
+    assert got_R.shape == (8,) and got_R.dtype == torch.float32
+    torch.testing.assert_close(got_R, torch.cat(want), rtol=1e-5, atol=1e-6)
+
+
+def test_head_is_scalar_seeded_and_leaves_the_backbone_alone():
+    """nn.Linear(H, 1): weight ~ N(0, initializer_range), bias 0, the same from the same seed on
+    every rank, without moving the global random stream; the input embedding is untouched."""
+    plain = random_model(preset_config("tiny"), "cpu", torch.float32, seed=3)
+    embed = plain.get_input_embeddings().weight.detach().clone()
+    state = torch.random.get_rng_state()
+    model = add_value_head(plain, seed=7)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    head = model.get_output_embeddings().requires_grad_(False)
+    assert head.weight.shape == (1, model.config.hidden_size) and float(head.bias.abs().sum()) == 0.0
+    assert float(head.weight.std()) == pytest.approx(model.config.initializer_range, rel=0.35)
+    assert torch.equal(head.weight, _critic(seed=7).get_output_embeddings().weight)
+    assert not torch.equal(head.weight, _critic(seed=8).get_output_embeddings().weight)
+    assert torch.equal(model.get_input_embeddings().weight, embed)
+    assert model.config.tie_word_embeddings is False
+
+
+def test_backbone_defaults_to_the_actors_model_and_critic_keys_to_the_actors():
+    cfg = load_config(None, ["model.seed=4", "actor.ppo_mini_batch_size=2", "actor.use_dynamic_bsz=true"])
+    m = backbone_config(cfg.model, cfg.critic)
+    assert (m.path, m.preset, m.seed) == ("", "tiny", 4)
+    c = resolved(cfg.critic, cfg.actor)
+    assert all(getattr(c, k) == getattr(cfg.actor, k) for k in FROM_ACTOR)
+    own = load_config(None, ["critic.ppo_mini_batch_size=4", "critic.model.path=/x"])
+    assert resolved(own.critic, own.actor).ppo_mini_batch_size == 4
+    assert backbone_config(own.model, own.critic).path == "/x"
+    assert dataclasses.replace(c) == c  # a plain frozen dataclass, like every section
