@@ -405,5 +405,12 @@ def effective_batch_line(cfg: Config, dist: DistContext, steps_per_epoch: int, t
         f"{minis} mini-batch(es) of {a.ppo_mini_batch_size} prompts x {a.ppo_epochs} epoch(s) = "
         f"{minis * a.ppo_epochs} optimizer steps/step; micro-batches: {micro}; old log-probs: {old}; "
         f"world {dist.world_size} (dp {dist.dp_size}, sp {dist.sp_size}); {steps_per_epoch} steps/epoch, "
-        f"{total_steps} steps"
+        f"{total_steps} steps{_filter_groups_note(cfg.algorithm.filter_groups)}"
     )
+
+
+def _filter_groups_note(fg) -> str:
+    if not fg.enable:
+        return ""
+    cap = f"at most {fg.max_num_gen_batches}" if fg.max_num_gen_batches > 0 else "no cap on the"
+    return f"; dynamic sampling: groups with equal {fg.metric} dropped, {cap} prompt batches per step"
