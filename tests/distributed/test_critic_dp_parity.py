@@ -16,6 +16,7 @@ import torch
 
 from minirl import assembly, spmd
 from minirl.batch import RolloutBatch, response_mask
+from minirl.critic import resolved
 from minirl.critic import update as critic_lib
 from minirl.critic.model import add_value_head
 from minirl.dist import DistContext
@@ -49,7 +50,7 @@ def _full_batch(plain) -> RolloutBatch:
     batch = RolloutBatch(prompts, responses, torch.tensor(groups))
     mask_BT = response_mask(responses, CPU)
     batch.tensors["mask"] = mask_BT
-    values_BT = critic_lib.compute_values(plain, batch, _cfg("token-mean").critic, DistContext(device=CPU))
+    values_BT = critic_lib.compute_values(plain, batch, _critic(_cfg("token-mean")), DistContext(device=CPU))
     g = torch.Generator().manual_seed(0)
     batch.tensors["values"] = (values_BT + 0.2 * torch.randn(mask_BT.shape, generator=g)) * mask_BT
     batch.tensors["returns"] = torch.randn(mask_BT.shape, generator=g) * mask_BT
@@ -72,13 +73,17 @@ def _cfg(mode: str):
     )
 
 
+def _critic(cfg):
+    return resolved(cfg.critic, cfg.actor)  # unset critic keys take the actor's, as in a run
+
+
 def _seqs(prompt_ids: list[int]) -> list[int]:
     return [p * N + i for p in prompt_ids for i in range(N)]
 
 
 def _update(model, batch, cfg, pm, dist) -> dict[str, float]:
     optimizer, _ = assembly.build_optimizer(pm, model, cfg.critic.optim, 10)
-    return critic_lib.update_critic(model, optimizer, batch, cfg.critic, 16, dist, N)
+    return critic_lib.update_critic(model, optimizer, batch, _critic(cfg), 16, dist, N)
 
 
 def _compare(mode: str, rank: int, dist, pm, results) -> None:
@@ -87,8 +92,8 @@ def _compare(mode: str, rank: int, dist, pm, results) -> None:
     full = _full_batch(plain)
     mine = full.select(_seqs(RANK_PROMPTS[rank]))
     critic = assembly.assemble_critic(pm, _value_model(), cfg.critic, dist)
-    got_values = critic_lib.compute_values(critic, mine, cfg.critic, dist)
-    want_values = critic_lib.compute_values(plain, mine, cfg.critic, DistContext(device=CPU))
+    got_values = critic_lib.compute_values(critic, mine, _critic(cfg), dist)
+    want_values = critic_lib.compute_values(plain, mine, _critic(cfg), DistContext(device=CPU))
     results[f"{mode}/values_err"] = h.max_err(got_values, want_values)
     want = _update(plain, full.select(_seqs(ONE_PROCESS_ORDER)), cfg, pm, DistContext(device=CPU))
     got = _update(critic, mine, cfg, pm, dist)
