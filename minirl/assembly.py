@@ -1,5 +1,6 @@
 """Turning a plain model into the actor, the reference and the critic, in the order the core fixes:
-sequence parallel -> activation checkpointing -> data-parallel sharding -> optimizer.
+sequence parallel -> activation checkpointing -> regional compile (model.compile_layers) ->
+data-parallel sharding -> optimizer.
 
 Plugins do the work through the assembly hooks; this module only calls them in order.
 """
@@ -11,6 +12,7 @@ from typing import Iterator
 import torch
 
 from minirl.dist import DistContext
+from minirl.models.compile import compile_layers
 
 # prefixes that wrappers add to parameter names; the engines want Hugging Face names
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.", "module.")
@@ -20,6 +22,7 @@ def assemble_actor(pm, model: torch.nn.Module, cfg, dist: DistContext) -> torch.
     """cfg is the whole config: the hooks get their own sections (actor, model)."""
     pm.hook.minirl_apply_sequence_parallel(model=model, cfg=cfg.actor, mesh=dist.mesh)
     pm.hook.minirl_apply_activation_checkpointing(model=model, cfg=cfg.model)
+    compile_layers(model, cfg.model.compile_layers)
     wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=cfg.actor, mesh=dist.mesh)
     return model if wrapped is None else wrapped
 
@@ -33,8 +36,12 @@ def assemble_critic(pm, model: torch.nn.Module, critic_cfg, dist: DistContext) -
     return model if wrapped is None else wrapped
 
 
-def assemble_reference(pm, model: torch.nn.Module, ref_cfg, dist: DistContext) -> torch.nn.Module:
+def assemble_reference(
+    pm, model: torch.nn.Module, ref_cfg, dist: DistContext, compile_: bool = False
+) -> torch.nn.Module:
+    """compile_: model.compile_layers (the reference is the actor's model)."""
     pm.hook.minirl_apply_sequence_parallel(model=model, cfg=ref_cfg, mesh=dist.mesh)
+    compile_layers(model, compile_)
     wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=ref_cfg, mesh=dist.mesh)
     return model if wrapped is None else wrapped
 

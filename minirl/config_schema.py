@@ -18,6 +18,7 @@ class ModelConfig:
     dtype: str = "float32"  # parameter dtype of the actor: float32 | bfloat16
     enable_gradient_checkpointing: bool = False
     attn_implementation: str = "minirl"  # minirl (packed varlen) | sdpa | eager
+    compile_layers: bool = False  # torch.compile each decoder layer (actor and reference): fuses the element-wise work
     seed: int = 0  # seed of the random weights of a preset
 
 

@@ -42,7 +42,7 @@ _FREE_KEYS = {
     ),
     "data": "val_files",
     "reward": "num_workers timeout_s",
-    "model": "enable_gradient_checkpointing",
+    "model": "enable_gradient_checkpointing compile_layers",
     "actor": "ppo_micro_batch_size_per_gpu use_dynamic_bsz ppo_max_token_len_per_gpu ulysses_sequence_parallel_size",
     "critic": "ppo_micro_batch_size_per_gpu use_dynamic_bsz ppo_max_token_len_per_gpu ulysses_sequence_parallel_size",
     "critic.model": "enable_gradient_checkpointing",

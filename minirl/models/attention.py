@@ -127,15 +127,17 @@ def minirl_attention_forward(
     if cu_S1 is None:
         return _padded_sdpa(query, key, value, attention_mask, scaling), None
     core = getattr(module, CORE_ATTR, None) or varlen_attention
-    out_NHD = core(
-        query[0].transpose(0, 1),
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
-        cu_S1,
-        max_len,
-        scaling,
+    out_NHD = _call_core(
+        core, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_S1, max_len, scaling
     )
     return out_NHD.unsqueeze(0), None
+
+
+@torch.compiler.disable
+def _call_core(core, q_NHD, k_NKD, v_NKD, cu_S1, max_len, scaling):
+    """The varlen kernel (or Ulysses' wrapper with its all-to-alls) always runs eagerly: a
+    compiled decoder layer (model.compile_layers) breaks its graph here."""
+    return core(q_NHD, k_NKD, v_NKD, cu_S1, int(max_len), scaling)
 
 
 def set_varlen_core(model: torch.nn.Module, core: Callable) -> int:

