@@ -1,14 +1,16 @@
-"""torch.profiler over one update pass (the actor's training phase) of a real run, on one GPU.
+"""torch.profiler over one pass of a trainer phase of a real run, on one GPU.
 
     python3 scripts/profile_update.py --config bench.toml --profile h200 data.train_batch_size=32 \
         rollout.n=8 actor.ppo_mini_batch_size=32 trainer.total_training_steps=2
 
-The run goes as `python -m minirl` would (in this process, world 1); the update of step
-PROFILE_STEP (default 2: step 1 is warm-up) runs under the profiler. Printed, and written to
-$OUT/profile_update.txt: the update's wall time, the GPU kernel time by kind (GEMMs, attention,
-the log-softmax/cross-entropy, element-wise, the optimizer, copies, collectives) and the top
-kernels by time. The profiled step's own `training time` includes the profiler's bookkeeping:
-time the update from step 1 or from a run without this script.
+The run goes as `python -m minirl` would (in this process, world 1). PROFILE_PHASES (default
+"update") names the Trainer methods to profile: `update` (the actor's training phase) and/or
+`log_probs` (a log-prob pass: the reference's, or the prev-log-prob pass too when it runs). The
+PROFILE_STEP-th call of each (default 2: step 1 is warm-up) runs under the profiler. Printed, and
+written to $OUT/profile_<method>.txt: the pass's wall time, the GPU kernel time by kind (GEMMs,
+attention, the log-softmax/cross-entropy, element-wise, the optimizer, copies, collectives) and
+the top kernels by time. The profiled step's own phase times include the profiler's bookkeeping:
+time the phases from a run without this script.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ KINDS = (
     ("collectives (NCCL)", ("nccl",)),
     ("optimizer (AdamW)", ("adam", "multi_tensor_apply")),
     ("attention", ("flash", "fmha", "attention", "attn", "cudnn")),
+    ("fused log-prob/entropy (minirl.logprob_triton)", ("_fwd_kernel", "_bwd_kernel")),
+    ("inductor-fused element-wise (compiled layers)", ("triton_poi", "triton_red", "triton_per")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "wgmma", "sm90_")),
     ("log-softmax / cross-entropy / reductions", ("softmax", "logsumexp", "reduce_kernel", "nll", "gather", "scatter")),
     ("copies / casts", ("copy", "memcpy", "memset", "cat", "convert")),
@@ -58,7 +62,7 @@ def report(prof, wall_s: float) -> str:
     for e in kernels:
         by_kind[kind_of(e.key)] += e.self_device_time_total
     lines = [
-        f"update wall time under the profiler: {wall_s:.2f} s; GPU kernel time: {total_us / 1e6:.2f} s "
+        f"wall time under the profiler: {wall_s:.2f} s; GPU kernel time: {total_us / 1e6:.2f} s "
         f"({100 * total_us / 1e6 / wall_s:.0f}% of wall)",
         "",
         "| kind | GPU s | share of kernel time |",
@@ -81,26 +85,26 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def patch_update(profile_step: int, out_path: str) -> None:
-    original = trainer_mod.Trainer.update
+def patch_phase(method: str, profile_step: int, out_path: str) -> None:
+    original = getattr(trainer_mod.Trainer, method)
     calls = {"n": 0}
 
-    def update(self, batch):
+    def profiled(self, *args):
         calls["n"] += 1
         if calls["n"] != profile_step:
-            return original(self, batch)
+            return original(self, *args)
         sync()
         start = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            metrics = original(self, batch)
+            result = original(self, *args)
             sync()
-        text = report(prof, time.perf_counter() - start)
+        text = f"## {method}, call {profile_step}\n\n" + report(prof, time.perf_counter() - start)
         print(text, flush=True)
         with open(out_path, "w") as f:
             f.write(text + "\n")
-        return metrics
+        return result
 
-    trainer_mod.Trainer.update = update
+    setattr(trainer_mod.Trainer, method, profiled)
 
 
 def main(argv: list[str]) -> None:
@@ -110,7 +114,8 @@ def main(argv: list[str]) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     out_dir = os.environ.get("OUT", ".")
-    patch_update(int(os.environ.get("PROFILE_STEP", "2")), os.path.join(out_dir, "profile_update.txt"))
+    for method in os.environ.get("PROFILE_PHASES", "update").split():
+        patch_phase(method, int(os.environ.get("PROFILE_STEP", "2")), os.path.join(out_dir, f"profile_{method}.txt"))
     dist = spmd.init_from_env(cfg)
     try:
         trainer_mod.Trainer(cfg, pm, dist).fit()
