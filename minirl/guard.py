@@ -8,7 +8,9 @@ Two halves:
   advantage from a plugin is reported as "adv", not as the loss it poisoned;
 - per training step (`NonFiniteGuard.observe`, called by the trainer with the step's metrics):
   each bad step is logged with its number and phase, and trainer.max_nonfinite_steps bad steps
-  in a row stop the run with a UserError instead of "succeeding" on frozen weights.
+  in a row stop the run with a UserError instead of "succeeding" on frozen weights. The critic's
+  skipped optimizer steps (`critic/nonfinite_steps`, minirl.critic.update) make a step bad too,
+  in phase "update_critic": a critic stuck on NaN would otherwise feed the actor frozen values.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from minirl.errors import UserError
 # Where a non-finite value can first appear, in the order the step computes them. "reward"
 # (token scores), "old_log_prob", "ref" and "adv" are the trainer's phases whose outputs the
 # update reads; "loss" and "grad_norm" are inside the update itself.
-NONFINITE_PHASES = ("", "reward", "old_log_prob", "ref", "adv", "loss", "grad_norm")
+NONFINITE_PHASES = ("", "reward", "old_log_prob", "ref", "adv", "loss", "grad_norm", "update_critic")
 STEPS_METRIC = "actor/nonfinite_steps"
+CRITIC_STEPS_METRIC = "critic/nonfinite_steps"
 PHASE_METRIC = "actor/nonfinite_phase"
 
 # batch tensor -> the phase that produced it, in the order the step produces them
@@ -77,11 +80,12 @@ class NonFiniteGuard:
         self.first_bad_step: int | None = None
 
     def observe(self, metrics: dict[str, Any], step: int) -> None:
-        skipped = float(metrics.get(STEPS_METRIC, 0.0))
+        actor_skipped = float(metrics.get(STEPS_METRIC, 0.0))
+        skipped = actor_skipped + float(metrics.get(CRITIC_STEPS_METRIC, 0.0))
         if skipped <= 0:
             self.consecutive, self.first_bad_step = 0, None
             return
-        phase = phase_name(metrics.get(PHASE_METRIC, 0.0))
+        phase = phase_name(metrics.get(PHASE_METRIC, 0.0)) if actor_skipped > 0 else "update_critic"
         self.consecutive += 1
         self.total += 1
         if self.first_bad_step is None:

@@ -16,7 +16,7 @@ from minirl.batch import RolloutBatch, response_mask
 from minirl.config import load_config
 from minirl.dist import DistContext
 from minirl.errors import UserError
-from minirl.guard import PHASE_METRIC, STEPS_METRIC, NonFiniteGuard, phase_code, phase_name
+from minirl.guard import CRITIC_STEPS_METRIC, PHASE_METRIC, STEPS_METRIC, NonFiniteGuard, phase_code, phase_name
 from minirl.models.loading import random_model
 from minirl.models.presets import preset_config
 from minirl.plugins import PluginManager
@@ -94,6 +94,26 @@ def test_guard_stops_after_max_consecutive_bad_steps(capsys):
     assert "step 5: non-finite values (first in phase 'adv')" in err and "2 of trainer.max_nonfinite_steps" in err
     with pytest.raises(UserError, match=r"step 6: 3 steps in a row \(from step 4\).*'adv'.*max_nonfinite_steps"):
         guard.observe(_bad(), step=6)
+
+
+def test_critic_skipped_steps_count_as_bad_steps(capsys):
+    """A critic whose optimizer steps are skipped (critic/nonfinite_steps) while the actor's are
+    fine makes the step bad, in phase 'update_critic', and stops the run like the actor's."""
+    guard = NonFiniteGuard(2)
+    critic_bad = {STEPS_METRIC: 0.0, PHASE_METRIC: 0.0, CRITIC_STEPS_METRIC: 2.0}
+    guard.observe(critic_bad, step=7)
+    assert "step 7: non-finite values (first in phase 'update_critic'); skipped 2" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"step 8: 2 steps in a row \(from step 7\).*'update_critic'"):
+        guard.observe(critic_bad, step=8)
+    guard = NonFiniteGuard(2, verbose=False)
+    guard.observe({**_bad("loss"), CRITIC_STEPS_METRIC: 1.0}, step=1)  # both: the actor's phase is named
+    with pytest.raises(UserError, match="'loss'"):
+        guard.observe({**_bad("loss"), CRITIC_STEPS_METRIC: 1.0}, step=2)
+    guard = NonFiniteGuard(2, verbose=False)
+    guard.observe(critic_bad, step=1)
+    guard.observe({STEPS_METRIC: 0.0, CRITIC_STEPS_METRIC: 0.0}, step=2)  # finite again: reset
+    guard.observe(critic_bad, step=3)
+    assert guard.consecutive == 1
 
 
 def test_a_finite_step_resets_the_count():
