@@ -94,7 +94,7 @@ TABLE_ROWS = (
     ("training time", "timing_s/update_actor", "s", ""),
     ("weight sync time", "timing_s/update_weights", "s", ""),
     ("step time", "timing_s/step", "s", ""),
-    ("gen throughput", "perf/gen_throughput_per_gpu", "tok/s/GPU", "response tokens"),
+    ("gen throughput", "perf/gen_throughput_per_gpu", "tok/s/GPU", "response tokens generated (all batches drawn)"),
     ("prev logprob throughput", "perf/old_log_prob_throughput_per_gpu", "tok/s/GPU", "prompt+response tokens"),
     ("ref logprob throughput", "perf/ref_throughput_per_gpu", "tok/s/GPU", "prompt+response tokens"),
     ("values throughput", "perf/values_throughput_per_gpu", "tok/s/GPU", "prompt+response tokens"),

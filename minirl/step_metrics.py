@@ -63,17 +63,27 @@ def equal_score_groups(batch: RolloutBatch) -> torch.Tensor:
     return (hi == lo).to(batch.mask_BT.device)
 
 
-def perf_metrics(batch: RolloutBatch, seconds: dict[str, float], actor, cfg, dist: DistContext) -> dict[str, float]:
-    """Throughputs (which tokens each counts is in its name/table) and the actor's MFU."""
+def perf_metrics(
+    batch: RolloutBatch, seconds: dict[str, float], actor, cfg, dist: DistContext, generated: float | None = None
+) -> dict[str, float]:
+    """Throughputs (which tokens each counts is in its name/table) and the actor's MFU.
+
+    generated: this rank's response tokens generated in the step, over every prompt batch drawn
+    (dynamic sampling drops some); None = the trained batch's. Generation throughput counts them.
+    """
     resp_tokens = float(batch.mask_BT.sum())
     all_tokens = resp_tokens + sum(len(p) for p in batch.prompts)
-    totals = dist.all_reduce(torch.tensor([resp_tokens, all_tokens], dtype=torch.float64, device=dist.device))
-    resp, total = float(totals[0]), float(totals[1])
+    gen_tokens = resp_tokens if generated is None else float(generated)
+    totals = dist.all_reduce(
+        torch.tensor([resp_tokens, all_tokens, gen_tokens], dtype=torch.float64, device=dist.device)
+    )
+    resp, total, gen = (float(t) for t in totals)
     world = dist.world_size
     out = {
         "perf/total_response_tokens": resp,
         "perf/total_tokens": total,
-        "perf/gen_throughput_per_gpu": resp / (seconds["gen"] * world),
+        "perf/generated_response_tokens": gen,
+        "perf/gen_throughput_per_gpu": gen / (seconds["gen"] * world),
         "perf/throughput": total / seconds["step"],
     }
     for phase in ("old_log_prob", "ref", "values"):  # each may be skipped (on-policy; no KL; no critic)

@@ -194,7 +194,7 @@ class Trainer:
     def train_step(self, records, step: int) -> dict[str, float]:
         timer = PhaseTimer(self.dist.device)
         with timer.phase("step"):
-            batch, reward_metrics = self.rollout(records, step, timer)
+            batch, reward_metrics, generated = self.rollout(records, step, timer)
             if not self.on_policy:
                 with timer.phase("old_log_prob"):
                     batch.tensors["old_log_probs"] = self.log_probs(self.actor, self.cfg.rollout, batch)
@@ -217,30 +217,35 @@ class Trainer:
                 self.sync_weights()
         metrics = {**reward_metrics, **adv_metrics, **critic_metrics, **actor_metrics, **timer.metrics()}
         metrics.update(data_metrics(batch, self.dist))
-        metrics.update(perf_metrics(batch, timer.seconds, self.actor, self.cfg, self.dist))
+        metrics.update(perf_metrics(batch, timer.seconds, self.actor, self.cfg, self.dist, generated))
         return metrics
 
     # -----------------------------------------------------------------------------------------
     # phases
     # -----------------------------------------------------------------------------------------
 
-    def rollout(self, records, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
+    def rollout(self, records, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float], int]:
         """gen + reward; with algorithm.filter_groups, further prompt batches until the step holds
         data.train_batch_size informative groups (minirl.dynamic_sampling). The number handed to
-        generate (its seed and uids) is then the loader's count of batches drawn, unique per batch."""
+        generate (its seed and uids) is then the loader's count of batches drawn, unique per batch.
+        Also returns this rank's response tokens generated over every batch drawn (what the
+        generation time was spent on; the trained batch may hold fewer)."""
+        generated = []
 
         def gen_and_score(prompts, number: int):
             with timer.phase("gen"):
                 batch = self.generate(prompts, number)
+            generated.append(sum(len(r) for r in batch.responses))
             with timer.phase("reward"):
                 return batch, self.score(batch)
 
         fg = self.cfg.algorithm.filter_groups
         if not fg.enable:
-            return gen_and_score(records, step)
-        return dynamic_sampling.fill_batch(
+            return *gen_and_score(records, step), sum(generated)
+        batch, metrics = dynamic_sampling.fill_batch(
             gen_and_score, records, self.loader, fg, self.cfg.data.train_batch_size, self.cfg.rollout.n, self.dist
         )
+        return batch, metrics, sum(generated)
 
     def generate(self, records, step: int) -> RolloutBatch:
         r, n = self.cfg.rollout, self.cfg.rollout.n

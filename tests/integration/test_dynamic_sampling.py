@@ -89,6 +89,12 @@ def test_steps_train_on_informative_groups_and_draw_further_batches(straight):
         assert r["filter_groups/cap_hit"] == 0.0 and r["filter_groups/groups_kept"] == 8.0
         assert r["batch/solve_none_or_all_share"] == 0.0  # the trained batch has no all-equal group
         assert r["filter_groups/groups_dropped"] == 8 * r["filter_groups/num_gen_batches"] - 8
+        # generation throughput counts every response generated (1 or 2 tokens each), dropped ones too
+        sequences = 8 * 4 * r["filter_groups/num_gen_batches"]
+        assert sequences <= r["perf/generated_response_tokens"] <= 2 * sequences
+        assert r["perf/generated_response_tokens"] > r["perf/total_response_tokens"]
+        gen_rate = r["perf/generated_response_tokens"] / r["timing_s/gen"]
+        assert r["perf/gen_throughput_per_gpu"] == pytest.approx(gen_rate)
     assert rows[-1]["filter_groups/epoch"] == sum(drawn) / 6
     saved = json.loads((straight / "ckpt_2" / "trainer_state.json").read_text())["data"]
     assert saved["batches_drawn"] == drawn[0] + drawn[1]
