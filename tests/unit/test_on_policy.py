@@ -11,27 +11,20 @@ import pytest
 import torch
 
 from minirl import actor as actor_lib
-from minirl.batch import RolloutBatch, response_mask
+from minirl.batch import RolloutBatch
 from minirl.config import load_config
 from minirl.dist import DistContext
 from minirl.models.loading import random_model
 from minirl.models.presets import preset_config
 from minirl.plugins import PluginManager
+from tests.batches import three_groups
 
 CPU = torch.device("cpu")
 N = 2
 
 
 def _batch() -> RolloutBatch:
-    g = torch.Generator().manual_seed(0)
-    plens, rlens = [7, 7, 12, 12, 5, 5], [9, 3, 14, 6, 1, 8]
-    prompts = [torch.randint(1, 250, (n,), generator=g).tolist() for n in plens]
-    responses = [torch.randint(1, 250, (n,), generator=g).tolist() for n in rlens]
-    batch = RolloutBatch(prompts, responses, torch.tensor([0, 0, 1, 1, 2, 2]))
-    mask_BT = response_mask(responses, CPU)
-    adv_B = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    batch.tensors.update(mask=mask_BT, advantages=adv_B[:, None] * mask_BT)
-    return batch
+    return three_groups(0, [7, 7, 12, 12, 5, 5], [9, 3, 14, 6, 1, 8])
 
 
 @pytest.mark.parametrize("dynamic", [False, True])

@@ -28,6 +28,7 @@ from minirl.rollout_corr import (
     rollout_log_probs_BT,
     tis_weights,
 )
+from tests.batches import three_groups
 
 CPU = torch.device("cpu")
 DIST = DistContext(device=CPU)
@@ -160,15 +161,7 @@ N = 2
 
 
 def _batch() -> RolloutBatch:
-    g = torch.Generator().manual_seed(1)
-    plens, rlens = [6, 6, 9, 9, 4, 4], [5, 2, 7, 3, 1, 6]
-    prompts = [torch.randint(1, 250, (n,), generator=g).tolist() for n in plens]
-    responses = [torch.randint(1, 250, (n,), generator=g).tolist() for n in rlens]
-    batch = RolloutBatch(prompts, responses, torch.tensor([0, 0, 1, 1, 2, 2]))
-    mask_BT = response_mask(responses, CPU)
-    adv_B = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
-    batch.tensors.update(mask=mask_BT, advantages=adv_B[:, None] * mask_BT)
-    return batch
+    return three_groups(1, [6, 6, 9, 9, 4, 4], [5, 2, 7, 3, 1, 6])
 
 
 def _setup(extra: list[str]):
