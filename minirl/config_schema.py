@@ -136,9 +136,12 @@ class CriticConfig:
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     optim: OptimConfig = field(default_factory=_critic_optim)
     ppo_mini_batch_size: Optional[int] = None  # prompts per critic mini-batch (x rollout.n)
-    ppo_micro_batch_size_per_gpu: Optional[int] = None  # sequences per micro-batch, update and values pass
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # sequences per micro-batch of the update
     use_dynamic_bsz: Optional[bool] = None
     ppo_max_token_len_per_gpu: Optional[int] = None  # token budget per micro-batch with dynamic bsz
+    # the values pass (forward only) may take bigger micro-batches; unset: the ppo_ keys above
+    forward_micro_batch_size_per_gpu: Optional[int] = None
+    forward_max_token_len_per_gpu: Optional[int] = None
     ppo_epochs: Optional[int] = None
     shuffle: Optional[bool] = None
     cliprange_value: float = 0.5  # new values stay within old ± this in the clipped branch

@@ -20,6 +20,8 @@ CRITIC_RANGES = [
     ("critic.ppo_mini_batch_size", optional(at_least(1)), "must be at least 1 (prompts per step)", "leave it unset"),
     ("critic.ppo_micro_batch_size_per_gpu", optional(at_least(1)), "must be at least 1 sequence", "use e.g. 4"),
     ("critic.ppo_max_token_len_per_gpu", optional(at_least(1)), "must be at least 1 token", "use e.g. 16384"),
+    ("critic.forward_micro_batch_size_per_gpu", optional(at_least(1)), "must be at least 1 sequence", "leave it unset"),
+    ("critic.forward_max_token_len_per_gpu", optional(at_least(1)), "must be at least 1 token", "leave it unset"),
     ("critic.ppo_epochs", optional(at_least(1)), "must be at least 1 (0 never updates the critic)", "use 1"),
     ("critic.cliprange_value", lambda v: v > 0, "must be > 0", "use 0.5 (a large value turns the clip off)"),
     ("critic.grad_clip", lambda v: v > 0, "must be > 0", "use 1.0"),
@@ -85,15 +87,22 @@ def _batches(cfg: Config) -> list[Problem]:
 
 
 def _token_budget(cfg: Config) -> list[Problem]:
-    """With dynamic batching a micro-batch holds at least one whole sequence."""
-    if cfg.critic.use_dynamic_bsz is None and cfg.critic.ppo_max_token_len_per_gpu is None:
-        return []  # both the actor's, checked by minirl.validate
+    """With dynamic batching a micro-batch holds at least one whole sequence: the update's budget
+    (unless both keys are the actor's, which minirl.validate checks) and the values pass's own."""
+    c, own = resolved(cfg.critic, cfg.actor), cfg.critic
+    if not c.use_dynamic_bsz:
+        return []
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-    c = resolved(cfg.critic, cfg.actor)
-    if c.use_dynamic_bsz and c.ppo_max_token_len_per_gpu < longest:
-        rule = f"smaller than one sequence (max_prompt_length + max_response_length = {longest})"
-        return [Problem("critic.ppo_max_token_len_per_gpu", c.ppo_max_token_len_per_gpu, rule, f"use >= {longest}")]
-    return []
+    rule = f"smaller than one sequence (max_prompt_length + max_response_length = {longest})"
+    checked = {
+        "ppo_max_token_len_per_gpu": own.use_dynamic_bsz is not None or own.ppo_max_token_len_per_gpu is not None,
+        "forward_max_token_len_per_gpu": own.forward_max_token_len_per_gpu is not None,
+    }
+    return [
+        Problem(f"critic.{key}", getattr(c, key), rule, f"use >= {longest}")
+        for key, check in checked.items()
+        if check and getattr(c, key) < longest
+    ]
 
 
 def _layout(cfg: Config) -> list[Problem]:

@@ -46,10 +46,20 @@ FROM_ACTOR = (
 )
 
 
+# values-pass keys that default to the critic's own update keys when unset (verl's interpolation)
+FROM_UPDATE = {
+    "forward_micro_batch_size_per_gpu": "ppo_micro_batch_size_per_gpu",
+    "forward_max_token_len_per_gpu": "ppo_max_token_len_per_gpu",
+}
+
+
 def resolved(critic_cfg, actor_cfg):
-    """The critic section with every unset FROM_ACTOR key set to the actor's value."""
+    """The critic section with every unset FROM_ACTOR key set to the actor's value, then every
+    unset FROM_UPDATE key to the critic's own update key."""
     unset = {k: getattr(actor_cfg, k) for k in FROM_ACTOR if getattr(critic_cfg, k) is None}
-    return dataclasses.replace(critic_cfg, **unset)
+    cfg = dataclasses.replace(critic_cfg, **unset)
+    unset = {k: getattr(cfg, src) for k, src in FROM_UPDATE.items() if getattr(cfg, k) is None}
+    return dataclasses.replace(cfg, **unset)
 
 
 def critic_line(cfg, critic_cfg) -> str:

@@ -23,18 +23,18 @@ from minirl.dist import DistContext
 from minirl.loss_agg import aggregate, mini_batch_norm
 from minirl.step_metrics import reduced_stats
 
-BUDGET_KEY = "critic.ppo_max_token_len_per_gpu"
 
-
-def _micro(batch: RolloutBatch, cfg, dist: DistContext) -> list[list[int]]:
-    """critic.ppo_micro_batch_size_per_gpu sequences, or critic.ppo_max_token_len_per_gpu tokens."""
+def _micro(batch: RolloutBatch, cfg, dist: DistContext, forward: bool = False) -> list[list[int]]:
+    """critic.ppo_micro_batch_size_per_gpu sequences, or critic.ppo_max_token_len_per_gpu tokens;
+    forward (the values pass): critic.forward_micro_batch_size_per_gpu / forward_max_token_len_per_gpu."""
+    prefix = "forward" if forward else "ppo"
     return split_micro(
         batch,
         list(range(len(batch))),
-        cfg.ppo_micro_batch_size_per_gpu,
+        getattr(cfg, f"{prefix}_micro_batch_size_per_gpu"),
         cfg.use_dynamic_bsz,
-        cfg.ppo_max_token_len_per_gpu,
-        BUDGET_KEY,
+        getattr(cfg, f"{prefix}_max_token_len_per_gpu"),
+        f"critic.{prefix}_max_token_len_per_gpu",
         dist.max_over_ranks,
         dist.sp_size,
     )
@@ -44,7 +44,7 @@ def _micro(batch: RolloutBatch, cfg, dist: DistContext) -> list[list[int]]:
 def compute_values(model, batch: RolloutBatch, cfg, dist: DistContext) -> torch.Tensor:
     """V [B, T] of the batch's responses (0 at masked positions); cfg is the `critic` section."""
     out_BT = torch.zeros(batch.mask_BT.shape, device=dist.device)
-    for idx in _micro(batch, cfg, dist):
+    for idx in _micro(batch, cfg, dist, forward=True):
         sub = select_micro(batch, idx)  # an empty idx still runs its forward: FSDP ranks run in step
         values_R = response_values(model, sub.prompts, sub.responses, dist.device)
         if idx:

@@ -222,6 +222,14 @@ CONFIG_CASES = {
         ["algorithm.adv_estimator=gae", "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=10"],
         "critic.ppo_max_token_len_per_gpu = 10",
     ),
+    "critic_forward_budget": (
+        ["algorithm.adv_estimator=gae", "critic.use_dynamic_bsz=true", "critic.forward_max_token_len_per_gpu=10"],
+        "critic.forward_max_token_len_per_gpu = 10",
+    ),
+    "critic_forward_micro_zero": (
+        ["algorithm.adv_estimator=gae", "critic.forward_micro_batch_size_per_gpu=0"],
+        "critic.forward_micro_batch_size_per_gpu = 0",
+    ),
     "critic_epochs_zero": (["algorithm.adv_estimator=gae", "critic.ppo_epochs=0"], "critic.ppo_epochs = 0"),
     "critic_cliprange_zero": (["algorithm.adv_estimator=gae", "critic.cliprange_value=0.0"], "critic.cliprange_value"),
     "critic_loss_agg_mode": (

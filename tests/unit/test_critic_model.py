@@ -66,3 +66,45 @@ def test_backbone_defaults_to_the_actors_model_and_critic_keys_to_the_actors():
     assert resolved(own.critic, own.actor).ppo_mini_batch_size == 4
     assert backbone_config(own.model, own.critic).path == "/x"
     assert dataclasses.replace(c) == c  # a plain frozen dataclass, like every section
+
+
+def test_forward_keys_default_to_the_critics_update_keys():
+    """verl's critic.forward_micro_batch_size_per_gpu / forward_max_token_len_per_gpu: unset, the
+    values pass uses the critic's update keys (themselves the actor's when unset)."""
+    cfg = load_config(None, ["actor.ppo_micro_batch_size_per_gpu=3", "critic.ppo_max_token_len_per_gpu=900"])
+    c = resolved(cfg.critic, cfg.actor)
+    assert (c.forward_micro_batch_size_per_gpu, c.forward_max_token_len_per_gpu) == (3, 900)
+    own = load_config(None, ["critic.forward_micro_batch_size_per_gpu=16", "critic.forward_max_token_len_per_gpu=64"])
+    c = resolved(own.critic, own.actor)
+    assert (c.forward_micro_batch_size_per_gpu, c.forward_max_token_len_per_gpu) == (16, 64)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_values_pass_micro_batches_by_the_forward_keys_and_not_the_update_keys(dynamic, monkeypatch):
+    """The values pass splits by the forward keys (the update keeps its own), and the values do
+    not depend on the split."""
+    from minirl.critic import update as critic_update
+    from minirl.dist import DistContext
+    from tests.batches import three_groups
+
+    batch = three_groups(2, [6, 6, 9, 9, 4, 4], [5, 2, 7, 3, 1, 6])
+    model, dist = _critic(), DistContext(device=torch.device("cpu"))
+    seen = []
+    split = critic_update.split_micro
+
+    def counting(*args, **kwargs):
+        out = split(*args, **kwargs)
+        seen.append((args[5], len(out)))  # (the budget's key, micro-batches)
+        return out
+
+    monkeypatch.setattr(critic_update, "split_micro", counting)
+    values = []
+    for forward in (["critic.forward_micro_batch_size_per_gpu=1", "critic.forward_max_token_len_per_gpu=17"], []):
+        overrides = ["critic.ppo_micro_batch_size_per_gpu=6", "critic.ppo_max_token_len_per_gpu=200", *forward]
+        cfg = load_config(None, [f"critic.use_dynamic_bsz={str(dynamic).lower()}", *overrides])
+        values.append(critic_update.compute_values(model, batch, resolved(cfg.critic, cfg.actor), dist))
+    assert [key for key, _ in seen] == ["critic.forward_max_token_len_per_gpu"] * 2
+    # forward keys: 1 sequence or 17 tokens a micro-batch (6 or 4 of them); unset: the update's (1)
+    assert [n for _, n in seen] == [4 if dynamic else 6, 1]
+    torch.testing.assert_close(values[0], values[1], rtol=1e-5, atol=1e-6)
+    assert float(values[0].abs().sum()) > 0
