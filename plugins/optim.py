@@ -31,7 +31,10 @@ def build_adamw(model: torch.nn.Module, cfg, total_steps: int):
     if cfg.warmup_style not in ("constant", "cosine"):
         raise UserError(f"actor.optim.warmup_style = {cfg.warmup_style!r}: use 'constant' or 'cosine'")
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = all(p.is_cuda for p in params) and bool(params)
+    # torch's fused kernel (one pass over each tensor) on CUDA and on the CPU alike: on the CPU it
+    # is about 7x the default per-tensor loop (111M parameters, 2 cores: 61 vs 444 ms a step),
+    # which is the optimizer of fsdp_config.param_offload. Mixed devices keep the default.
+    fused = bool(params) and len({p.device.type for p in params}) == 1 and params[0].device.type in ("cuda", "cpu")
     optimizer = torch.optim.AdamW(
         params,
         lr=cfg.lr,
