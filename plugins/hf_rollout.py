@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from minirl import hookimpl
+from minirl.models.compile import uncompile_layers
 from minirl.protocols import Completion, EngineContext, SamplingParams
 
 
@@ -23,6 +24,7 @@ class HFEngine:
         if ctx.actor is None:
             raise ValueError("rollout.name = 'hf' needs the actor module to copy")
         self.model = copy.deepcopy(ctx.actor).to(device=ctx.device, dtype=ctx.dtype).eval()
+        uncompile_layers(self.model)  # generate's KV-cache forwards run eagerly (model.compile_layers)
         self.model.requires_grad_(False)
         # generate() pads; the packed-sequence attention is for training forwards.
         self.model.set_attn_implementation("sdpa")

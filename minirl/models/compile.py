@@ -23,19 +23,46 @@ reference and the actor then disagree at identical weights (a KL of about 1e-3 p
 
 from __future__ import annotations
 
+import types
+
 import torch
+
+from minirl.errors import UserError
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 
 def compile_layers(model: torch.nn.Module, enabled: bool) -> int:
-    """Compile every decoder layer's forward in place when `enabled`; returns how many."""
+    """Compile every decoder layer's forward in place when `enabled`; returns how many.
+
+    Each layer gets the compiled class function bound to itself as an instance attribute: the
+    module (its hooks, names, checkpoint wrapper) is unchanged, and a deep copy of the model
+    (the hf engine copies the actor) binds the copy's layers to the copies, not to the originals.
+    """
     if not enabled:
         return 0
+    layers = _layers(model)
+    compiled = {}
+    for layer in layers:
+        cls = type(layer)
+        if cls not in compiled:
+            compiled[cls] = torch.compile(cls.forward, dynamic=True, options=INDUCTOR_OPTIONS)
+        layer.forward = types.MethodType(compiled[cls], layer)
+    return len(layers)
+
+
+def uncompile_layers(model: torch.nn.Module) -> None:
+    """Undo compile_layers (eager forwards again): for a copy that runs another kind of forward,
+    e.g. the hf engine's generate with a KV cache."""
+    for layer in _layers(model):
+        layer.__dict__.pop("forward", None)
+
+
+def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     layers = getattr(model.get_decoder(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise TypeError(f"model.compile_layers: {type(model).__name__} has no `get_decoder().layers` to compile")
-    for layer in layers:
-        # an instance attribute: the module (and its hooks, names, checkpoint wrapper) is unchanged
-        layer.forward = torch.compile(layer.forward, dynamic=True, options=INDUCTOR_OPTIONS)
-    return len(layers)
+        raise UserError(
+            f"model.compile_layers = true: {type(model).__name__} has no decoder layers "
+            "(`get_decoder().layers`) to compile; set model.compile_layers = false"
+        )
+    return layers

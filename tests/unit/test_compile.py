@@ -97,3 +97,29 @@ def test_a_run_compiles_the_actor_and_reference_layers_only_when_asked():
         for model in (actor, ref):
             compiled = [hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in model.get_decoder().layers]
             assert compiled == [enabled] * len(compiled)
+
+
+def test_a_deep_copy_runs_its_own_layers_and_uncompile_restores_eager():
+    """The hf engine deep-copies the actor: the copy's compiled layers must compute with the
+    copy's weights (a compiled bound method of the original would silently use the original's),
+    and uncompile_layers gives the copy eager forwards back."""
+    import copy
+
+    model = _model("cpu")
+    compile_layers(model, True)
+    clone = copy.deepcopy(model)
+    for original, copied in zip(model.get_decoder().layers, clone.get_decoder().layers):
+        assert copied.forward.__self__ is copied and original.forward.__self__ is original
+    prompts, responses = _micro_batch([5, 7], [3, 9], seed=0)
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        clone.get_decoder().layers[0].mlp.down_proj.weight.mul_(3.0)
+        want, _ = response_logprobs(model, prompts, responses, 1.0, cpu)
+        got, _ = response_logprobs(clone, prompts, responses, 1.0, cpu)
+        assert float((got - want).abs().max()) > 1e-3  # the copy's changed weight is used
+        from minirl.models.compile import uncompile_layers
+
+        uncompile_layers(clone)
+        assert all("forward" not in layer.__dict__ for layer in clone.get_decoder().layers)
+        eager, _ = response_logprobs(clone, prompts, responses, 1.0, cpu)
+        torch.testing.assert_close(eager, got, atol=1e-5, rtol=0)
