@@ -353,17 +353,6 @@ class PromptLoader:
         self.drawn += 1
         return self._batch(self._order[1], i)
 
-    def iter_steps(self, start_step: int = 0) -> Iterator[tuple[int, list[PromptRecord]]]:
-        """(global step, batch) forever from start_step (0-based): resume lands on the same data."""
-        epoch, skip = divmod(start_step, self.steps_per_epoch)
-        step = start_step
-        while True:
-            for i, batch in enumerate(self.epoch_batches(epoch)):
-                if i >= skip:
-                    yield step, batch
-                    step += 1
-            epoch, skip = epoch + 1, 0
-
 
 def expand_groups(records: list[PromptRecord], n: int, first_uid: int) -> tuple[list[PromptRecord], list[int]]:
     """Repeat each prompt n times under one group uid, prompt-major: the n samples of prompt i

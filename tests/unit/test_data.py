@@ -284,15 +284,6 @@ def test_shuffle_is_deterministic_per_seed_and_epoch():
     assert plain == list(range(32))
 
 
-def test_iter_steps_resumes_on_the_same_data():
-    """Starting at global step k yields exactly what an uninterrupted run yields from step k."""
-    loader = PromptLoader(records(12), 4, True, 7)
-    run = loader.iter_steps()
-    full = [(s, [r.index for r in b]) for s, b in (next(run) for _ in range(8))]
-    resumed = loader.iter_steps(start_step=5)
-    assert [(s, [r.index for r in b]) for s, b in (next(resumed) for _ in range(3))] == full[5:]
-
-
 def test_shards_partition_each_global_batch_contiguously():
     """Ranks take contiguous, whole-prompt slices that concatenate (in rank order) to the batch."""
     loader = PromptLoader(records(24), 6, True, 1)
