@@ -4,7 +4,6 @@ means of the extra keys of dict answers, and the overlong penalty."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as tdist
 
 from minirl.reward.manager import FAILURES, METRIC, RewardResult
 
@@ -31,8 +30,4 @@ def reward_metrics(result: RewardResult, penalty_B: torch.Tensor | None, dist) -
 
 def _all_keys(keys: list[str], dist) -> list[str]:
     """The union of the ranks' extra keys, so every rank reduces the same tensor."""
-    if dist.dp_size == 1 or not tdist.is_initialized():
-        return keys
-    gathered: list = [None] * dist.dp_size
-    tdist.all_gather_object(gathered, keys, group=dist.dp_group)
-    return sorted({k for ks in gathered for k in ks})
+    return sorted({k for ks in dist.all_gather_objects(keys) for k in ks})
