@@ -10,6 +10,7 @@ supervisor forwarding the same signal must not look like an impatient user.
 
 from __future__ import annotations
 
+import abc
 import os
 import signal
 import sys
@@ -23,7 +24,7 @@ REPEAT_WINDOW_S = 1.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class SignalHandler:
+class SignalHandler(abc.ABC):
     """Context manager base: `_handle(signum, frame)` handles SIGTERM and SIGINT inside the
     `with` block (main thread only: Python delivers signals there), and the previous handlers
     come back on exit. The trainer, the spawn supervisor and the Ray driver subclass it."""
@@ -39,8 +40,9 @@ class SignalHandler:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
+    @abc.abstractmethod
     def _handle(self, signum: int, frame) -> None:
-        raise NotImplementedError
+        """Called (in the main thread) on SIGTERM or SIGINT inside the `with` block."""
 
 
 class StopRequest(SignalHandler):
