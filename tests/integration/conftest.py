@@ -33,6 +33,24 @@ def data_dir(tmp_path_factory) -> Path:
     return out
 
 
+def cli_args(run_root: Path, train_file: Path | str, *overrides: str) -> list[str]:
+    """The arguments of `python -m minirl` for a short run of bench.toml's cpu profile on one
+    parquet file: metrics to jsonl, no validation, no progress bar."""
+    return [
+        "--config",
+        str(ROOT / "bench.toml"),
+        "--profile",
+        "cpu",
+        f'data.train_files=["{train_file}"]',
+        f"trainer.default_local_dir={run_root}",
+        "trainer.progress_bar=false",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        'trainer.logger=["jsonl"]',
+        *overrides,
+    ]
+
+
 def run_job(tmp_path: Path, data_dir: Path, overrides: list[str], profile: str = "cpu", device: str = "cpu"):
     """Run `python -m minirl --config bench.toml --profile cpu <overrides>` in this process."""
     return make_trainer(tmp_path, data_dir, overrides, profile, device).fit()

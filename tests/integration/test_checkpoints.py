@@ -12,7 +12,7 @@ import pytest
 from minirl.checkpoint.resume import check_config, config_differences
 from minirl.cli import main
 from minirl.config import load_config, to_toml
-from tests.integration.conftest import ROOT, _make_data_module
+from tests.integration.conftest import _make_data_module, cli_args
 
 
 @pytest.fixture(scope="module")
@@ -23,24 +23,8 @@ def small_data(tmp_path_factory) -> Path:
 
 
 def run(root: Path, data: Path, *overrides: str) -> int:
-    return main(
-        [
-            "--config",
-            str(ROOT / "bench.toml"),
-            "--profile",
-            "cpu",
-            f'data.train_files=["{data}/copy/train.parquet"]',
-            f"trainer.default_local_dir={root}",
-            "trainer.progress_bar=false",
-            "trainer.val_before_train=false",
-            "trainer.test_freq=-1",
-            'trainer.logger=["jsonl"]',
-            "data.train_batch_size=8",
-            "actor.ppo_mini_batch_size=4",
-            "rollout.n=2",
-            *overrides,
-        ]
-    )
+    overrides = ("data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=2", *overrides)
+    return main(cli_args(root, data / "copy" / "train.parquet", *overrides))
 
 
 def steps(run_dir: Path) -> list[int]:

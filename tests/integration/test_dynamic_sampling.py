@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from minirl.cli import main
-from tests.integration.conftest import ROOT, _make_data_module
+from tests.integration.conftest import _make_data_module, cli_args
 
 VOLATILE = ("timing_s/", "perf/", "memory_gib/")
 PLUGIN = (Path(__file__).parents[1] / "distributed" / "ds_half_solved.py").read_text()  # the reward plugin
@@ -42,30 +42,18 @@ def half_data(tmp_path_factory) -> Path:
 
 
 def run(root: Path, data: Path, *overrides: str) -> None:
-    code = main(
-        [
-            "--config",
-            str(ROOT / "bench.toml"),
-            "--profile",
-            "cpu",
-            f'data.train_files=["{data}"]',
-            f"trainer.default_local_dir={root}",
-            "trainer.progress_bar=false",
-            "trainer.val_before_train=false",
-            "trainer.test_freq=-1",
-            'trainer.logger=["jsonl"]',
-            "data.train_batch_size=8",
-            "actor.ppo_mini_batch_size=4",
-            "rollout.n=4",
-            'plugins.modules=["ds_half_solved"]',
-            "algorithm.filter_groups.enable=true",
-            "algorithm.filter_groups.max_num_gen_batches=4",
-            "trainer.save_freq=2",
-            "trainer.save_hf_freq=4",
-            *overrides,
-        ]
+    overrides = (
+        "data.train_batch_size=8",
+        "actor.ppo_mini_batch_size=4",
+        "rollout.n=4",
+        'plugins.modules=["ds_half_solved"]',
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.max_num_gen_batches=4",
+        "trainer.save_freq=2",
+        "trainer.save_hf_freq=4",
+        *overrides,
     )
-    assert code == 0
+    assert main(cli_args(root, data, *overrides)) == 0
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.integration.conftest import ROOT, _make_data_module
+from tests.integration.conftest import ROOT, _make_data_module, cli_args
 
 VOLATILE = ("timing_s/", "perf/", "memory_gib/")
 
@@ -39,24 +39,18 @@ def job(run_root: Path, data: Path, *overrides: str, world: int = 1, env: dict |
         sys.executable,
         "-m",
         "minirl",
-        "--config",
-        str(ROOT / "bench.toml"),
-        "--profile",
-        "cpu",
-        f'data.train_files=["{data}/copy/train.parquet"]',
-        f"trainer.default_local_dir={run_root}",
-        "trainer.progress_bar=false",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=-1",
-        'trainer.logger=["jsonl"]',
-        "trainer.total_training_steps=6",
-        f"trainer.world_size={world}",
-        "trainer.collective_timeout_s=120",
-        "data.train_batch_size=8",
-        "actor.ppo_mini_batch_size=4",
-        "rollout.n=4",
-        "trainer.save_hf_freq=6",
-        *overrides,
+        *cli_args(
+            run_root,
+            data / "copy" / "train.parquet",
+            "trainer.total_training_steps=6",
+            f"trainer.world_size={world}",
+            "trainer.collective_timeout_s=120",
+            "data.train_batch_size=8",
+            "actor.ppo_mini_batch_size=4",
+            "rollout.n=4",
+            "trainer.save_hf_freq=6",
+            *overrides,
+        ),
     ]
     kwargs = dict(
         cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
