@@ -21,10 +21,11 @@ from hypothesis import strategies as st
 
 CUDA = torch.cuda.is_available()
 if not CUDA and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("triton was imported before the interpreter could be switched on", allow_module_level=True)
+    # tests/conftest.py switches the interpreter on before anything imports triton; a skip here
+    # would hide every kernel test, so the order problem is an error
+    raise RuntimeError("triton was imported before TRITON_INTERPRET=1 could be set (see tests/conftest.py)")
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # Triton reads it when it defines its kernels
-triton = pytest.importorskip("triton")
 
 from minirl import logprob  # noqa: E402
 from minirl import logprob_triton as lt  # noqa: E402

@@ -1,8 +1,8 @@
 """The native engine's Triton kernels compute what their pure-torch references compute.
 
 On a machine without a GPU they run under Triton's interpreter (TRITON_INTERPRET=1), so a
-kernel bug shows up here before it costs a GPU run. Skipped where triton is not installed;
-tests/unit/test_native_gpu.py runs the same checks compiled, on CUDA.
+kernel bug shows up here before it costs a GPU run. triton is a test dependency (constraints.txt),
+so a missing one fails; tests/unit/test_native_gpu.py runs the same checks compiled, on CUDA.
 """
 
 import importlib
@@ -15,10 +15,13 @@ import torch
 if torch.cuda.is_available():
     pytest.skip("interpreter checks are for machines without a GPU", allow_module_level=True)
 if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("triton was imported before the interpreter could be switched on", allow_module_level=True)
+    # tests/conftest.py switches the interpreter on before anything imports triton; a skip here
+    # would hide every kernel test, so the order problem is an error
+    raise RuntimeError("triton was imported before TRITON_INTERPRET=1 could be set (see tests/conftest.py)")
 # Triton reads the flag when it defines its own and our kernels: set it before the first import.
 os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton")
+
+import triton  # noqa: E402, F401  (a missing triton fails here instead of testing the torch fallbacks)
 
 from minirl.protocols import SamplingParams  # noqa: E402
 from minirl_plugins.native.layers import ops as ops_mod  # noqa: E402
