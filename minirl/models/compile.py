@@ -19,11 +19,22 @@ eager rounds to bf16, and which ones depends on the graph: the training graph (w
 activations for backward) and the inference graph (log-prob passes) round differently. The
 reference and the actor then disagree at identical weights (a KL of about 1e-3 per token at step
 1 of the h200 profile, 0 in eager mode), and so would a prev-log-prob pass and the update.
+
+Rotary layout: Hugging Face attentions transpose q and k to [B, H, N, D] before the rotary
+embedding, and with a dynamic N inductor's fused kernel for that layout divides every element's
+index by N (a 64-bit division by a runtime value), which made it the slowest kernel of the
+layer. A compiled layer's attention therefore applies the same rotary function to the
+[B, N, H, D] view (`unsqueeze_dim=2`) and transposes the result back: the same element-wise
+operations on the same values, so the same bits, in a layout whose index arithmetic has only
+constant divisors.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import types
+from typing import Callable
 
 import torch
 
@@ -48,6 +59,7 @@ def compile_layers(model: torch.nn.Module, enabled: bool) -> int:
         if cls not in compiled:
             compiled[cls] = torch.compile(cls.forward, dynamic=True, options=INDUCTOR_OPTIONS)
         layer.forward = types.MethodType(compiled[cls], layer)
+        seq_major_rotary(getattr(layer, "self_attn", None))
     return len(layers)
 
 
@@ -56,6 +68,40 @@ def uncompile_layers(model: torch.nn.Module) -> None:
     e.g. the hf engine's generate with a KV cache."""
     for layer in _layers(model):
         layer.__dict__.pop("forward", None)
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None:
+            attn.__dict__.pop("forward", None)
+
+
+def seq_major_rotary(attn: torch.nn.Module | None) -> bool:
+    """Give `attn` its class's forward with the rotary embedding applied in [B, N, H, D] layout
+    (module docstring); False, and nothing changed, for an attention without the standard
+    `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)` helper."""
+    forward = getattr(type(attn), "forward", None)
+    if attn is None or not isinstance(forward, types.FunctionType):
+        return False
+    rotary = forward.__globals__.get("apply_rotary_pos_emb")
+    if not callable(rotary) or "unsqueeze_dim" not in inspect.signature(rotary).parameters:
+        return False
+    attn.forward = types.MethodType(_with_seq_major_rotary(forward, rotary), attn)
+    return True
+
+
+@functools.cache
+def _with_seq_major_rotary(forward: types.FunctionType, rotary: Callable) -> types.FunctionType:
+    """One function per (forward, rotary) pair, so every layer shares it and one compiled graph."""
+
+    def rotary_seq_major(q, k, cos, sin, unsqueeze_dim=1):
+        if unsqueeze_dim != 1:  # a caller already in another layout
+            return rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        q_BNHD, k_BNKD = rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin, unsqueeze_dim=2)
+        return q_BNHD.transpose(1, 2), k_BNKD.transpose(1, 2)
+
+    scope = {**forward.__globals__, "apply_rotary_pos_emb": rotary_seq_major}
+    patched = types.FunctionType(forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__)
+    patched.__kwdefaults__ = forward.__kwdefaults__
+    patched.__qualname__ = forward.__qualname__
+    return patched
 
 
 def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:

@@ -121,5 +121,26 @@ def test_a_deep_copy_runs_its_own_layers_and_uncompile_restores_eager():
 
         uncompile_layers(clone)
         assert all("forward" not in layer.__dict__ for layer in clone.get_decoder().layers)
+        assert all("forward" not in layer.self_attn.__dict__ for layer in clone.get_decoder().layers)
         eager, _ = response_logprobs(clone, prompts, responses, 1.0, cpu)
         torch.testing.assert_close(eager, got, atol=1e-5, rtol=0)
+
+
+def test_seq_major_rotary_is_the_same_computation_bit_for_bit():
+    """compile_layers gives each attention the rotary embedding on the [B, N, H, D] view (the
+    layout whose compiled kernel has no division by the dynamic length). In eager mode it must
+    be the same computation: log-probs and every gradient equal to Hugging Face's, bit for bit.
+    All layers share one patched function (one compiled graph)."""
+    from minirl.models.compile import seq_major_rotary
+
+    plain, patched = _model("cpu"), _model("cpu")
+    attns = [layer.self_attn for layer in patched.get_decoder().layers]
+    assert all(seq_major_rotary(attn) for attn in attns)
+    assert len({attn.forward.__func__ for attn in attns}) == 1
+    assert attns[0].forward.__func__ is not type(attns[0]).forward
+    prompts, responses = _micro_batch([5, 7, 4], [3, 9, 6], seed=1)
+    want, got = (_loss_and_grads(m, prompts, responses, "cpu") for m in (plain, patched))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for name, grad in want[2].items():
+        assert torch.equal(got[2][name], grad), name
+    assert not seq_major_rotary(torch.nn.Linear(2, 2)) and not seq_major_rotary(None)
