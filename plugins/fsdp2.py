@@ -27,6 +27,7 @@ Four choices that the rest of minirl relies on:
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import warnings
 
@@ -57,8 +58,35 @@ _OPTIMIZER_OFFLOAD = "_minirl_optimizer_offload"  # marks an actor whose optimiz
 def minirl_apply_data_parallel(model, cfg, mesh):
     if mesh is None:
         return None
-    parallelize(model, world_mesh(mesh), cfg.fsdp_config)
+    fsdp_cfg = cfg.fsdp_config
+    if not any(p.requires_grad for p in model.parameters()):
+        fsdp_cfg = freeze(model, cfg, mesh.device_type)
+        if fsdp_cfg is None:
+            return model
+    parallelize(model, world_mesh(mesh), fsdp_cfg)
     return model
+
+
+def freeze(model: torch.nn.Module, cfg, device_type: str):
+    """A frozen model (the reference) is stored in its compute dtype, as verl stores its reference
+    in bf16: it has no optimizer, so no fp32 master weights to keep, and FSDP2 need not cast them
+    again for every micro-batch. The values are those the actor computes with at the same
+    weights (the same cast), so the KL at step 1 stays exactly 0. Floating buffers (RoPE's
+    inv_freq) keep their dtype, as FSDP2's mixed precision keeps them.
+
+    Returns the FSDP config to shard it with, or None when one process has nothing to shard and
+    nothing to offload: the model then stays a plain module, with no all-gather copies and no
+    hooks around each layer. `ref.offload` keeps the reference's weights in CPU memory, the
+    same as its fsdp_config.param_offload."""
+    fsdp_cfg = cfg.fsdp_config
+    offload = fsdp_cfg.param_offload or getattr(cfg, "offload", False)
+    dtype = compute_dtype(fsdp_cfg, device_type)
+    if dtype is not None:
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
+    if tdist.get_world_size() == 1 and not (offload and device_type == "cuda"):
+        return None
+    return dataclasses.replace(fsdp_cfg, param_offload=offload)
 
 
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh, fsdp_cfg) -> None:
@@ -118,14 +146,19 @@ def apply_fsdp(model, mesh, mp: MixedPrecisionPolicy, offload: OffloadPolicy, re
 
 def mixed_precision(fsdp_cfg, device_type: str, model) -> MixedPrecisionPolicy:
     """bf16 compute on CUDA by default; on CPU the model's own dtype (no cast)."""
-    name = fsdp_cfg.param_dtype
-    if name == "auto":
-        name = "bfloat16" if device_type == "cuda" else None
-    param_dtype = _dtype(name, "param_dtype") if name else None
+    param_dtype = compute_dtype(fsdp_cfg, device_type)
     reduce_dtype = _dtype(fsdp_cfg.reduce_dtype, "reduce_dtype")
     if param_dtype is None and reduce_dtype == next(model.parameters()).dtype:
         return MixedPrecisionPolicy()  # nothing to cast
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def compute_dtype(fsdp_cfg, device_type: str) -> torch.dtype | None:
+    """fsdp_config.param_dtype: "auto" is bf16 on CUDA and, elsewhere, None (the model's own)."""
+    name = fsdp_cfg.param_dtype
+    if name == "auto":
+        name = "bfloat16" if device_type == "cuda" else None
+    return _dtype(name, "param_dtype") if name else None
 
 
 def _dtype(name: str, key: str) -> torch.dtype:

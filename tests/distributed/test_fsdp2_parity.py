@@ -85,6 +85,20 @@ def _reference(pm, cfg, dist, rank, results):
         want, _ = response_logprobs(plain, [prompts[i] for i in mine], [responses[i] for i in mine], 0.7, CPU)
         got, _ = response_logprobs(ref, [prompts[i] for i in mine], [responses[i] for i in mine], 0.7, CPU)
     results["ref_logprob_err"] = float(h_max(torch.tensor(h.max_err(got, want))))
+    # stored in the compute dtype (plugins/fsdp2.py freeze): sharded in bf16, equal to the actor
+    # that computes in bf16 from float32 master weights
+    bf16 = h.config(
+        "trainer.world_size=2", "actor.fsdp_config.param_dtype=bfloat16", "ref.fsdp_config.param_dtype=bfloat16"
+    )
+    ref16 = assembly.assemble_reference(pm, h.tiny_model().eval().requires_grad_(False), bf16.ref, dist)
+    actor16 = assembly.assemble_actor(pm, h.tiny_model(), bf16, dist)
+    results["bf16_ref_is_sharded_bf16"] = all(
+        hasattr(p, "to_local") and p.to_local().dtype == torch.bfloat16 for p in ref16.parameters()
+    )
+    with torch.no_grad():
+        want, _ = response_logprobs(actor16, [prompts[i] for i in mine], [responses[i] for i in mine], 0.7, CPU)
+        got, _ = response_logprobs(ref16, [prompts[i] for i in mine], [responses[i] for i in mine], 0.7, CPU)
+    results["bf16_ref_logprob_err"] = float(h_max(torch.tensor(h.max_err(got, want))))
 
 
 def h_max(x: torch.Tensor) -> torch.Tensor:
@@ -189,6 +203,13 @@ def test_sharded_reference_gives_the_same_logprobs(results):
     assert results["ref_logprob_err"] < 1e-6
 
 
+def test_a_bf16_reference_is_stored_sharded_in_bf16_and_equals_the_bf16_actor(results):
+    """With param_dtype bfloat16 the reference's shards are bf16 (no float32 master copy), and its
+    log-probs equal those of the actor computing in bf16 at the same weights, exactly."""
+    assert results["bf16_ref_is_sharded_bf16"]
+    assert results["bf16_ref_logprob_err"] == 0.0
+
+
 def test_checkpoint_read_by_rank0_only_loads_into_every_shard(results):
     """A checkpoint is materialised on rank 0 only (rank 1 holds a meta model); the shards of
     the others come from it, buffers included."""
@@ -234,6 +255,53 @@ def test_unknown_fsdp_dtype_is_a_user_error():
 
     with pytest.raises(UserError, match=r"fsdp_config\.param_dtype = 'fp8'"):
         fsdp2.mixed_precision(FSDPConfig(param_dtype="fp8"), "cuda", torch.nn.Linear(2, 2))
+
+
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    """A 1-process gloo group and its CPU mesh, as a one-GPU run has (there on CUDA)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_one_process_keeps_a_frozen_reference_plain_in_its_compute_dtype(one_rank_mesh):
+    """At world 1 the reference is not wrapped (nothing to shard): it is stored in the compute
+    dtype, its RoPE buffer stays float32, and it gives exactly the log-probs of the FSDP2 actor
+    that computes in that dtype from float32 master weights (KL 0 at identical weights)."""
+    from minirl_plugins import fsdp2
+    from torch.distributed.fsdp import FSDPModule
+
+    cfg = h.config("actor.fsdp_config.param_dtype=bfloat16", "ref.fsdp_config.param_dtype=bfloat16")
+    ref = h.tiny_model().eval().requires_grad_(False)
+    assert fsdp2.minirl_apply_data_parallel(model=ref, cfg=cfg.ref, mesh=one_rank_mesh) is ref
+    actor = fsdp2.minirl_apply_data_parallel(model=h.tiny_model(), cfg=cfg.actor, mesh=one_rank_mesh)
+    assert isinstance(actor, FSDPModule) and not isinstance(ref, FSDPModule)
+    assert {p.dtype for p in ref.parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in ref.buffers()} == {torch.float32}
+    prompts, responses = h.sequences([5, 8], [6, 3], seed=4)
+    with torch.no_grad():
+        want, _ = response_logprobs(actor, prompts, responses, 0.7, CPU)
+        got, _ = response_logprobs(ref, prompts, responses, 0.7, CPU)
+    assert want.dtype == got.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("keys", [("ref.offload=true",), ("ref.fsdp_config.param_offload=true",)])
+def test_an_offloaded_reference_is_sharded_with_cpu_offload_on_cuda(one_rank_mesh, keys):
+    """ref.offload (or ref.fsdp_config.param_offload) keeps the one-process reference in FSDP2
+    with CPU offload on CUDA; on CPU there is nothing to offload and it stays plain."""
+    from minirl_plugins import fsdp2
+
+    cfg = h.config(*keys)
+    assert fsdp2.freeze(h.tiny_model(), cfg.ref, "cuda").param_offload
+    assert fsdp2.freeze(h.tiny_model(), cfg.ref, "cpu") is None
+    model = h.tiny_model()
+    fsdp2.freeze(model, cfg.ref, "cuda")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # "auto" on CUDA
 
 
 def test_optimizer_offload_hooks_the_built_optimizer():
