@@ -68,6 +68,17 @@ def test_sampler_frequencies(kernels):
     assert ((counts - expected) ** 2 / expected).sum() < 16.27  # chi-square, 3 dof, p = 0.001
 
 
+def test_sampler_quarters_draw_independently(kernels):
+    """Each Philox call serves four quarter blocks of columns: with equal logits every column of
+    a 4,096 vocabulary (one block of 1,024 columns = four quarters of 256, four blocks) must be
+    equally likely, so each eighth of the vocabulary gets an eighth of the samples."""
+    tokens, _ = kernels.sample(torch.zeros(800, 4096), 1.0, 11)
+    counts = torch.bincount(tokens // 512, minlength=8).double()
+    expected = torch.full((8,), 100.0, dtype=torch.float64)
+    assert ((counts - expected) ** 2 / expected).sum() < 24.32  # chi-square, 7 dof, p = 0.001
+    assert len(set(tokens.tolist())) > 650  # about 727 distinct expected of 800 draws from 4,096
+
+
 def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch):
     """The whole engine wired to the kernels (strides, views, paging) gives the torch path's tokens."""
     from minirl_plugins.native import build_native_engine

@@ -364,31 +364,35 @@ def _sample_kernel(
     CHUNKS: tl.constexpr,
 ):
     # params: (1/temperature, sample?) ; seed: (seed, step). Read from device memory so that
-    # the sampler can live inside the decode step's CUDA graph.
+    # the sampler can live inside the decode step's CUDA graph. One Philox call gives four
+    # independent 32-bit numbers: a block of BLOCK columns is four quarters, each with its own.
     row = tl.program_id(0)
     c = tl.program_id(1)
     inv_temp = tl.load(params_ptr)
     sampling = tl.load(params_ptr + 1) > 0
     seed = (tl.load(seed_ptr) * 1000003 + tl.load(seed_ptr + 1) * 7919) % 2147483647
-    lanes = tl.arange(0, BLOCK)
-    m_vec = tl.full([BLOCK], -1e30, tl.float32)
-    s_vec = tl.zeros([BLOCK], tl.float32)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    idx = tl.zeros([BLOCK], tl.int32)
+    QUARTER: tl.constexpr = BLOCK // 4
+    lanes = tl.arange(0, QUARTER)
+    m_vec = tl.full([QUARTER], -1e30, tl.float32)
+    s_vec = tl.zeros([QUARTER], tl.float32)
+    best = tl.full([QUARTER], float("-inf"), tl.float32)
+    idx = tl.zeros([QUARTER], tl.int32)
+    row_ptr = logits_ptr + row * stride_row
     for off in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
-        cols = off + lanes
-        mask = cols < vocab
-        x = tl.load(logits_ptr + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        x = x * inv_temp
-        m_new = tl.maximum(m_vec, x)
-        s_vec = s_vec * tl.exp(m_vec - m_new) + tl.exp(x - m_new)
-        m_vec = m_new
-        u = tl.rand(seed, row * vocab + cols)
-        score = tl.where(sampling, x - tl.log(-tl.log(u)), x)
-        score = tl.where(mask, score, float("-inf"))
-        better = score > best
-        best = tl.where(better, score, best)
-        idx = tl.where(better, cols, idx)
+        # counters off + lanes are distinct within the row, and below vocab wherever a column is
+        r0, r1, r2, r3 = tl.randint4x(seed, row * vocab + off + lanes)
+        m_vec, s_vec, best, idx = _sample_quarter(
+            row_ptr, off + lanes, vocab, inv_temp, sampling, r0, m_vec, s_vec, best, idx
+        )
+        m_vec, s_vec, best, idx = _sample_quarter(
+            row_ptr, off + QUARTER + lanes, vocab, inv_temp, sampling, r1, m_vec, s_vec, best, idx
+        )
+        m_vec, s_vec, best, idx = _sample_quarter(
+            row_ptr, off + 2 * QUARTER + lanes, vocab, inv_temp, sampling, r2, m_vec, s_vec, best, idx
+        )
+        m_vec, s_vec, best, idx = _sample_quarter(
+            row_ptr, off + 3 * QUARTER + lanes, vocab, inv_temp, sampling, r3, m_vec, s_vec, best, idx
+        )
     m = tl.max(m_vec, axis=0)
     top = tl.max(best, axis=0)
     out = row * CHUNKS + c
@@ -396,6 +400,20 @@ def _sample_kernel(
     tl.store(sum_ptr + out, tl.sum(s_vec * tl.exp(m_vec - m), axis=0))
     tl.store(best_ptr + out, top)
     tl.store(idx_ptr + out, tl.min(tl.where(best == top, idx, 2147483647), axis=0))
+
+
+@triton.jit
+def _sample_quarter(row_ptr, cols, vocab, inv_temp, sampling, bits, m_vec, s_vec, best, idx):
+    """One quarter block: the online log-sum-exp and the Gumbel-max candidate of `cols`."""
+    mask = cols < vocab
+    x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
+    m_new = tl.maximum(m_vec, x)
+    s_vec = s_vec * tl.exp(m_vec - m_new) + tl.exp(x - m_new)
+    u = tl.random.uint_to_uniform_float(bits)
+    score = tl.where(sampling, x - tl.log(-tl.log(u)), x)
+    score = tl.where(mask, score, float("-inf"))
+    better = score > best
+    return m_new, s_vec, tl.where(better, score, best), tl.where(better, cols, idx)
 
 
 def sample_params(temperature: float, device) -> torch.Tensor:
@@ -412,7 +430,7 @@ def sample_from(logits_MV, params: torch.Tensor, seed: torch.Tensor):
     """
     m, vocab = logits_MV.shape
     chunks = max(1, min(32, triton.cdiv(vocab, 4096)))
-    block = 1024 if vocab >= 1024 else _pow2(vocab)
+    block = 1024 if vocab >= 1024 else max(4, _pow2(vocab))  # four quarters (_sample_kernel)
     chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
     f32 = dict(dtype=torch.float32, device=logits_MV.device)
     part_max, part_sum, part_best = (torch.empty(m, chunks, **f32) for _ in range(3))
