@@ -5,7 +5,8 @@
 
 Model: the Qwen2-1.5B shape (DeepSeek-R1-Distill-Qwen-1.5B: 28 layers, hidden 1536, 12 heads,
 2 KV heads, MLP 8960, vocabulary 151936, untied head), random weights, bfloat16, EOS ignored.
-Workloads (prompts x prompt tokens x new tokens): w1 = 128 x 256 x 512, w2 = 512 x 256 x 2048.
+Workloads (prompts x prompt tokens x new tokens): w1 = 128 x 256 x 512, w2 = 512 x 256 x 2048,
+w3 = 256 x 100 x 1024 (the generation of issue 11's training workload).
 
 Decode roofline: every decode step must read all weights it multiplies with (every parameter
 except the input embedding table, of which it reads one row per sequence) plus the live KV cache
@@ -30,7 +31,8 @@ from minirl.protocols import EngineContext, SamplingParams
 from minirl_plugins.native import build_native_engine, weights_checksum
 
 BANDWIDTH = 4.28e12
-WORKLOADS = {"w1": (128, 256, 512), "w2": (512, 256, 2048), "smoke": (8, 16, 12)}
+# w3: issue 11's workload (32 prompts x 8 samples, gsm8k prompts of about 100 tokens, 1,024 new)
+WORKLOADS = {"w1": (128, 256, 512), "w2": (512, 256, 2048), "w3": (256, 100, 1024), "smoke": (8, 16, 12)}
 SHAPES = ("qwen2-1.5b", "tiny")  # minirl.models presets (random weights)
 
 
@@ -325,6 +327,7 @@ def main() -> int:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--profile-kernels", action="store_true")
     p.add_argument("--micro", action="store_true", help="time each decode operation")
+    p.add_argument("--micro-shapes", default="128x512,512x1280", help="batch x context of each --micro table")
     p.add_argument("--sweep-attention", action="store_true", help="time decode attention launch settings")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
@@ -341,7 +344,8 @@ def main() -> int:
         if args.sweep_attention:
             print("\n".join(sweep_attention(engine, device, os.path.join(args.out, "attention_sweep.txt"))), flush=True)
         if args.micro:
-            for batch, ctx in ((128, 512), (512, 1280)):
+            for shape in args.micro_shapes.split(","):
+                batch, ctx = (int(v) for v in shape.split("x"))
                 print("\n".join(micro(engine, device, batch, ctx, os.path.join(args.out, "micro.txt"))), flush=True)
     except Exception as exc:
         import traceback
