@@ -104,7 +104,7 @@ def run_variant(variant: str, args, device) -> dict | None:
             hidden_of(layer(x, **kwargs)).backward(grad)
 
         result = {"forward_ms": timed(forward, args.iters, device), "train_ms": timed(train, args.iters, device)}
-        result["kernels"] = top_kernels(forward, device)
+        result["kernels"] = top_kernels(forward, device, args.top)
     return result
 
 
@@ -136,6 +136,7 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--seqs", type=int, default=30, help="sequences packed in the micro-batch")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--top", type=int, default=5, help="kernels listed per variant")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -154,7 +155,8 @@ def main() -> int:
             print(f"| {variant} | {r['forward_ms']:.3f} | {r['train_ms']:.3f} |")
     for variant, r in results.items():
         if r:
-            print(f"\n{variant}: slowest kernels of one forward ({tokens} tokens), ms")
+            total = sum(ms for _, ms in r["kernels"])
+            print(f"\n{variant}: slowest kernels of one forward ({tokens} tokens), ms (listed: {total:.3f})")
             for name, ms in r["kernels"]:
                 print(f"  {ms:8.3f}  {name[:110]}")
     return 0

@@ -233,8 +233,8 @@ def paged_case(spec, batch, ctx, device, dtype, page=16):
     return qkv, kc, vc, meta
 
 
-def sweep_attention(engine, device, path) -> list[str]:
-    """Decode attention launch settings against KV bytes read, at the two workloads' shapes."""
+def sweep_attention(engine, device, path, shapes=((128, 512), (512, 1280))) -> list[str]:
+    """Decode attention launch settings against KV bytes read, at (batch, context) shapes."""
     import triton.testing
 
     from minirl_plugins.native.layers import ops_triton
@@ -242,7 +242,7 @@ def sweep_attention(engine, device, path) -> list[str]:
     spec = engine.spec
     lines = ["-- decode attention sweep: batch ctx splits block_n warps stages min_chunk -> us, TB/s"]
     best = {}
-    for batch, ctx in ((128, 512), (512, 1280)):
+    for batch, ctx in shapes:
         case = paged_case(spec, batch, ctx, device, engine.dtype)
         kv_bytes = 2 * batch * ctx * spec.num_kv_heads * spec.head_dim * engine.dtype.itemsize
         for splits in (1, 2, 4, 8, 16):
@@ -310,6 +310,11 @@ def kernel_profile(engine, prompts, device, path) -> None:
     print(table[:6000])
 
 
+def shapes(text: str) -> list[tuple[int, int]]:
+    """ "128x512,512x1280" -> [(128, 512), (512, 1280)]"""
+    return [tuple(int(v) for v in shape.split("x")) for shape in text.split(",")]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="qwen2-1.5b", choices=sorted(SHAPES))
@@ -327,7 +332,9 @@ def main() -> int:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--profile-kernels", action="store_true")
     p.add_argument("--micro", action="store_true", help="time each decode operation")
-    p.add_argument("--micro-shapes", default="128x512,512x1280", help="batch x context of each --micro table")
+    p.add_argument(
+        "--micro-shapes", default="128x512,512x1280", help="batch x context of each --micro table and --sweep-attention"
+    )
     p.add_argument("--sweep-attention", action="store_true", help="time decode attention launch settings")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
@@ -342,10 +349,10 @@ def main() -> int:
     results["ops"] = engine.ops.chosen
     try:  # diagnostics: a failure here must not cost the benchmark
         if args.sweep_attention:
-            print("\n".join(sweep_attention(engine, device, os.path.join(args.out, "attention_sweep.txt"))), flush=True)
+            path = os.path.join(args.out, "attention_sweep.txt")
+            print("\n".join(sweep_attention(engine, device, path, shapes(args.micro_shapes))), flush=True)
         if args.micro:
-            for shape in args.micro_shapes.split(","):
-                batch, ctx = (int(v) for v in shape.split("x"))
+            for batch, ctx in shapes(args.micro_shapes):
                 print("\n".join(micro(engine, device, batch, ctx, os.path.join(args.out, "micro.txt"))), flush=True)
     except Exception as exc:
         import traceback
