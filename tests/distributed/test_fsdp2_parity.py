@@ -273,8 +273,9 @@ def test_one_process_keeps_a_frozen_reference_plain_in_its_compute_dtype(one_ran
     """At world 1 the reference is not wrapped (nothing to shard): it is stored in the compute
     dtype, its RoPE buffer stays float32, and it gives exactly the log-probs of the FSDP2 actor
     that computes in that dtype from float32 master weights (KL 0 at identical weights)."""
-    from minirl_plugins import fsdp2
     from torch.distributed.fsdp import FSDPModule
+
+    from minirl_plugins import fsdp2
 
     cfg = h.config("actor.fsdp_config.param_dtype=bfloat16", "ref.fsdp_config.param_dtype=bfloat16")
     ref = h.tiny_model().eval().requires_grad_(False)

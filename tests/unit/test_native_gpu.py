@@ -113,3 +113,13 @@ def test_release_memory_is_visible_in_reserved_memory():
     assert before - after >= kv_bytes, (before, after, kv_bytes)
     eng.resume_memory()
     assert torch.cuda.memory_reserved() >= after + kv_bytes
+
+
+def test_decode_attention_block_follows_the_sweep():
+    """64-key blocks for 3 to 6 programs per multiprocessor (batch 256 at 2 KV heads on an H200),
+    128-key blocks for fewer or more (docs/benchmarks.md, the decode attention sweep)."""
+    from minirl_plugins.native.layers.ops_triton import decode_block_n
+
+    sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
+    assert [decode_block_n(p, CUDA) for p in (2 * sms, 3 * sms, 6 * sms - 1, 6 * sms)] == [128, 64, 64, 128]
+    assert decode_block_n(3 * sms, torch.device("cpu")) == 128

@@ -179,7 +179,8 @@ def random_paged_case(device, dtype, b=5, h=12, hk=2, d=128, page=16, max_len=30
 
 
 def _check_decode(fn, device, dtype):
-    for splits, config in ((1, None), (4, None), (8, {"min_chunk": 16})):
+    # block_n 64 and 128: decode_block_n picks either by the batch
+    for splits, config in ((1, None), (1, {"block_n": 64}), (4, None), (4, {"block_n": 64}), (8, {"min_chunk": 16})):
         qkv, kc, vc, meta = random_paged_case(device, dtype)
         meta.num_splits = splits
         got = fn(qkv, kc, vc, meta, 12, 2, 128, 128**-0.5, **({"config": config} if config else {}))
