@@ -3,8 +3,15 @@
     python3 scripts/bench_gemm.py                                   # the default back end, both libraries
     CUBLASLT_WORKSPACE_SIZE=65536 python3 scripts/bench_gemm.py     # a larger cuBLASLt workspace (KiB)
 
+    python3 scripts/bench_gemm.py --split-k down --batches 256,512  # split-K candidates for one GEMM
+
 Floor of each: max(weight bytes / 4.28 TB/s, FLOPs / 768 TFLOP/s), the H200's measured copy
 bandwidth and bf16 matmul ceiling. Shapes: the Qwen2-1.5B layer at decode batch M.
+
+--split-k times two split-K candidates against cuBLAS and checks each against it: a Triton
+kernel (each program multiplies one output tile over one K slice into float32 partials, summed
+by torch) swept over tiles and splits, and cuBLAS's batched GEMM over K slices with float32
+outputs (torch.bmm(..., out_dtype=float32) where this torch has it).
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ import argparse
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 BANDWIDTH, MATMUL = 4.28e12, 768e12
 SHAPES = {
@@ -24,12 +33,88 @@ SHAPES = {
 }
 
 
+@triton.jit
+def _split_k_kernel(x_ptr, w_ptr, part_ptr, M, N, K, K_SLICE, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """part[s] = x[:, slice s] @ w[:, slice s]^T for one (BM x BN) tile; K_SLICE divides K and BK."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    start = tl.program_id(2) * K_SLICE
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, K_SLICE, BK):
+        ks = start + k + tl.arange(0, BK)
+        a = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=rows[:, None] < M, other=0.0)
+        b = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=cols[:, None] < N, other=0.0)
+        acc += tl.dot(a, tl.trans(b))
+    out = part_ptr + tl.program_id(2) * M * N + rows[:, None] * N + cols[None, :]
+    tl.store(out, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def split_k_triton(x, w, splits: int, bm: int, bn: int, bk: int, warps: int, stages: int):
+    m, k = x.shape
+    n = w.shape[0]
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits)
+    _split_k_kernel[grid](x, w, part, m, n, k, k // splits, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    return part.sum(0).to(x.dtype)
+
+
+def split_k_bmm(x, w, splits: int):
+    m, k = x.shape
+    xs = x.view(m, splits, k // splits).transpose(0, 1)
+    ws = w.view(w.shape[0], splits, k // splits).permute(1, 2, 0)
+    return torch.bmm(xs, ws, out_dtype=torch.float32).sum(0).to(x.dtype)
+
+
+def split_k_table(name: str, batches: list[int]) -> None:
+    import triton.testing
+
+    n, k = SHAPES[name]
+    print(f"\n{name} ({n} x {k}): split-K candidates, µs (error: max |candidate - cuBLAS| / max |cuBLAS|)")
+    print("| M | candidate | us | floor us | error |")
+    print("| ---: | --- | ---: | ---: | ---: |")
+    for m in batches:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        want = torch.nn.functional.linear(x, w)
+        floor = max(n * k * 2 / BANDWIDTH, 2 * m * n * k / MATMUL) * 1e6
+        rows = [("cuBLAS", lambda x=x, w=w: torch.nn.functional.linear(x, w))]
+        for splits in (2, 4, 5, 7):
+            if k % (splits * 64):
+                continue
+            rows.append((f"bmm split {splits}", lambda x=x, w=w, s=splits: split_k_bmm(x, w, s)))
+            for bm, bn, bk, warps, stages in (
+                (64, 64, 64, 4, 4),
+                (64, 128, 64, 4, 4),
+                (128, 128, 64, 8, 3),
+                (64, 128, 128, 8, 3),
+            ):
+                if (k // splits) % bk:
+                    continue
+                cfg = (splits, bm, bn, bk, warps, stages)
+                rows.append((f"triton {cfg}", lambda x=x, w=w, c=cfg: split_k_triton(x, w, *c)))
+        best = None
+        for label, fn in rows:
+            try:
+                err = float((fn() - want).abs().max() / want.abs().max())
+                us = triton.testing.do_bench_cudagraph(fn) * 1e3
+            except Exception as exc:  # a config out of resources, or bmm without out_dtype
+                print(f"| {m} | {label} | failed: {type(exc).__name__}: {str(exc)[:60]} | | |")
+                continue
+            best = min(best or (us, label), (us, label))
+            print(f"| {m} | {label} | {us:.1f} | {floor:.1f} | {err:.1e} |", flush=True)
+        print(f"| {m} | **best: {best[1]}** | **{best[0]:.1f}** | {floor:.1f} | |")
+
+
 def main() -> int:
     import triton.testing
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", default="128,256,512")
+    p.add_argument("--split-k", default="", help="time split-K candidates for this GEMM (e.g. down) instead")
     args = p.parse_args()
+    if args.split_k:
+        split_k_table(args.split_k, [int(b) for b in args.batches.split(",")])
+        return 0
     print(f"CUBLASLT_WORKSPACE_SIZE={os.environ.get('CUBLASLT_WORKSPACE_SIZE', 'unset')}")
     print("| M | GEMM | library | us | floor us | of floor |")
     print("| ---: | --- | --- | ---: | ---: | ---: |")
