@@ -32,6 +32,7 @@ def assemble_critic(pm, model: torch.nn.Module, critic_cfg, dist: DistContext) -
     critic.model), which carry the same key names as the actor's."""
     pm.hook.minirl_apply_sequence_parallel(model=model, cfg=critic_cfg, mesh=dist.mesh)
     pm.hook.minirl_apply_activation_checkpointing(model=model, cfg=critic_cfg.model)
+    compile_layers(model, critic_cfg.model.compile_layers)
     wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=critic_cfg, mesh=dist.mesh)
     return model if wrapped is None else wrapped
 

@@ -122,6 +122,7 @@ class RefConfig:
 class CriticModelConfig:
     path: str = ""  # the value model's backbone: a local Hugging Face directory; empty = the actor's model
     enable_gradient_checkpointing: bool = False
+    compile_layers: bool = False  # torch.compile each of the critic's decoder layers (model.compile_layers)
 
 
 def _critic_optim() -> OptimConfig:

@@ -48,7 +48,7 @@ _FREE_KEYS = {
         "ppo_micro_batch_size_per_gpu use_dynamic_bsz ppo_max_token_len_per_gpu ulysses_sequence_parallel_size "
         "forward_micro_batch_size_per_gpu forward_max_token_len_per_gpu"
     ),
-    "critic.model": "enable_gradient_checkpointing",
+    "critic.model": "enable_gradient_checkpointing compile_layers",
     "rollout": (
         "gpu_memory_utilization max_num_seqs enforce_eager free_cache_engine log_prob_micro_batch_size_per_gpu "
         "log_prob_use_dynamic_bsz log_prob_max_token_len_per_gpu calculate_log_probs"

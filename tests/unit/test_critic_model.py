@@ -108,3 +108,34 @@ def test_values_pass_micro_batches_by_the_forward_keys_and_not_the_update_keys(d
     assert [n for _, n in seen] == [4 if dynamic else 6, 1]
     torch.testing.assert_close(values[0], values[1], rtol=1e-5, atol=1e-6)
     assert float(values[0].abs().sum()) > 0
+
+
+def test_critic_model_compile_layers_compiles_the_value_model_and_keeps_its_values():
+    """critic.model.compile_layers compiles every decoder layer of the value model (on its own,
+    without model.compile_layers), and the compiled model's values and gradients are the eager
+    model's."""
+    from minirl.critic.model import build_value_model
+    from minirl.dist import DistContext
+    from minirl.plugins import PluginManager
+
+    pm, dist, cpu = PluginManager(entry_points=False), DistContext(device=torch.device("cpu")), torch.device("cpu")
+    prompts, responses = [[5, 9, 2], [7, 1, 4, 4, 8]], [[3, 6], [2, 2, 9]]
+    results = []
+    for enabled in (False, True):
+        cfg = load_config(
+            None,
+            [
+                "trainer.device='cpu'",
+                "algorithm.adv_estimator=gae",
+                f"critic.model.compile_layers={str(enabled).lower()}",
+            ],
+        )
+        model = build_value_model(pm, cfg, dist)
+        compiled = [hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in model.get_decoder().layers]
+        assert compiled == [enabled] * len(compiled)
+        values_R = response_values(model, prompts, responses, cpu)
+        values_R.square().sum().backward()
+        results.append((values_R.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=1e-5)
+    for got, want in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
