@@ -4,7 +4,7 @@ activation checkpointing (DESIGN.md §4), active whenever there is a mesh (world
 The recipe, in torchtitan's order: every decoder layer is its own FSDP unit, then the root takes
 what is left (embeddings, final norm, lm_head), so a forward holds one gathered layer at a time.
 
-Four choices that the rest of minirl relies on:
+Five choices that the rest of minirl relies on:
 1. Gradients are SUMMED over ranks, never averaged. minirl divides every loss by counts of the
    whole global mini-batch (ALGORITHMS.md §6), so the gradient it wants is the sum of the ranks'
    gradients. FSDP would divide by the world size; `sum_gradients` sets its divide factor to 1
@@ -23,6 +23,8 @@ Four choices that the rest of minirl relies on:
 4. Offload: fsdp_config.param_offload keeps the shards (and so gradients and optimizer state)
    on the CPU, with FSDP2's CPUOffloadPolicy; optimizer_offload alone moves only the optimizer
    state to the CPU between optimizer steps.
+5. A frozen model (the reference) is stored in its compute dtype, and at world 1 is not wrapped
+   at all (`freeze`).
 """
 
 from __future__ import annotations

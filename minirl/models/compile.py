@@ -21,12 +21,12 @@ reference and the actor then disagree at identical weights (a KL of about 1e-3 p
 1 of the h200 profile, 0 in eager mode), and so would a prev-log-prob pass and the update.
 
 Rotary layout: Hugging Face attentions transpose q and k to [B, H, N, D] before the rotary
-embedding, and with a dynamic N inductor's fused kernel for that layout divides every element's
-index by N (a 64-bit division by a runtime value), which made it the slowest kernel of the
-layer. A compiled layer's attention therefore applies the same rotary function to the
-[B, N, H, D] view (`unsqueeze_dim=2`) and transposes the result back: the same element-wise
-operations on the same values, so the same bits, in a layout whose index arithmetic has only
-constant divisors.
+embedding; with a dynamic N, inductor's fused kernel for that layout indexes through divisions
+by N. A compiled layer's attention applies the same rotary function to the [B, N, H, D] view
+(`unsqueeze_dim=2`) and transposes the result back: the same element-wise operations on the same
+values, so the same bits, with only constant divisors in the kernel's index arithmetic. (The
+profile of a whole run had found the rotary kernel slow; a single layer on the H200 runs both
+layouts equally fast, the seq-major one 1% faster forward + backward: docs/benchmarks.md.)
 """
 
 from __future__ import annotations

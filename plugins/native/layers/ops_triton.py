@@ -207,8 +207,8 @@ def rope_store(
 # Decode attention launch settings. SPLITS (the most programs per row and KV head) is fixed
 # per CUDA-graph bucket by the runner; a row uses fewer when its context is short (min_chunk
 # tokens per split at least), since each split costs a partial write and a merge.
-# Chosen by a sweep on an H200 (scripts/bench_rollout.py --sweep-attention): one split and
-# 128-token blocks read the KV cache fastest whenever batch x KV heads fills the SMs.
+# Chosen by a sweep on an H200 (scripts/bench_rollout.py --sweep-attention): one split
+# whenever batch x KV heads fills the SMs; the block size by decode_block_n.
 DECODE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "min_chunk": 256}
 
 
