@@ -56,6 +56,7 @@ def find_problems(cfg: Config, pm, files: bool = True) -> list[Problem]:
         _reward,
         _policy_loss,
         _filter_groups,
+        _kv_cache,
         critic_problems,
     ):
         for p in check(cfg, pm):
@@ -330,3 +331,14 @@ def _filter_groups(cfg: Config, pm) -> list[Problem]:
             )
         ]
     return []
+
+
+def _kv_cache(cfg: Config, pm) -> list[Problem]:
+    """An 8-bit KV cache is the native and sglang engines' (transformers' cache keeps the model dtype)."""
+    r = cfg.rollout
+    if r.kv_cache_dtype == "auto" or r.name in ("native", "sglang"):
+        return []
+    rule = f"rollout.name = {r.name!r} has no 8-bit KV cache"
+    return [
+        Problem("rollout.kv_cache_dtype", r.kv_cache_dtype, rule, "use rollout.name = 'native' or 'sglang', or 'auto'")
+    ]

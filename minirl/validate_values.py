@@ -141,6 +141,7 @@ CHOICES: list[tuple[str, tuple[str, ...]]] = [
     ("ref.fsdp_config.param_dtype", ("auto", *DTYPES)),
     ("ref.fsdp_config.reduce_dtype", DTYPES),
     ("rollout.dtype", ("auto", *DTYPES)),
+    ("rollout.kv_cache_dtype", ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")),
     ("algorithm.kl_ctrl.type", ("fixed", "adaptive")),
     ("trainer.device", ("auto", "cpu", "cuda")),
     ("trainer.resume_mode", ("auto", "disable", "resume_path")),

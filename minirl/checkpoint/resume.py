@@ -50,7 +50,8 @@ _FREE_KEYS = {
     ),
     "critic.model": "enable_gradient_checkpointing compile_layers",
     "rollout": (
-        "gpu_memory_utilization max_num_seqs enforce_eager free_cache_engine log_prob_micro_batch_size_per_gpu "
+        "gpu_memory_utilization kv_cache_dtype max_num_seqs enforce_eager free_cache_engine "
+        "log_prob_micro_batch_size_per_gpu "
         "log_prob_use_dynamic_bsz log_prob_max_token_len_per_gpu calculate_log_probs"
     ),
     "ref": (

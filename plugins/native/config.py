@@ -1,7 +1,7 @@
 """The engine's own settings, resolved from the `rollout` config section and EngineContext.extra.
 
 From `rollout`: gpu_memory_utilization (share of free device memory for the KV cache),
-max_num_seqs, enforce_eager. From ctx.extra (optional): max_model_len, max_num_batched_tokens,
+kv_cache_dtype, max_num_seqs, enforce_eager. From ctx.extra (optional): max_model_len, max_num_batched_tokens,
 page_size, num_kv_pages (fixes the cache size; tests use it), cpu_kv_cache_bytes, max_graph_batch,
 use_triton, decode_steps, path (a local checkpoint), seed (of random weights).
 """
@@ -9,6 +9,17 @@ use_triton, decode_steps, path (a local checkpoint), seed (of random weights).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+
+# rollout.kv_cache_dtype: "auto" keeps the engine's dtype; fp8 stores keys and values with scale 1,
+# clamped to the format's largest finite value
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 @dataclass(frozen=True)
@@ -24,6 +35,7 @@ class EngineConfig:
     max_graph_batch: int = 512
     use_triton: bool = True
     decode_steps: int = 1  # decode steps per host round trip (8 on CUDA by default)
+    kv_cache_dtype: torch.dtype | None = None  # None: the engine's dtype
 
     @classmethod
     def resolve(cls, rollout_cfg, ctx) -> "EngineConfig":
@@ -41,6 +53,7 @@ class EngineConfig:
             max_graph_batch=int(extra.get("max_graph_batch", 512)),
             use_triton=bool(extra.get("use_triton", True)),
             decode_steps=int(extra.get("decode_steps", 8 if str(ctx.device).startswith("cuda") else 1)),
+            kv_cache_dtype=kv_cache_dtype(getattr(rollout_cfg, "kv_cache_dtype", "auto")),
         )
         cfg.validate()
         return cfg
@@ -57,3 +70,9 @@ class EngineConfig:
             raise ValueError(
                 "ctx.extra page_size, max_model_len, max_num_batched_tokens, decode_steps must be positive"
             )
+
+
+def kv_cache_dtype(name: str) -> torch.dtype | None:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"rollout.kv_cache_dtype = {name!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]

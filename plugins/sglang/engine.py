@@ -106,6 +106,9 @@ def server_kwargs(rollout_cfg, ctx: EngineContext, api: SGLangAPI, model_dir: st
         "context_length": int(ctx.extra.get("max_model_len", ctx.model_config.max_position_embeddings)),
         "max_running_requests": int(getattr(rollout_cfg, "max_num_seqs", 1024)),
     }
+    kv = getattr(rollout_cfg, "kv_cache_dtype", "auto")
+    if kv != "auto":  # SGLang's names: fp8_e4m3, fp8_e5m2
+        kwargs["kv_cache_dtype"] = "fp8_e4m3" if kv == "fp8" else kv
     unknown = sorted(set(kwargs) - api.server_args)
     if unknown:
         raise UserError(

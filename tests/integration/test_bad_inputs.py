@@ -150,6 +150,12 @@ CONFIG_CASES = {
     "gpu_memory_zero": (["rollout.gpu_memory_utilization=0.0"], "rollout.gpu_memory_utilization"),
     "model_dtype_fp32": (["model.dtype=fp32"], "model.dtype = 'fp32'", "float32"),
     "rollout_dtype": (["rollout.dtype=half"], "rollout.dtype = 'half'"),
+    "kv_cache_dtype": (["rollout.kv_cache_dtype=fp16"], "rollout.kv_cache_dtype = 'fp16'", "fp8_e5m2"),
+    "kv_cache_dtype_hf": (
+        ["rollout.name=hf", "rollout.kv_cache_dtype=fp8"],
+        "rollout.kv_cache_dtype = 'fp8'",
+        "has no 8-bit KV cache",
+    ),
     "model_preset": (["model.preset=tiny2"], "model.preset = 'tiny2'", "qwen2-1.5b"),
     "device_tpu": (["trainer.device=tpu"], "trainer.device = 'tpu'"),
     "world_size_zero": (["trainer.world_size=0"], "trainer.world_size = 0"),

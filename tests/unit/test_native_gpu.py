@@ -123,3 +123,12 @@ def test_decode_attention_block_follows_the_sweep():
     sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
     assert [decode_block_n(p, CUDA) for p in (2 * sms, 3 * sms, 6 * sms - 1, 6 * sms)] == [128, 64, 64, 128]
     assert decode_block_n(3 * sms, torch.device("cpu")) == 128
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_kernels_pass_self_checks_with_an_fp8_kv_cache(kv_dtype):
+    """rollout.kv_cache_dtype = fp8: the cache-writing and cache-reading kernels agree with the
+    torch reference on an 8-bit cache, so the engine keeps them (and its CUDA graphs)."""
+    ops = select_ops(CUDA, torch.bfloat16, kv_dtype=kv_dtype)
+    assert {"rope_store", "decode_attention"} <= set(ops.chosen), ops.chosen
+    assert ops.graphable

@@ -41,9 +41,32 @@ def _fix_interpreter_loop_bounds():
     interpreter._patch_lang_tensor = patched
 
 
+def _fix_interpreter_fp8_rounding():
+    """triton 3.6's interpreter rounds a float down to fp8 without carrying into the exponent
+    (1.95 becomes 1.0 in e4m3, not 2.0); the GPU's conversion rounds to nearest even. Convert
+    through torch instead, which rounds as the GPU does, so the kernels are checked against
+    what they compute on hardware."""
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+    fp8 = {3: torch.float8_e4m3fn, 2: torch.float8_e5m2}
+    sources = {(32, 23): torch.float32, (16, 7): torch.bfloat16, (16, 10): torch.float16}
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        source = sources.get((input_dtype.primitive_bitwidth, input_dtype.fp_mantissa_width))
+        if output_dtype.primitive_bitwidth != 8 or source is None:
+            return original(input, input_dtype, output_dtype, rounding_mode)
+        values = torch.frombuffer(bytearray(input.tobytes()), dtype=source)
+        out = values.to(fp8[output_dtype.fp_mantissa_width]).view(torch.uint8).numpy()
+        return out.reshape(input.shape)
+
+    interpreter._convert_float = convert
+
+
 @pytest.fixture(scope="module")
 def kernels():
     _fix_interpreter_loop_bounds()
+    _fix_interpreter_fp8_rounding()
     from minirl_plugins.native.layers import ops_triton
 
     return importlib.reload(ops_triton)
@@ -52,6 +75,14 @@ def kernels():
 @pytest.mark.parametrize("name", ["rmsnorm", "add_rmsnorm", "silu_mul", "rope_store", "decode_attention"])
 def test_kernel_matches_reference(kernels, name):
     ops_mod.CHECKS[name](getattr(kernels, name), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("name", ["rope_store", "decode_attention"])
+def test_kernel_with_an_fp8_kv_cache_matches_reference(kernels, name, kv_dtype):
+    """rollout.kv_cache_dtype = fp8: the kernels write the cache clamped and rounded as the torch
+    reference does (same bytes), and decode reads the 8-bit values back as the reference does."""
+    ops_mod.CHECKS[name](getattr(kernels, name), torch.device("cpu"), torch.float32, kv_dtype)
 
 
 def test_sampler_matches_reference(kernels):

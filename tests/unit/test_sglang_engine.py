@@ -221,6 +221,10 @@ def test_engine_arguments(fake, qwen2):
     assert kwargs["port"] != kwargs["nccl_port"]
     config = AutoConfig.from_pretrained(path)
     assert config.eos_token_id is None and config.architectures == ["Qwen2ForCausalLM"]
+    assert "kv_cache_dtype" not in kwargs  # "auto": SGLang's own default
+    for ours, theirs in (("fp8", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")):
+        kwargs = server_kwargs(_Rollout(kv_cache_dtype=ours), ctx, detect(), path, True)
+        assert kwargs["kv_cache_dtype"] == theirs
 
 
 def test_producer_patches_torch_reductions(fake, qwen2):

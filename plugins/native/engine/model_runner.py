@@ -72,6 +72,7 @@ def graph_buckets(max_bs: int) -> list[int]:
 class ModelRunner:
     def __init__(self, model: DecoderLM, cfg: EngineConfig, ops: Ops, device, dtype):
         self.model, self.cfg, self.ops, self.device, self.dtype = model, cfg, ops, device, dtype
+        self.kv_dtype = cfg.kv_cache_dtype or dtype
         spec = model.spec
         self.spec = spec
         self.rope = cos_sin_cache(inv_frequencies(spec.rope, spec.head_dim), cfg.max_model_len, device)
@@ -103,7 +104,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         s = self.spec
-        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * self.kv_dtype.itemsize
 
     def plan_num_pages(self) -> int:
         if self.cfg.num_kv_pages:
@@ -127,7 +128,7 @@ class ModelRunner:
             self.num_pages * self.page,
             s.num_kv_heads,
             s.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
 
@@ -138,7 +139,7 @@ class ModelRunner:
         Uses a scratch KV buffer, so the engine's cache and state are untouched.
         """
         s, n = self.spec, len(tokens)
-        kv = torch.zeros(2, s.num_layers, n, s.num_kv_heads, s.head_dim, dtype=self.dtype, device=self.device)
+        kv = torch.zeros(2, s.num_layers, n, s.num_kv_heads, s.head_dim, dtype=self.kv_dtype, device=self.device)
         pos = torch.arange(n, device=self.device)
         cu = torch.tensor([0, n], dtype=torch.int32, device=self.device)
         meta = StepMeta(True, pos, kv, cu_seqlens_S1=cu, seqlens=[n], max_seqlen=n)

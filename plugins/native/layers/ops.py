@@ -37,7 +37,10 @@ class Ops:
         return self.decode_attention is not ops_torch.decode_attention
 
 
-def select_ops(device: torch.device, dtype: torch.dtype, use_triton: bool = True) -> Ops:
+def select_ops(
+    device: torch.device, dtype: torch.dtype, use_triton: bool = True, kv_dtype: torch.dtype | None = None
+) -> Ops:
+    """kv_dtype: the KV cache's (rollout.kv_cache_dtype), when it is not `dtype`."""
     ops = Ops()
     if device.type != "cuda":
         return ops
@@ -58,7 +61,7 @@ def select_ops(device: torch.device, dtype: torch.dtype, use_triton: bool = True
         if fn is None or name in ops.chosen:
             continue
         try:
-            CHECKS[name](fn, device, dtype)
+            CHECKS[name](fn, device, dtype, kv_dtype or dtype)
         except Exception as exc:
             warnings.warn(
                 f"native engine: {name} kernel {getattr(fn, '__module__', '?')} rejected "
@@ -116,7 +119,7 @@ def _close(a, b, dtype, what):
         raise AssertionError(f"{what}: relative error {err:.2e} > {tol:.0e}")
 
 
-def _check_norms(fn, device, dtype, residual: bool):
+def _check_norms(fn, device, dtype, kv_dtype=None, residual: bool = False):
     x = torch.randn(37, 200, device=device, dtype=dtype)
     r = torch.randn_like(x)
     w = torch.rand(200, device=device, dtype=dtype) + 0.5
@@ -129,12 +132,12 @@ def _check_norms(fn, device, dtype, residual: bool):
     _close(y, y_ref, dtype, "rmsnorm")
 
 
-def _check_silu(fn, device, dtype):
+def _check_silu(fn, device, dtype, kv_dtype=None):
     gu = torch.randn(19, 2 * 1500, device=device, dtype=dtype)
     _close(fn(gu), ops_torch.silu_mul(gu), dtype, "silu_mul")
 
 
-def _check_rope(fn, device, dtype):
+def _check_rope(fn, device, dtype, kv_dtype=None):
     n, h, hk, d, slots = 29, 6, 2, 128, 64
     for norm in (False, True):
         qkv = torch.randn(n, (h + 2 * hk) * d, device=device, dtype=dtype)
@@ -146,7 +149,7 @@ def _check_rope(fn, device, dtype):
             qw, kw = (torch.rand(d, device=device, dtype=dtype) + 0.5 for _ in range(2))
         outs = []
         for f in (fn, ops_torch.rope_store):
-            buf, kc, vc = qkv.clone(), torch.zeros(slots, hk, d, device=device, dtype=dtype), None
+            buf, kc, vc = qkv.clone(), torch.zeros(slots, hk, d, device=device, dtype=kv_dtype or dtype), None
             vc = torch.zeros_like(kc)
             f(buf, pos, ang.cos(), ang.sin(), slot, kc, vc, h, hk, d, qw, kw, 1e-6)
             outs.append((buf, kc, vc))
@@ -154,7 +157,7 @@ def _check_rope(fn, device, dtype):
             _close(got, ref, dtype, "rope_store")
 
 
-def random_paged_case(device, dtype, b=5, h=12, hk=2, d=128, page=16, max_len=300):
+def random_paged_case(device, dtype, b=5, h=12, hk=2, d=128, page=16, max_len=300, kv_dtype=None):
     """A random paged KV cache with shuffled pages; returns (qkv, k_cache, v_cache, meta)."""
     lens = torch.randint(1, max_len, (b,))
     lens[0] = max_len
@@ -162,8 +165,8 @@ def random_paged_case(device, dtype, b=5, h=12, hk=2, d=128, page=16, max_len=30
     perm = torch.randperm(b * max_pages) + 1
     table = perm.view(b, max_pages).to(torch.int32)
     slots = (b * max_pages + 1) * page
-    kc = torch.randn(slots, hk, d, device=device, dtype=dtype)
-    vc = torch.randn_like(kc)
+    kc = torch.randn(slots, hk, d, device=device).to(kv_dtype or dtype)
+    vc = torch.randn(slots, hk, d, device=device).to(kv_dtype or dtype)
     qkv = torch.randn(b, (h + 2 * hk) * d, device=device, dtype=dtype)
     meta = StepMeta(
         False,
@@ -178,17 +181,17 @@ def random_paged_case(device, dtype, b=5, h=12, hk=2, d=128, page=16, max_len=30
     return qkv, kc, vc, meta
 
 
-def _check_decode(fn, device, dtype):
+def _check_decode(fn, device, dtype, kv_dtype=None):
     # block_n 64 and 128: decode_block_n picks either by the batch
     for splits, config in ((1, None), (1, {"block_n": 64}), (4, None), (4, {"block_n": 64}), (8, {"min_chunk": 16})):
-        qkv, kc, vc, meta = random_paged_case(device, dtype)
+        qkv, kc, vc, meta = random_paged_case(device, dtype, kv_dtype=kv_dtype)
         meta.num_splits = splits
         got = fn(qkv, kc, vc, meta, 12, 2, 128, 128**-0.5, **({"config": config} if config else {}))
         ref = ops_torch.decode_attention(qkv, kc, vc, meta, 12, 2, 128, 128**-0.5)
         _close(got, ref, dtype, f"decode_attention splits={splits}")
 
 
-def _check_prefill(fn, device, dtype):
+def _check_prefill(fn, device, dtype, kv_dtype=None):
     lens = [5, 130, 1, 64]
     h, hk, d = 12, 2, 128
     qkv = torch.randn(sum(lens), (h + 2 * hk) * d, device=device, dtype=dtype)
@@ -202,7 +205,7 @@ def _check_prefill(fn, device, dtype):
     )
 
 
-def _check_sample(sample_from, device, dtype):
+def _check_sample(sample_from, device, dtype, kv_dtype=None):
     def fn(logits, temperature, seed):
         params = torch.tensor([1 / temperature if temperature > 0 else 1.0, float(temperature > 0)], device=device)
         return sample_from(logits, params, torch.tensor([seed, 0], device=device))
@@ -219,8 +222,8 @@ def _check_sample(sample_from, device, dtype):
 
 
 CHECKS = {
-    "rmsnorm": lambda fn, dev, dt: _check_norms(fn, dev, dt, residual=False),
-    "add_rmsnorm": lambda fn, dev, dt: _check_norms(fn, dev, dt, residual=True),
+    "rmsnorm": lambda fn, dev, dt, kv_dt=None: _check_norms(fn, dev, dt, residual=False),
+    "add_rmsnorm": lambda fn, dev, dt, kv_dt=None: _check_norms(fn, dev, dt, residual=True),
     "silu_mul": _check_silu,
     "rope_store": _check_rope,
     "decode_attention": _check_decode,

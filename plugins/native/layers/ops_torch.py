@@ -62,8 +62,19 @@ def rope_store(
     q, k = _rotate(q, c, s), _rotate(k, c, s)
     qkv[:, :q_end] = q.reshape(n, q_end)
     qkv[:, q_end:k_end] = k.reshape(n, k_end - q_end)
-    k_cache[slot_mapping] = k
-    v_cache[slot_mapping] = v
+    k_cache[slot_mapping] = to_cache(k, k_cache.dtype)
+    v_cache[slot_mapping] = to_cache(v, v_cache.dtype)
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the KV cache's dtype: an 8-bit float cache (rollout.kv_cache_dtype) stores x with
+    scale 1, clamped to the format's largest finite value (e4m3 has no infinity)."""
+    if x.dtype == dtype:
+        return x
+    if dtype.itemsize == 1:
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
 
 
 def split_qkv(qkv, heads, kv_heads, head_dim):
@@ -103,8 +114,8 @@ def decode_attention(qkv, k_cache, v_cache, meta: StepMeta, heads, kv_heads, hea
     pos_T = torch.arange(max_ctx, device=qkv.device)
     pages_BT = meta.page_table[meta.rows_B][:, pos_T // meta.page_size].long()
     slots_BT = pages_BT * meta.page_size + pos_T % meta.page_size
-    k = k_cache[slots_BT].transpose(1, 2)  # B Hk T D
-    v = v_cache[slots_BT].transpose(1, 2)
+    k = k_cache[slots_BT].to(q.dtype).transpose(1, 2)  # B Hk T D
+    v = v_cache[slots_BT].to(q.dtype).transpose(1, 2)
     mask = (pos_T[None, :] < meta.ctx_lens_B[:, None])[:, None, None, :]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
     return o.reshape(-1, heads * head_dim)

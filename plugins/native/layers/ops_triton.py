@@ -129,7 +129,9 @@ def _rope_store_kernel(
     D: tl.constexpr,
     HALF: tl.constexpr,
     QK_NORM: tl.constexpr,
+    KV_MAX: tl.constexpr,
 ):
+    # KV_MAX > 0: an 8-bit float cache, written with scale 1 and clamped to its largest value
     tok = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads
     offs = tl.arange(0, HALF)
@@ -159,11 +161,20 @@ def _rope_store_kernel(
     if head >= H:
         slot = tl.load(slot_ptr + tok)
         dst = slot * stride_slot + (head - H) * D
-        tl.store(k_cache_ptr + dst + offs, o1)
-        tl.store(k_cache_ptr + dst + HALF + offs, o2)
+        kv_t = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + dst + offs, _to_cache(o1, kv_t, KV_MAX))
+        tl.store(k_cache_ptr + dst + HALF + offs, _to_cache(o2, kv_t, KV_MAX))
         v = base + HK * D
-        tl.store(v_cache_ptr + dst + offs, tl.load(v + offs))
-        tl.store(v_cache_ptr + dst + HALF + offs, tl.load(v + HALF + offs))
+        tl.store(v_cache_ptr + dst + offs, _to_cache(tl.load(v + offs), kv_t, KV_MAX))
+        tl.store(v_cache_ptr + dst + HALF + offs, _to_cache(tl.load(v + HALF + offs), kv_t, KV_MAX))
+
+
+@triton.jit
+def _to_cache(x, kv_t: tl.constexpr, KV_MAX: tl.constexpr):
+    """ops_torch.to_cache: the cache's dtype, clamped to KV_MAX when that is an 8-bit float's."""
+    if KV_MAX > 0:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -KV_MAX), KV_MAX)
+    return x.to(kv_t)
 
 
 def rope_store(
@@ -201,6 +212,7 @@ def rope_store(
         D=head_dim,
         HALF=head_dim // 2,
         QK_NORM=norm,
+        KV_MAX=torch.finfo(k_cache.dtype).max if k_cache.dtype.itemsize == 1 else 0.0,
     )
 
 
@@ -272,8 +284,8 @@ def _decode_kernel(
         page = tl.load(pt_ptr + row * stride_pt + tok // PAGE, mask=valid, other=0)
         slot = page.to(tl.int64) * PAGE + tok % PAGE
         kv_off = slot[:, None] * stride_slot + kvh * D + d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
+        k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)  # an fp8 cache: upcast
+        v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

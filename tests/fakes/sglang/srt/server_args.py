@@ -30,6 +30,7 @@ FIELDS = {
     "log_level": "info",
     "disable_cuda_graph": False,
     "disable_radix_cache": False,
+    "kv_cache_dtype": "auto",
 }
 if at_least("0.5.5"):
     FIELDS["enable_weights_cpu_backup"] = False
