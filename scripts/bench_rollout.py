@@ -51,6 +51,7 @@ def build(args, device, dtype):
     with torch.device(device):
         hf = Qwen2ForCausalLM(config).to(dtype).eval()
     rollout = RolloutConfig(
+        kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager,
@@ -328,6 +329,7 @@ def main() -> int:
         help="new tokens for transformers on w2 (its full run would take many minutes)",
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--kv-cache-dtype", default="auto", help="rollout.kv_cache_dtype: auto, fp8, fp8_e5m2")
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--profile-kernels", action="store_true")
