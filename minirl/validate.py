@@ -334,9 +334,10 @@ def _filter_groups(cfg: Config, pm) -> list[Problem]:
 
 
 def _kv_cache(cfg: Config, pm) -> list[Problem]:
-    """An 8-bit KV cache is the native and sglang engines' (transformers' cache keeps the model dtype)."""
+    """The hf engine has no 8-bit KV cache (transformers' cache keeps the model dtype); the native
+    and sglang engines have one, and an engine from another plugin reads the key itself."""
     r = cfg.rollout
-    if r.kv_cache_dtype == "auto" or r.name in ("native", "sglang"):
+    if r.kv_cache_dtype == "auto" or r.name != "hf":
         return []
     rule = f"rollout.name = {r.name!r} has no 8-bit KV cache"
     return [

@@ -41,6 +41,7 @@ import torch
 from minirl.errors import UserError
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+_STANDARD_ROTARY = ("q", "k", "cos", "sin", "unsqueeze_dim")  # apply_rotary_pos_emb's parameters
 
 
 def compile_layers(model: torch.nn.Module, enabled: bool) -> int:
@@ -75,14 +76,14 @@ def uncompile_layers(model: torch.nn.Module) -> None:
 
 def seq_major_rotary(attn: torch.nn.Module | None) -> bool:
     """Give `attn` its class's forward with the rotary embedding applied in [B, N, H, D] layout
-    (module docstring); False, and nothing changed, for an attention without the standard
-    `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)` helper."""
+    (module docstring); False, and nothing changed, for an attention whose module has no
+    `apply_rotary_pos_emb` with exactly the parameters (q, k, cos, sin, unsqueeze_dim)."""
     forward = getattr(type(attn), "forward", None)
     if attn is None or not isinstance(forward, types.FunctionType):
         return False
     rotary = forward.__globals__.get("apply_rotary_pos_emb")
-    if not callable(rotary) or "unsqueeze_dim" not in inspect.signature(rotary).parameters:
-        return False
+    if not callable(rotary) or list(inspect.signature(rotary).parameters) != list(_STANDARD_ROTARY):
+        return False  # e.g. Gemma's one-tensor helper (x, cos, sin, unsqueeze_dim)
     attn.forward = types.MethodType(_with_seq_major_rotary(forward, rotary), attn)
     return True
 

@@ -292,9 +292,10 @@ def test_one_process_keeps_a_frozen_reference_plain_in_its_compute_dtype(one_ran
 
 
 @pytest.mark.parametrize("keys", [("ref.offload=true",), ("ref.fsdp_config.param_offload=true",)])
-def test_an_offloaded_reference_is_sharded_with_cpu_offload_on_cuda(one_rank_mesh, keys):
-    """ref.offload (or ref.fsdp_config.param_offload) keeps the one-process reference in FSDP2
-    with CPU offload on CUDA; on CPU there is nothing to offload and it stays plain."""
+def test_freeze_asks_for_cpu_offload_of_an_offloaded_reference_on_cuda(one_rank_mesh, keys):
+    """ref.offload (or ref.fsdp_config.param_offload): `freeze` returns an FSDP config with CPU
+    offload for the one-process reference on CUDA (parallelize then shards it, as the actor's
+    offload tests show); on CPU there is nothing to offload and it stays plain."""
     from minirl_plugins import fsdp2
 
     cfg = h.config(*keys)

@@ -144,3 +144,21 @@ def test_seq_major_rotary_is_the_same_computation_bit_for_bit():
     for name, grad in want[2].items():
         assert torch.equal(got[2][name], grad), name
     assert not seq_major_rotary(torch.nn.Linear(2, 2)) and not seq_major_rotary(None)
+
+
+def test_seq_major_rotary_leaves_other_rotary_helpers_alone():
+    """An attention whose module's apply_rotary_pos_emb has other parameters (Gemma's one-tensor
+    helper (x, cos, sin, unsqueeze_dim) is called once for q and once for k) keeps its forward."""
+    import types
+
+    def apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1):
+        return x
+
+    scope = {"apply_rotary_pos_emb": apply_rotary_pos_emb}
+    exec("def forward(self, x):\n    return apply_rotary_pos_emb(x, 1.0, 0.0, unsqueeze_dim=2)", scope)
+    attn_cls = type("OneTensorAttention", (torch.nn.Module,), {"forward": scope["forward"]})
+    attn = attn_cls()
+    from minirl.models.compile import seq_major_rotary
+
+    assert not seq_major_rotary(attn) and "forward" not in attn.__dict__
+    assert isinstance(attn.forward, types.MethodType) and attn(torch.ones(2)).tolist() == [1.0, 1.0]
