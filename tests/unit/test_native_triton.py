@@ -110,8 +110,12 @@ def test_sampler_quarters_draw_independently(kernels):
     assert len(set(tokens.tolist())) > 650  # about 727 distinct expected of 800 draws from 4,096
 
 
-def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch):
-    """The whole engine wired to the kernels (strides, views, paging) gives the torch path's tokens."""
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch, kv):
+    """The whole engine wired to the kernels (strides, views, paging) gives the torch path's
+    tokens, with the KV cache in the model's dtype and in fp8 (rollout.kv_cache_dtype)."""
+    import types
+
     from minirl_plugins.native import build_native_engine
     from minirl_plugins.native.engine import engine as engine_mod
     from minirl_plugins.native.testing import engine_context, tiny_config, tiny_hf_model
@@ -120,9 +124,10 @@ def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch):
     hf = tiny_hf_model(cfg, seed=4, std=0.2)
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=6, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], list(range(40, 61))]
-    ref = build_native_engine(None, engine_context(cfg, actor=hf, page_size=4)).generate(prompts, params)
+    rollout = types.SimpleNamespace(kv_cache_dtype=kv)
+    ref = build_native_engine(rollout, engine_context(cfg, actor=hf, page_size=4)).generate(prompts, params)
 
-    def triton_ops(device, dtype, use_triton=True):
+    def triton_ops(device, dtype, use_triton=True, kv_dtype=None):
         ops = ops_mod.Ops()
         for name in ("rmsnorm", "add_rmsnorm", "silu_mul", "rope_store", "decode_attention"):
             setattr(ops, name, getattr(kernels, name))
@@ -131,8 +136,8 @@ def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch):
 
     monkeypatch.setattr(engine_mod, "select_ops", triton_ops)
     for steps in (1, 4):  # the fused sampler's device-side state, one and several steps per round trip
-        eng = build_native_engine(None, engine_context(cfg, actor=hf, page_size=4, decode_steps=steps))
-        assert eng.ops.graphable
+        eng = build_native_engine(rollout, engine_context(cfg, actor=hf, page_size=4, decode_steps=steps))
+        assert eng.ops.graphable and eng.runner.kv.dtype.itemsize == (1 if kv == "fp8" else 4)
         got = eng.generate(prompts, params)
         assert [c.token_ids for c in got] == [c.token_ids for c in ref]
         for a, b in zip(got, ref):
