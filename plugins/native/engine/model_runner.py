@@ -25,7 +25,7 @@ from minirl_plugins.native.config import EngineConfig
 from minirl_plugins.native.engine.block_manager import cdiv
 from minirl_plugins.native.engine.sampler import SamplerState
 from minirl_plugins.native.engine.scheduler import DecodeBatch, PrefillBatch
-from minirl_plugins.native.layers.meta import StepMeta
+from minirl_plugins.native.layers.meta import StepMeta, multiprocessors
 from minirl_plugins.native.layers.ops import Ops
 from minirl_plugins.native.layers.rotary import cos_sin_cache, inv_frequencies
 from minirl_plugins.native.models.decoder import DecoderLM
@@ -308,7 +308,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return 1
         programs = n * self.spec.num_kv_heads
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        sms = multiprocessors(self.device)
         if programs >= sms:
             return 1
         return min(16, 1 << (cdiv(2 * sms, programs) - 1).bit_length())

@@ -6,9 +6,17 @@ Hk KV heads, D head dim.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The CUDA device's multiprocessor count, read once: decode launch settings depend on it and
+    are chosen on every decode step."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @dataclass
