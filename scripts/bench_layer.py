@@ -1,28 +1,26 @@
 """Time one compiled decoder layer of the 1.5B shape on a packed micro-batch, per variant.
 
-    python3 scripts/bench_layer.py --out $OUT          # on a CUDA machine
+    python3 scripts/bench_layer.py --top 16            # on a CUDA machine
     python3 scripts/bench_layer.py --seq-len 64 --seqs 3 --iters 2 --variants eager,seq_major   # CPU smoke
 
-Variants: `eager`; `hf_rotary` (model.compile_layers as Hugging Face writes the attention: the
+Variants: `eager`; `hf_rotary` / `hf_rotary_32bit` (model.compile_layers as Hugging Face writes the attention: the
 rotary embedding on the [B, H, N, D] view); `seq_major` (what minirl compiles: the rotary on the
 [B, N, H, D] view, minirl/models/compile.py); `seq_major_32bit` (the same with inductor's
 assume_32bit_indexing, where this torch has it). Modes: a no-grad forward (log-prob passes) and
-forward + backward (the update). Prints the median time of each, then each variant's five
-slowest kernels of one forward (torch.profiler), and writes inductor's rotary kernels to --out.
+forward + backward (the update). Prints the median time of each, then each variant's slowest
+kernels of one forward (torch.profiler).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
-import os
-import shutil
 import statistics
 import time
 
 import torch
 
+from minirl.metrics import synchronize
 from minirl.models.attention import packed_forward_kwargs
 from minirl.models.compile import compile_layers
 from minirl.models.loading import random_model
@@ -57,17 +55,12 @@ def hidden_of(out):
 def timed(fn, iters: int, device: torch.device) -> float:
     times = []
     for _ in range(iters):
-        sync(device)
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        sync(device)
+        synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def patch_for(variant: str):
@@ -114,21 +107,10 @@ def top_kernels(fn, device: torch.device, k: int = 5) -> list[tuple[str, float]]
     cuda = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         fn()
-        sync(device)
+        synchronize(device)
     time_of = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
     rows = [(e.key, time_of(e) / 1e3) for e in prof.key_averages() if time_of(e) > 0]
     return sorted(rows, key=lambda r: -r[1])[:k]
-
-
-def save_rotary_kernels(out_dir: str) -> None:
-    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or torch._inductor.runtime.cache_dir_utils.cache_dir()
-    kept = 0
-    for path in glob.glob(os.path.join(cache, "**", "*.py"), recursive=True):
-        text = open(path, errors="replace").read()
-        if "def triton_" in text and "cat" in text and "neg" in text and kept < 8:
-            shutil.copy(path, os.path.join(out_dir, f"rotary_kernel_{kept}.py"))
-            kept += 1
-    print(f"saved {kept} inductor kernels with a rotary (cat, neg) into {out_dir}")
 
 
 def main() -> int:
@@ -139,13 +121,11 @@ def main() -> int:
     p.add_argument("--top", type=int, default=5, help="kernels listed per variant")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     device = torch.device(args.device)
     results = {}
     for variant in args.variants.split(","):
         results[variant] = run_variant(variant, args, device)
-    save_rotary_kernels(args.out)
     tokens = args.seq_len * args.seqs
     print(f"\none decoder layer, 1.5B shape, bf16, {args.seqs} x {args.seq_len} packed tokens; median ms")
     print("| variant | forward (no grad) | forward + backward |")

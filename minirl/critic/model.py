@@ -34,7 +34,6 @@ def backbone_config(model_cfg, critic_cfg):
         tokenizer=model_cfg.tokenizer or model_cfg.path,  # the actor's tokenizer (a preset's when both are empty)
         seed=model_cfg.seed if not path else 0,
         enable_gradient_checkpointing=critic_cfg.model.enable_gradient_checkpointing,
-        compile_layers=critic_cfg.model.compile_layers,
     )
 
 
