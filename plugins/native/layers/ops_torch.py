@@ -71,10 +71,13 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     scale 1, clamped to the format's largest finite value (e4m3 has no infinity)."""
     if x.dtype == dtype:
         return x
-    if dtype.itemsize == 1:
-        limit = torch.finfo(dtype).max
-        x = x.clamp(-limit, limit)
-    return x.to(dtype)
+    limit = cache_limit(dtype)
+    return (x.clamp(-limit, limit) if limit else x).to(dtype)
+
+
+def cache_limit(dtype: torch.dtype) -> float:
+    """The clamp of a KV cache in `dtype`: an 8-bit float's largest finite value, else 0 (none)."""
+    return torch.finfo(dtype).max if dtype.is_floating_point and dtype.itemsize == 1 else 0.0
 
 
 def split_qkv(qkv, heads, kv_heads, head_dim):

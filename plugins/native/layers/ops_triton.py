@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minirl_plugins.native.layers import ops_torch
 from minirl_plugins.native.layers.meta import StepMeta, multiprocessors
 
 
@@ -212,7 +213,7 @@ def rope_store(
         D=head_dim,
         HALF=head_dim // 2,
         QK_NORM=norm,
-        KV_MAX=torch.finfo(k_cache.dtype).max if k_cache.dtype.itemsize == 1 else 0.0,
+        KV_MAX=ops_torch.cache_limit(k_cache.dtype),
     )
 
 
