@@ -178,7 +178,7 @@ def micro(engine, device, batch, ctx, path) -> list[str]:
     logits = torch.randn(batch, spec.vocab_size, device=device, dtype=dt)
     pos = torch.full((batch,), ctx - 1, device=device)
     cos, sin = engine.runner.rope
-    case = paged_case(spec, batch, ctx, device, dt)
+    case = paged_case(spec, batch, ctx, device, dt, kv_dtype=engine.runner.kv.dtype)
     case[3].num_splits = engine.runner._num_splits(batch)
     w = layer.self_attn
     timed = {
@@ -217,14 +217,16 @@ def micro(engine, device, batch, ctx, path) -> list[str]:
     return lines
 
 
-def paged_case(spec, batch, ctx, device, dtype, page=16):
-    """One layer's paged KV cache with shuffled pages, every row at `ctx` tokens."""
+def paged_case(spec, batch, ctx, device, dtype, page=16, kv_dtype=None):
+    """One layer's paged KV cache (in kv_dtype, default dtype) with shuffled pages, every row at
+    `ctx` tokens."""
     from minirl_plugins.native.layers.meta import StepMeta
 
     pages_per_row = -(-ctx // page)
     table = (torch.randperm(batch * pages_per_row, device=device) + 1).view(batch, pages_per_row).to(torch.int32)
-    kc = torch.randn((batch * pages_per_row + 1) * page, spec.num_kv_heads, spec.head_dim, device=device, dtype=dtype)
-    vc = torch.randn_like(kc)
+    shape = ((batch * pages_per_row + 1) * page, spec.num_kv_heads, spec.head_dim)
+    kc = torch.randn(shape, device=device, dtype=dtype).to(kv_dtype or dtype)
+    vc = torch.randn(shape, device=device, dtype=dtype).to(kv_dtype or dtype)
     qkv = torch.randn(batch, spec.q_size + 2 * spec.kv_size, device=device, dtype=dtype)
     lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
     slots = table[:, -1].long() * page + (ctx - 1) % page
@@ -234,44 +236,51 @@ def paged_case(spec, batch, ctx, device, dtype, page=16):
     return qkv, kc, vc, meta
 
 
+LAUNCHES = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 3))  # block_n, warps, stages
+
+
+def attention_settings(kv_dtype) -> list[dict]:
+    """Every decode attention launch the sweep times; an fp8 cache also through float16 dots."""
+    upcasts = (False, True) if kv_dtype.itemsize == 1 else (False,)
+    return [
+        dict(splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, min_chunk=min_chunk, fp8_f16=f16)
+        for splits in (1, 2, 4, 8, 16)
+        for block_n, warps, stages in LAUNCHES
+        for min_chunk in ((64, 256) if splits > 1 else (1 << 20,))
+        for f16 in upcasts
+    ]
+
+
 def sweep_attention(engine, device, path, shapes=((128, 512), (512, 1280))) -> list[str]:
     """Decode attention launch settings against KV bytes read, at (batch, context) shapes."""
     import triton.testing
 
     from minirl_plugins.native.layers import ops_triton
 
-    spec = engine.spec
-    lines = ["-- decode attention sweep: batch ctx splits block_n warps stages min_chunk -> us, TB/s"]
+    spec, kv_dtype = engine.spec, engine.runner.kv.dtype
+    lines = ["-- decode attention sweep: batch ctx splits block_n warps stages min_chunk [f16] -> us, TB/s"]
     best = {}
+    heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
     for batch, ctx in shapes:
-        case = paged_case(spec, batch, ctx, device, engine.dtype)
-        kv_bytes = 2 * batch * ctx * spec.num_kv_heads * spec.head_dim * engine.dtype.itemsize
-        for splits in (1, 2, 4, 8, 16):
-            for block_n, warps, stages in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 3)):
-                for min_chunk in (64, 256) if splits > 1 else (1 << 20,):
-                    cfg = dict(block_n=block_n, num_warps=warps, num_stages=stages, min_chunk=min_chunk)
-                    case[3].num_splits = splits
-                    try:
-                        fn = lambda case=case, cfg=cfg: ops_triton.decode_attention(
-                            *case,
-                            spec.num_heads,
-                            spec.num_kv_heads,  # noqa: E731
-                            spec.head_dim,
-                            spec.head_dim**-0.5,
-                            config=cfg,
-                        )
-                        fn()
-                        us = triton.testing.do_bench_cudagraph(fn) * 1e3
-                    except Exception as exc:  # a config that does not compile (resources)
-                        lines.append(f"{batch} {ctx} {splits} {cfg} failed: {type(exc).__name__}")
-                        continue
-                    lines.append(
-                        f"{batch:4} {ctx:5} {splits:3} {block_n:4} {warps} {stages} {min_chunk:7} "
-                        f"{us:8.1f} {kv_bytes / us / 1e6:6.2f}"
-                    )
-                    if us < best.get((batch, ctx), (1e9,))[0]:
-                        best[(batch, ctx)] = (us, splits, cfg)
-    lines += [f"best {k}: {v[0]:.1f} us, splits {v[1]}, {v[2]}" for k, v in best.items()]
+        case = paged_case(spec, batch, ctx, device, engine.dtype, kv_dtype=kv_dtype)
+        kv_bytes = 2 * batch * ctx * spec.num_kv_heads * spec.head_dim * kv_dtype.itemsize
+        for setting in attention_settings(kv_dtype):
+            cfg = dict(setting)
+            case[3].num_splits = cfg.pop("splits")
+            try:
+                fn = lambda case=case, cfg=cfg: ops_triton.decode_attention(*case, *heads, config=cfg)  # noqa: E731
+                fn()
+                us = triton.testing.do_bench_cudagraph(fn) * 1e3
+            except Exception as exc:  # a config that does not compile (resources)
+                lines.append(f"{batch} {ctx} {setting} failed: {type(exc).__name__}")
+                continue
+            lines.append(
+                f"{batch:4} {ctx:5} {setting['splits']:3} {cfg['block_n']:4} {cfg['num_warps']} {cfg['num_stages']} "
+                f"{cfg['min_chunk']:7} {'f16' if cfg['fp8_f16'] else '   '} {us:8.1f} {kv_bytes / us / 1e6:6.2f}"
+            )
+            if us < best.get((batch, ctx), (1e9,))[0]:
+                best[(batch, ctx)] = (us, setting)
+    lines += [f"best {k}: {v[0]:.1f} us, {v[1]}" for k, v in best.items()]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return lines

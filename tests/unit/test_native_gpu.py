@@ -89,6 +89,24 @@ def test_fused_sampler_frequencies():
     assert chi2 < df + 4.5 * (2 * df) ** 0.5, chi2
 
 
+def test_fused_sampler_frequencies_over_a_full_vocabulary():
+    """At Qwen2's vocabulary (30 chunks of 5,120 columns) the draw follows the softmax: counts per
+    64th of the vocabulary against their probabilities, over 8,192 rows of one bf16 logit row."""
+    from minirl_plugins.native.layers import ops_triton
+
+    row = torch.randn(151936, generator=torch.Generator().manual_seed(1)) * 3
+    row[:20000] -= 2.0  # uneven mass across chunks
+    logits = row.to(torch.bfloat16).cuda().repeat(8192, 1)
+    tokens, logprobs = ops_triton.sample(logits, 1.0, 99)
+    probs = torch.softmax(row.to(torch.bfloat16).double(), -1).cuda()
+    assert torch.allclose(logprobs.double(), probs[tokens].log(), atol=1e-4)
+    bins = torch.arange(151936, device="cuda") * 64 // 151936
+    expected = torch.zeros(64, dtype=torch.float64, device="cuda").index_add_(0, bins, probs) * 8192
+    counts = torch.bincount(bins[tokens], minlength=64).double()
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 63 + 4.5 * (2 * 63) ** 0.5, chi2
+
+
 def test_load_weights_keeps_graphs_valid():
     cfg = tiny_config("qwen2", hidden_size=256)
     a, b = (tiny_hf_model(cfg, seed=s, std=0.2, device="cuda") for s in (1, 2))

@@ -6,6 +6,7 @@ so a missing one fails; tests/unit/test_native_gpu.py runs the same checks compi
 """
 
 import importlib
+import math
 import os
 import sys
 
@@ -90,8 +91,8 @@ def test_sampler_matches_reference(kernels):
 
 
 def test_sampler_frequencies(kernels):
-    """Gumbel-max over Triton's Philox stream samples the softmax (chi-square, 4 tokens; the
-    interpreter runs one program per row, so few rows here and many in the GPU test)."""
+    """The inverse-transform draw over Triton's Philox stream samples the softmax (chi-square, 4
+    tokens; the interpreter runs one program per row, so few rows here and many in the GPU test)."""
     logits = torch.tensor([[1.0, 0.0, -0.5, 0.6]]).repeat(400, 1)
     tokens, _ = kernels.sample(logits, 0.8, 77)
     counts = torch.bincount(tokens, minlength=4).double()
@@ -99,15 +100,38 @@ def test_sampler_frequencies(kernels):
     assert ((counts - expected) ** 2 / expected).sum() < 16.27  # chi-square, 3 dof, p = 0.001
 
 
-def test_sampler_quarters_draw_independently(kernels):
-    """Each Philox call serves four quarter blocks of columns: with equal logits every column of
-    a 4,096 vocabulary (one block of 1,024 columns = four quarters of 256, four blocks) must be
-    equally likely, so each eighth of the vocabulary gets an eighth of the samples."""
-    tokens, _ = kernels.sample(torch.zeros(800, 4096), 1.0, 11)
-    counts = torch.bincount(tokens // 512, minlength=8).double()
-    expected = torch.full((8,), 100.0, dtype=torch.float64)
-    assert ((counts - expected) ** 2 / expected).sum() < 24.32  # chi-square, 7 dof, p = 0.001
-    assert len(set(tokens.tolist())) > 650  # about 727 distinct expected of 800 draws from 4,096
+def test_sampler_draws_across_chunks_in_proportion(kernels):
+    """The inverse-transform draw picks a vocabulary chunk by its mass, then a column within it:
+    over a 12,288 vocabulary (three chunks of 4,096) with uneven mass per chunk and per column,
+    and whole runs of -inf logits (never drawn), every sixth of the vocabulary gets its share."""
+    vocab = 12288
+    logits = torch.zeros(vocab)
+    logits[4096:8192] = math.log(3.0)  # chunk 1 holds 3/5 of the mass
+    logits[8192:10240] = float("-inf")  # half of chunk 2 is masked out
+    logits[10240:] = math.log(2.0)
+    tokens, lp = kernels.sample(logits.repeat(900, 1), 1.0, 11)
+    assert not ((tokens >= 8192) & (tokens < 10240)).any()
+    probs = torch.softmax(logits.double(), -1)
+    assert torch.allclose(lp.double(), probs[tokens].log(), atol=1e-5)
+    counts = torch.bincount(tokens // 2048, minlength=6).double()
+    expected = probs.view(6, 2048).sum(1) * 900
+    keep = expected > 0
+    chi2 = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    assert chi2 < 18.47  # chi-square, 4 dof, p = 0.001
+    assert len(set(tokens.tolist())) > 800  # about 864 distinct expected of 900 draws
+
+
+def test_greedy_sampler_takes_the_first_maximum_across_chunks(kernels):
+    """Temperature 0 returns torch.argmax's token (the first maximal one) when the maximum
+    repeats within a chunk and across chunks, and its log-prob under the raw logits."""
+    logits = torch.randn(3, 9000, generator=torch.Generator().manual_seed(2))
+    logits[0, [7000, 100, 5000]] = 9.0
+    logits[1, [8999, 4000]] = 9.0
+    logits[2, :] = float("-inf")
+    logits[2, 6001] = 0.0
+    tokens, lp = kernels.sample(logits, 0.0, 3)
+    assert tokens.tolist() == [100, 4000, 6001]
+    assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1), atol=1e-5)
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])

@@ -4,8 +4,8 @@ Decode of a small model is a chain of many small operations; fusing each norm, t
 write, and the gated activation into one kernel keeps the CUDA graph short (about ten kernels a
 layer). Decode attention reads the KV cache through the page table in split-K fashion (several
 programs per row and KV head, merged by a second kernel), so short batches still fill the GPU.
-The sampler reads the logits once: an online log-sum-exp for the log-prob and the Gumbel-max
-trick for the sample, in vocabulary chunks merged on the host side by a few small torch ops.
+The sampler reads the logits once for per-chunk statistics (max, sum of exponentials, argmax),
+then draws each row's token by inverse transform from those and one re-read chunk.
 """
 
 from __future__ import annotations
@@ -222,7 +222,9 @@ def rope_store(
 # tokens per split at least), since each split costs a partial write and a merge.
 # Chosen by a sweep on an H200 (scripts/bench_rollout.py --sweep-attention): one split
 # whenever batch x KV heads fills the SMs; the block size by decode_block_n.
-DECODE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "min_chunk": 256}
+# fp8_f16: an fp8 cache's keys and values are upcast to float16 (one native conversion on Hopper)
+# and the dots run in float16, instead of upcasting to the queries' bfloat16.
+DECODE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "min_chunk": 256, "fp8_f16": False}
 
 
 def decode_block_n(programs: int, device: torch.device) -> int:
@@ -261,6 +263,7 @@ def _decode_kernel(
     SPLITS: tl.constexpr,
     DIRECT: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -273,6 +276,8 @@ def _decode_kernel(
     n = tl.arange(0, BLOCK_N)
     heads = kvh * G + g
     q = tl.load(q_ptr + b * stride_q + heads[:, None] * D + d[None, :], mask=g[:, None] < G, other=0.0)
+    if KV_F16:  # an fp8 cache read through float16 (clamped to its range), not bfloat16
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
@@ -363,6 +368,7 @@ def decode_attention(qkv, k_cache, v_cache, meta: StepMeta, heads, kv_heads, hea
         SPLITS=splits,
         DIRECT=splits == 1,
         PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
+        KV_F16=bool(cfg["fp8_f16"]) and k_cache.dtype.itemsize == 1 and qkv.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -374,7 +380,38 @@ def decode_attention(qkv, k_cache, v_cache, meta: StepMeta, heads, kv_heads, hea
 
 
 @triton.jit
-def _sample_kernel(
+def _chunk_stats_kernel(
+    logits_ptr, stride_row, vocab, params_ptr, max_ptr, sum_ptr, idx_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr
+):
+    """One vocabulary chunk of one row: max, sum of exp(x - max) and the first argmax of the
+    temperature-scaled logits x. One exp per entry: the running per-lane sum s is rescaled only
+    when x raises the lane's max m, so e = exp(-|x - m|) serves both cases."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    inv_temp = tl.load(params_ptr)
+    lanes = tl.arange(0, BLOCK)
+    m_vec = tl.full([BLOCK], -1e30, tl.float32)
+    s_vec = tl.zeros([BLOCK], tl.float32)
+    i_vec = tl.zeros([BLOCK], tl.int32)
+    row_ptr = logits_ptr + row * stride_row
+    for off in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
+        cols = off + lanes
+        x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32) * inv_temp
+        d = x - m_vec
+        e = tl.exp(-tl.abs(d))
+        up = d > 0
+        s_vec = tl.where(up, s_vec * e + 1.0, s_vec + e)
+        i_vec = tl.where(up, cols, i_vec)
+        m_vec = tl.maximum(m_vec, x)
+    m = tl.max(m_vec, axis=0)
+    out = row * tl.num_programs(1) + c
+    tl.store(max_ptr + out, m)
+    tl.store(sum_ptr + out, tl.sum(s_vec * tl.exp(m_vec - m), axis=0))
+    tl.store(idx_ptr + out, tl.min(tl.where(m_vec == m, i_vec, 2147483647), axis=0))
+
+
+@triton.jit
+def _sample_pick_kernel(
     logits_ptr,
     stride_row,
     vocab,
@@ -382,63 +419,59 @@ def _sample_kernel(
     seed_ptr,
     max_ptr,
     sum_ptr,
-    best_ptr,
     idx_ptr,
+    tokens_ptr,
+    logprobs_ptr,
+    CHUNKS,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
-    CHUNKS: tl.constexpr,
+    CHUNKS_P2: tl.constexpr,
 ):
-    # params: (1/temperature, sample?) ; seed: (seed, step). Read from device memory so that
-    # the sampler can live inside the decode step's CUDA graph. One Philox call gives four
-    # independent 32-bit numbers: a block of BLOCK columns is four quarters, each with its own.
+    """One row: the log-sum-exp from the chunk statistics, then the token. Greedy: the first
+    argmax. Sampling: inverse transform in two levels with two independent uniforms, a chunk with
+    probability mass_c / total, then a column of it with probability exp(x_i) / mass_c."""
     row = tl.program_id(0)
-    c = tl.program_id(1)
     inv_temp = tl.load(params_ptr)
     sampling = tl.load(params_ptr + 1) > 0
-    seed = (tl.load(seed_ptr) * 1000003 + tl.load(seed_ptr + 1) * 7919) % 2147483647
-    QUARTER: tl.constexpr = BLOCK // 4
-    lanes = tl.arange(0, QUARTER)
-    m_vec = tl.full([QUARTER], -1e30, tl.float32)
-    s_vec = tl.zeros([QUARTER], tl.float32)
-    best = tl.full([QUARTER], float("-inf"), tl.float32)
-    idx = tl.zeros([QUARTER], tl.int32)
-    row_ptr = logits_ptr + row * stride_row
-    for off in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
-        # counters off + lanes are distinct within the row, and below vocab wherever a column is
-        r0, r1, r2, r3 = tl.randint4x(seed, row * vocab + off + lanes)
-        m_vec, s_vec, best, idx = _sample_quarter(
-            row_ptr, off + lanes, vocab, inv_temp, sampling, r0, m_vec, s_vec, best, idx
-        )
-        m_vec, s_vec, best, idx = _sample_quarter(
-            row_ptr, off + QUARTER + lanes, vocab, inv_temp, sampling, r1, m_vec, s_vec, best, idx
-        )
-        m_vec, s_vec, best, idx = _sample_quarter(
-            row_ptr, off + 2 * QUARTER + lanes, vocab, inv_temp, sampling, r2, m_vec, s_vec, best, idx
-        )
-        m_vec, s_vec, best, idx = _sample_quarter(
-            row_ptr, off + 3 * QUARTER + lanes, vocab, inv_temp, sampling, r3, m_vec, s_vec, best, idx
-        )
-    m = tl.max(m_vec, axis=0)
-    top = tl.max(best, axis=0)
-    out = row * CHUNKS + c
-    tl.store(max_ptr + out, m)
-    tl.store(sum_ptr + out, tl.sum(s_vec * tl.exp(m_vec - m), axis=0))
-    tl.store(best_ptr + out, top)
-    tl.store(idx_ptr + out, tl.min(tl.where(best == top, idx, 2147483647), axis=0))
-
-
-@triton.jit
-def _sample_quarter(row_ptr, cols, vocab, inv_temp, sampling, bits, m_vec, s_vec, best, idx):
-    """One quarter block: the online log-sum-exp and the Gumbel-max candidate of `cols`."""
-    mask = cols < vocab
-    x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
-    m_new = tl.maximum(m_vec, x)
-    s_vec = s_vec * tl.exp(m_vec - m_new) + tl.exp(x - m_new)
-    u = tl.random.uint_to_uniform_float(bits)
-    score = tl.where(sampling, x - tl.log(-tl.log(u)), x)
-    score = tl.where(mask, score, float("-inf"))
-    better = score > best
-    return m_new, s_vec, tl.where(better, score, best), tl.where(better, cols, idx)
+    cs = tl.arange(0, CHUNKS_P2)
+    live = cs < CHUNKS
+    pm = tl.load(max_ptr + row * CHUNKS + cs, mask=live, other=-1e30)
+    w = tl.load(sum_ptr + row * CHUNKS + cs, mask=live, other=0.0)
+    m = tl.max(pm, axis=0)
+    w = w * tl.exp(pm - m)
+    total = tl.sum(w, axis=0)
+    lse = m + tl.log(total)
+    pidx = tl.load(idx_ptr + row * CHUNKS + cs, mask=live, other=2147483647)
+    token = tl.min(tl.where(pm == m, pidx, 2147483647), axis=0)
+    if sampling:
+        seed = (tl.load(seed_ptr) * 1000003 + tl.load(seed_ptr + 1) * 7919) % 2147483647
+        r0, r1, _, _ = tl.randint4x(seed, row)
+        # the first chunk whose cumulative mass passes u0 * total (rounding past the end: the last
+        # chunk with mass)
+        below = tl.sum((tl.cumsum(w, axis=0) <= tl.random.uint_to_uniform_float(r0) * total).to(tl.int32), axis=0)
+        chunk = tl.minimum(below, tl.max(tl.where(w > 0, cs, 0), axis=0))
+        cm = tl.sum(tl.where(cs == chunk, pm, 0.0), axis=0)
+        row_ptr = logits_ptr + row * stride_row
+        lanes = tl.arange(0, BLOCK)
+        mass = 0.0
+        for off in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+            x = tl.load(row_ptr + off + lanes, mask=off + lanes < vocab, other=float("-inf")).to(tl.float32)
+            mass += tl.sum(tl.exp(x * inv_temp - cm), axis=0)
+        target = tl.random.uint_to_uniform_float(r1) * mass
+        seen = 0.0
+        first = 2147483647
+        last = 0
+        for off in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+            cols = off + lanes
+            x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+            e = tl.exp(x * inv_temp - cm)
+            first = tl.minimum(first, tl.min(tl.where(tl.cumsum(e, axis=0) + seen > target, cols, 2147483647), axis=0))
+            last = tl.maximum(last, tl.max(tl.where(e > 0, cols, 0), axis=0))
+            seen += tl.sum(e, axis=0)
+        token = tl.minimum(first, last)
+    chosen = tl.load(logits_ptr + row * stride_row + token).to(tl.float32) * inv_temp
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+    tl.store(logprobs_ptr + row, chosen - lse)
 
 
 def sample_params(temperature: float, device) -> torch.Tensor:
@@ -451,34 +484,41 @@ def sample_from(logits_MV, params: torch.Tensor, seed: torch.Tensor):
     """Sample one token per row with device-side parameters; advances seed[1] (the step) by one.
 
     Plain temperature sampling (no top-k/top-p), graph-capturable: returns (tokens_M int64,
-    logprobs_M float32), the same distribution and log-probs as ops_torch.sample.
+    logprobs_M float32), the same distribution and log-probs as ops_torch.sample. Two kernels:
+    per-chunk statistics over the whole vocabulary (one exp per entry, no random numbers), then
+    per row the log-sum-exp and an inverse-transform draw that reads one chunk again.
     """
     m, vocab = logits_MV.shape
-    chunks = max(1, min(32, triton.cdiv(vocab, 4096)))
-    block = 1024 if vocab >= 1024 else max(4, _pow2(vocab))  # four quarters (_sample_kernel)
-    chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
+    block = 1024 if vocab >= 1024 else max(2, _pow2(vocab))
+    chunk = triton.cdiv(triton.cdiv(vocab, max(1, min(32, triton.cdiv(vocab, 4096)))), block) * block
+    chunks = triton.cdiv(vocab, chunk)  # none empty
     f32 = dict(dtype=torch.float32, device=logits_MV.device)
-    part_max, part_sum, part_best = (torch.empty(m, chunks, **f32) for _ in range(3))
+    part_max, part_sum = torch.empty(m, chunks, **f32), torch.empty(m, chunks, **f32)
     part_idx = torch.empty(m, chunks, dtype=torch.int32, device=logits_MV.device)
-    _sample_kernel[(m, chunks)](
+    stride = logits_MV.stride(0)
+    _chunk_stats_kernel[(m, chunks)](
+        logits_MV, stride, vocab, params, part_max, part_sum, part_idx, CHUNK=chunk, BLOCK=block
+    )
+    tokens = torch.empty(m, dtype=torch.int64, device=logits_MV.device)
+    logprobs = torch.empty(m, **f32)
+    _sample_pick_kernel[(m,)](
         logits_MV,
-        logits_MV.stride(0),
+        stride,
         vocab,
         params,
         seed,
         part_max,
         part_sum,
-        part_best,
         part_idx,
+        tokens,
+        logprobs,
+        chunks,
         CHUNK=chunk,
         BLOCK=block,
-        CHUNKS=chunks,
+        CHUNKS_P2=_pow2(chunks),
     )
     seed[1:].add_(1)
-    lse = torch.logsumexp(part_max + part_sum.log(), dim=1)
-    tokens = part_idx.gather(1, part_best.argmax(dim=1, keepdim=True)).long()
-    chosen = logits_MV.gather(1, tokens).squeeze(1).float() * params[0]
-    return tokens.squeeze(1), chosen - lse
+    return tokens, logprobs
 
 
 def sample(logits_MV, temperature: float, seed: int):
