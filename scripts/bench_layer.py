@@ -98,6 +98,8 @@ def run_variant(variant: str, args, device) -> dict | None:
 
         result = {"forward_ms": timed(forward, args.iters, device), "train_ms": timed(train, args.iters, device)}
         result["kernels"] = top_kernels(forward, device, args.top)
+        if args.ops and device.type == "cuda":
+            result["ops"] = top_ops(forward, device, args.top)
     return result
 
 
@@ -113,6 +115,19 @@ def top_kernels(fn, device: torch.device, k: int = 5) -> list[tuple[str, float]]
     return sorted(rows, key=lambda r: -r[1])[:k]
 
 
+def top_ops(fn, device: torch.device, k: int) -> list[tuple[str, float]]:
+    """The k operators (with their input shapes) whose own kernels took the most device time in
+    one call of fn: which operator launched a kernel the kernel list names."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        fn()
+        synchronize(device)
+    events = prof.key_averages(group_by_input_shape=True)
+    rows = [(f"{e.key} {e.input_shapes}", e.self_device_time_total / 1e3) for e in events]
+    return sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])[:k]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq-len", type=int, default=1024)
@@ -120,6 +135,7 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--top", type=int, default=5, help="kernels listed per variant")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--ops", action="store_true", help="also list the operators behind the kernels, with shapes")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -139,6 +155,8 @@ def main() -> int:
             print(f"\n{variant}: slowest kernels of one forward ({tokens} tokens), ms (listed: {total:.3f})")
             for name, ms in r["kernels"]:
                 print(f"  {ms:8.3f}  {name[:110]}")
+            for name, ms in r.get("ops", []):
+                print(f"  op {ms:8.3f}  {name[:160]}")
     return 0
 
 

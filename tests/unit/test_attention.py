@@ -261,6 +261,35 @@ def test_cuda_varlen_kernels_match_segment_sdpa_bf16(backend):
 
 @gpu
 @needs_cuda
+def test_cuda_torch_varlen_gqa_equals_repeated_heads():
+    """Where torch's varlen_attn has no enable_gqa (torch 2.11), minirl calls its flash kernel
+    with the grouped keys and values: the output equals that of the heads repeated (the same
+    kernel on the same values) and the gradients agree to bf16 rounding of the group sums."""
+    import minirl.models.attention as attn
+
+    if attn._torch_varlen() is None:
+        pytest.skip("torch.nn.attention.varlen is not available")
+    torch.manual_seed(0)
+    seq_lens = [100, 1, 257, 64, 33]
+    n, cu = sum(seq_lens), packed_forward_kwargs(seq_lens, device="cuda")["cu_seq_lens_q"]
+    base = [torch.randn(n, h, 128, device="cuda", dtype=torch.bfloat16) for h in (12, 2, 2)]
+    grad = torch.randn(n, 12, 128, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for grouped in (True, False):
+        leaves = [t.clone().requires_grad_() for t in base]
+        q, k, v = leaves
+        if not grouped:
+            k, v = attn._repeat_kv(k, 12), attn._repeat_kv(v, 12)
+        out = attn._aten_flash_gqa(q, k, v, cu.int(), max(seq_lens), 128**-0.5)
+        out.backward(grad)
+        results.append([out.detach()] + [t.grad for t in leaves])
+    assert torch.equal(results[0][0], results[1][0])
+    for got, ref in zip(results[0][1:], results[1][1:]):
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@needs_cuda
 def test_cuda_packed_model_forward_matches_unpacked_sdpa_bf16():
     """The whole packed path on CUDA (kernel dispatch, kwargs plumbing): its bf16 logits are as
     close to the float32 per-sequence logits as bf16 sdpa per sequence is."""
