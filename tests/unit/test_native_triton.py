@@ -121,6 +121,34 @@ def test_sampler_draws_across_chunks_in_proportion(kernels):
     assert len(set(tokens.tolist())) > 800  # about 864 distinct expected of 900 draws
 
 
+def test_inverse_transform_never_draws_a_lane_without_mass(kernels, monkeypatch):
+    """On the GPU tl.cumsum is a parallel scan, so an empty lane's cumulative sum can sit an ulp
+    above its neighbour's (the interpreter's sequential scan never does that): a target in that
+    ulp must still draw the next lane with mass, as must a lane whose mass is below an ulp of its
+    cumulative sum. `loose` is the fallback for a target in a rounding gap between intervals."""
+    import triton.language as tl
+
+    @triton.jit
+    def probe(cum_ptr, mass_ptr, out_ptr, target, N: tl.constexpr):
+        i = tl.arange(0, N)
+        exact, loose = _crossing(tl.load(cum_ptr + i), tl.load(mass_ptr + i), target, i)  # noqa: F821
+        tl.store(out_ptr, exact)
+        tl.store(out_ptr + 1, loose)
+
+    monkeypatch.setitem(globals(), "_crossing", kernels._crossing)  # the interpreter resolves globals
+
+    def crossing(cum, mass, target):
+        out = torch.zeros(2, dtype=torch.int32)
+        probe[(1,)](torch.tensor(cum), torch.tensor(mass), out, target, N=len(cum))
+        return out.tolist()
+
+    bumped = 1.0 + 2**-23  # one ulp above 1.0
+    assert crossing([1.0, bumped, 2.0, 3.0], [1.0, 0.0, 1.0, 1.0], 1.0 + 2**-24) == [2, 2]
+    assert crossing([1.0, bumped, 2.0, 3.0], [1.0, 1e-9, 1.0, 1.0], 1.0 + 2**-24) == [2, 1]
+    assert crossing([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0], 2.5) == [2, 2]
+    assert crossing([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0], 4.0)[0] == 2**31 - 1  # past the end
+
+
 def test_greedy_sampler_takes_the_first_maximum_across_chunks(kernels):
     """Temperature 0 returns torch.argmax's token (the first maximal one) when the maximum
     repeats within a chunk and across chunks, and its log-prob under the raw logits."""

@@ -184,8 +184,8 @@ def random_paged_case(device, dtype, b=5, h=12, hk=2, d=128, page=16, max_len=30
 def _check_decode(fn, device, dtype, kv_dtype=None):
     # block_n 64 and 128: decode_block_n picks either by the batch
     configs = [(1, None), (1, {"block_n": 64}), (4, None), (4, {"block_n": 64}), (8, {"min_chunk": 16})]
-    if kv_dtype is not None:  # an fp8 cache through either upcast (ops_triton.DECODE_CONFIG fp8_f16)
-        configs += [(1, {"fp8_f16": True}), (4, {"fp8_f16": True, "block_n": 64})]
+    if kv_dtype is not None:  # an fp8 cache: its float16 default (FP8_DECODE_CONFIG) and the bf16 upcast
+        configs += [(1, {"fp8_f16": False}), (4, {"fp8_f16": False, "block_n": 64})]
     for splits, config in configs:
         qkv, kc, vc, meta = random_paged_case(device, dtype, kv_dtype=kv_dtype)
         meta.num_splits = splits

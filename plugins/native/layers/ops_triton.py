@@ -401,7 +401,7 @@ def _chunk_stats_kernel(
     m_vec = tl.full([BLOCK], -1e30, tl.float32)
     s_vec = tl.zeros([BLOCK], tl.float32)
     i_vec = tl.zeros([BLOCK], tl.int32)
-    row_ptr = logits_ptr + row * stride_row
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     for off in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
         cols = off + lanes
         x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32) * inv_temp
@@ -441,12 +441,13 @@ def _sample_pick_kernel(
     row = tl.program_id(0)
     inv_temp = tl.load(params_ptr)
     sampling = tl.load(params_ptr + 1) > 0
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     cs = tl.arange(0, CHUNKS_P2)
     live = cs < CHUNKS
     pm = tl.load(max_ptr + row * CHUNKS + cs, mask=live, other=-1e30)
-    w = tl.load(sum_ptr + row * CHUNKS + cs, mask=live, other=0.0)
+    own = tl.load(sum_ptr + row * CHUNKS + cs, mask=live, other=0.0)  # relative to the chunk's max
     m = tl.max(pm, axis=0)
-    w = w * tl.exp(pm - m)
+    w = own * tl.exp(pm - m)
     total = tl.sum(w, axis=0)
     lse = m + tl.log(total)
     pidx = tl.load(idx_ptr + row * CHUNKS + cs, mask=live, other=2147483647)
@@ -454,32 +455,42 @@ def _sample_pick_kernel(
     if sampling:
         seed = (tl.load(seed_ptr) * 1000003 + tl.load(seed_ptr + 1) * 7919) % 2147483647
         r0, r1, _, _ = tl.randint4x(seed, row)
-        # the first chunk whose cumulative mass passes u0 * total (rounding past the end: the last
-        # chunk with mass)
-        below = tl.sum((tl.cumsum(w, axis=0) <= tl.random.uint_to_uniform_float(r0) * total).to(tl.int32), axis=0)
-        chunk = tl.minimum(below, tl.max(tl.where(w > 0, cs, 0), axis=0))
+        exact, loose = _crossing(tl.cumsum(w, axis=0), w, tl.random.uint_to_uniform_float(r0) * total, cs)
+        last_chunk = tl.max(tl.where(w > 0, cs, 0), axis=0)
+        chunk = tl.where(exact < 2147483647, exact, tl.minimum(loose, last_chunk))
         cm = tl.sum(tl.where(cs == chunk, pm, 0.0), axis=0)
-        row_ptr = logits_ptr + row * stride_row
+        target = tl.random.uint_to_uniform_float(r1) * tl.sum(tl.where(cs == chunk, own, 0.0), axis=0)
         lanes = tl.arange(0, BLOCK)
-        mass = 0.0
-        for off in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
-            x = tl.load(row_ptr + off + lanes, mask=off + lanes < vocab, other=float("-inf")).to(tl.float32)
-            mass += tl.sum(tl.exp(x * inv_temp - cm), axis=0)
-        target = tl.random.uint_to_uniform_float(r1) * mass
         seen = 0.0
         first = 2147483647
+        fallback = 2147483647
         last = 0
         for off in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
             cols = off + lanes
             x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
             e = tl.exp(x * inv_temp - cm)
-            first = tl.minimum(first, tl.min(tl.where(tl.cumsum(e, axis=0) + seen > target, cols, 2147483647), axis=0))
+            exact, loose = _crossing(tl.cumsum(e, axis=0) + seen, e, target, cols)
+            first = tl.minimum(first, exact)
+            fallback = tl.minimum(fallback, loose)
             last = tl.maximum(last, tl.max(tl.where(e > 0, cols, 0), axis=0))
             seen += tl.sum(e, axis=0)
-        token = tl.minimum(first, last)
-    chosen = tl.load(logits_ptr + row * stride_row + token).to(tl.float32) * inv_temp
+        token = tl.where(first < 2147483647, first, tl.minimum(fallback, last))
+    chosen = tl.load(row_ptr + token).to(tl.float32) * inv_temp
     tl.store(tokens_ptr + row, token.to(tl.int64))
     tl.store(logprobs_ptr + row, chosen - lse)
+
+
+@triton.jit
+def _crossing(cum, mass, target, idx):
+    """Inverse transform over lanes with masses `mass` and (scanned) cumulative sums `cum`:
+    (exact, loose) = the first idx whose interval [cum - mass, cum) holds target, and the first
+    whose cum passes it; 2**31 - 1 where none. Only lanes with mass qualify: a parallel scan can
+    leave an empty lane's cum an ulp above its neighbour's, which must not make it drawable, and
+    the exact test keeps a lane far below the chunk's max (mass under an ulp of cum) from taking
+    such an ulp either. loose covers the scan's rounding gaps between intervals."""
+    has = (mass > 0) & (cum > target)
+    exact = tl.min(tl.where(has & (cum - mass <= target), idx, 2147483647), axis=0)
+    return exact, tl.min(tl.where(has, idx, 2147483647), axis=0)
 
 
 def sample_params(temperature: float, device) -> torch.Tensor:
@@ -494,7 +505,10 @@ def sample_from(logits_MV, params: torch.Tensor, seed: torch.Tensor):
     Plain temperature sampling (no top-k/top-p), graph-capturable: returns (tokens_M int64,
     logprobs_M float32), the same distribution and log-probs as ops_torch.sample. Two kernels:
     per-chunk statistics over the whole vocabulary (one exp per entry, no random numbers), then
-    per row the log-sum-exp and an inverse-transform draw that reads one chunk again.
+    per row the log-sum-exp and an inverse-transform draw that reads one chunk again. Its draw is
+    the softmax's up to float32 rounding of the cumulative sums: a token whose probability is
+    under about 1e-7 of its chunk's mass is drawn at a rounded rate (Gumbel-max draws it almost
+    never), and none without mass is ever drawn.
     """
     m, vocab = logits_MV.shape
     block = 1024 if vocab >= 1024 else max(2, _pow2(vocab))
