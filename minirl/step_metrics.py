@@ -97,3 +97,19 @@ def perf_metrics(
     if torch.cuda.is_available() and dist.device.type == "cuda":
         out["perf/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(dist.device) / 2**30
     return out
+
+
+def engine_metrics(engine, dist: DistContext) -> dict[str, float]:
+    """The rollout engine's own account of its last generate, where it keeps one (`last_stats`),
+    the largest over the ranks. Seconds (keys ending in _s: the native engine's KV-cache resume
+    and release, CUDA-graph captures, host wait) are parts of the gen phase, logged as
+    timing_s/gen.<part>; counts (preemptions, graph captures) as rollout/<name>."""
+    stats = getattr(engine, "last_stats", None) or {}
+    keys = sorted(stats)
+    if not keys:
+        return {}
+    values = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=dist.device)
+    out = {}
+    for key, value in zip(keys, dist.all_reduce(values, "max").tolist()):
+        out[f"timing_s/gen.{key[:-2]}" if key.endswith("_s") else f"rollout/{key}"] = value
+    return out

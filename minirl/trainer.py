@@ -36,7 +36,7 @@ from minirl.protocols import AdvantageInputs, SamplingParams
 from minirl.reward import build_reward_manager, overlong_penalty, place_scores, reward_metrics
 from minirl.rollout_corr import ROLLOUT_LOG_PROBS, require_rollout_log_probs, rollout_log_probs_BT
 from minirl.signals import StopRequest
-from minirl.step_metrics import data_metrics, perf_metrics
+from minirl.step_metrics import data_metrics, engine_metrics, perf_metrics
 from minirl.validation import validate
 
 
@@ -217,6 +217,7 @@ class Trainer:
                 self.sync_weights()
         metrics = {**reward_metrics, **adv_metrics, **critic_metrics, **actor_metrics, **timer.metrics()}
         metrics.update(data_metrics(batch, self.dist))
+        metrics.update(engine_metrics(self.engine, self.dist))
         metrics.update(perf_metrics(batch, timer.seconds, self.actor, self.cfg, self.dist, generated))
         return metrics
 

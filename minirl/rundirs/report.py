@@ -106,8 +106,10 @@ def _plot_run(ax, run: Run, key: str) -> bool:
 
 
 def phase_names(runs: list[Run]) -> list[str]:
-    """PHASES, then any other timing_s/* key a run logged (a plugin's phase), in a fixed order."""
+    """PHASES, then any other timing_s/* key a run logged (a plugin's phase), in a fixed order;
+    not the parts of a phase (timing_s/gen.kv_resume: inside gen already)."""
     seen = {k[len("timing_s/") :] for run in runs for r in run.records for k in r if k.startswith("timing_s/")}
+    seen = {name for name in seen if "." not in name}
     extra = sorted(seen - set(PHASES) - {"step"})
     return [p for p in PHASES if p in seen] + extra
 

@@ -199,6 +199,34 @@ def test_release_and_resume_memory(qwen2):
     assert [c.token_ids for c in eng.generate(PROMPTS, _greedy())] == [c.token_ids for c in before]
 
 
+def test_last_stats_account_for_the_cache_and_graphs(qwen2, monkeypatch):
+    """last_stats (logged as timing_s/gen.* and rollout/*): the seconds spent re-allocating the
+    KV cache for this generate (none when it was kept), in releasing it after, and in CUDA-graph
+    captures (none on the CPU) with their count."""
+    import time
+
+    cfg, hf = qwen2
+    eng = _engine(cfg, hf)
+    eng.generate(PROMPTS, _greedy())
+    assert eng.last_stats["kv_resume_s"] == 0.0  # allocated at construction, kept
+    assert eng.last_stats["graph_captures"] == 0 and eng.last_stats["graph_capture_s"] == 0.0
+    eng.release_memory()
+    assert eng.last_stats["kv_release_s"] >= 0.0
+    allocate = eng.runner.allocate_kv
+
+    def slow_allocate():
+        time.sleep(0.05)
+        allocate()
+
+    monkeypatch.setattr(eng.runner, "allocate_kv", slow_allocate)
+    eng.resume_memory()
+    eng.resume_memory()  # a no-op: the cache is there
+    eng.generate(PROMPTS, _greedy())
+    assert 0.05 <= eng.last_stats["kv_resume_s"] < 5
+    eng.generate(PROMPTS, _greedy())
+    assert eng.last_stats["kv_resume_s"] == 0.0
+
+
 def test_bad_requests_are_clear_errors(qwen2):
     cfg, hf = qwen2
     eng = _engine(cfg, hf)

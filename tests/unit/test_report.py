@@ -64,6 +64,14 @@ def test_one_run_figures_have_the_expected_axes(tmp_path):
     assert len(phases[0].collections) == 4  # gen, old_log_prob, update_actor, other (0.5 s a step)
 
 
+def test_parts_of_a_phase_are_not_stacked_as_phases(tmp_path):
+    """timing_s/gen.kv_resume is inside timing_s/gen (the engine's own account): the phase chart
+    keeps its four areas, and a plugin's own phase (timing_s/values) still gets one."""
+    logged = [dict(r, **{"timing_s/gen.kv_resume": 0.3, "timing_s/values": 0.1}) for r in records(0.1)]
+    phases = build_figures([read_run(write_run(tmp_path, "a", logged, None))])["phases"].axes[0]
+    assert len(phases.collections) == 5  # gen, old_log_prob, update_actor, values, other
+
+
 def test_three_runs_overlay_with_a_legend_and_missing_metrics_leave_an_empty_axes(tmp_path):
     """Three runs share each axes (three lines, three legend entries); KL logged by one run only is
     one line; phases get an axes per run."""

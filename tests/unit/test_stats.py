@@ -152,3 +152,21 @@ def test_golden_masked_var_unbiased():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
     assert np.isclose(masked_mean(x, mask).item(), 2.5)
     assert np.isclose(masked_var(x, mask).item(), 5.0 / 3.0)
+
+
+def test_engine_metrics_split_seconds_from_counts():
+    """An engine's last_stats: seconds become parts of the gen phase, counts rollout/ figures;
+    an engine without last_stats adds nothing."""
+    import types
+
+    from minirl.dist import DistContext
+    from minirl.step_metrics import engine_metrics
+
+    dist = DistContext(device=torch.device("cpu"))
+    engine = types.SimpleNamespace(last_stats={"kv_resume_s": 0.25, "graph_captures": 3, "preemptions": 0})
+    assert engine_metrics(engine, dist) == {
+        "timing_s/gen.kv_resume": 0.25,
+        "rollout/graph_captures": 3.0,
+        "rollout/preemptions": 0.0,
+    }
+    assert engine_metrics(types.SimpleNamespace(), dist) == {}

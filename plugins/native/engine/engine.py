@@ -38,7 +38,8 @@ class NativeEngine:
         self.runner.allocate_kv()
         self._next_seq_id = 0
         self.last_load_seconds = 0.0
-        self.last_stats: dict = {}
+        self.last_stats: dict = {}  # of the last generate (and the release after it)
+        self._resume_s = 0.0
 
     def _init_weights(self, ctx: EngineContext) -> None:
         if ctx.actor is not None:
@@ -54,6 +55,7 @@ class NativeEngine:
         """params.n samples per prompt, prompt-major; log-probs of the sampled tokens."""
         self._validate(prompts, params)
         self.resume_memory()
+        captures = dict(self.runner.capture_stats)
         blocks = BlockManager(self.runner.num_pages, self.cfg.page_size, self.cfg.max_num_seqs)
         scheduler = Scheduler(blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.cfg.decode_steps)
         seqs = self._add_requests(scheduler, prompts, params)
@@ -61,7 +63,13 @@ class NativeEngine:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 1 << 31, ()).item())
         sampler = self.runner.new_sampler(params, seed)
         self._run(scheduler, sampler)
-        self.last_stats = {"preemptions": scheduler.num_preemptions, "host_wait_s": self._host_wait}
+        self.last_stats = {
+            "preemptions": scheduler.num_preemptions,
+            "host_wait_s": self._host_wait,
+            "kv_resume_s": self._resume_s,
+            **{k: v - captures[k] for k, v in self.runner.capture_stats.items()},
+        }
+        self._resume_s = 0.0
         return [seq.to_completion() for seq in seqs]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -73,10 +81,20 @@ class NativeEngine:
         self.last_load_seconds = time.perf_counter() - start
 
     def release_memory(self) -> None:
+        start = time.perf_counter()
         self.runner.release()
+        self.last_stats["kv_release_s"] = time.perf_counter() - start
 
     def resume_memory(self) -> None:
+        """Allocate the KV cache if it was released; its seconds go to the next generate's
+        last_stats (kv_resume_s), with the seconds spent re-capturing CUDA graphs into it."""
+        if self.runner.kv is not None:
+            return
+        start = time.perf_counter()
         self.runner.allocate_kv()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._resume_s += time.perf_counter() - start
 
     # ---------------------------------------------------------------------------- extras
 

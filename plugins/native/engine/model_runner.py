@@ -15,6 +15,7 @@ Shape legend: B decode rows, N packed prefill tokens, S prefilled sequences, V v
 from __future__ import annotations
 
 import bisect
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -98,6 +99,7 @@ class ModelRunner:
         self.arange = torch.arange(self.row_ids.numel(), device=device)
         self.pool = None
         self.profile = Profile()
+        self.capture_stats = {"graph_captures": 0, "graph_capture_s": 0.0}  # cumulative
 
     # ---------------------------------------------------------------------------- memory
 
@@ -324,6 +326,7 @@ class ModelRunner:
         bucket, fused = key
         state = (self.row_ids, self.sample_seed, self.out_step)
         saved = [t.clone() for t in state]
+        start = time.perf_counter()
         try:
             self.row_ids[:bucket].fill_(self.dummy_row)  # warm-up and capture write only the scratch row
             self._decode_forward(bucket, fused)  # compiles kernels, sets up cuBLAS
@@ -333,9 +336,11 @@ class ModelRunner:
                 logits = self._decode_forward(bucket, fused)
             self.pool = graph.pool() if self.pool is None else self.pool
             self.graphs[key] = (graph, logits)
+            self.capture_stats["graph_captures"] += 1
         finally:
             for t, old in zip(state, saved):
                 t.copy_(old)
+            self.capture_stats["graph_capture_s"] += time.perf_counter() - start
 
     # ---------------------------------------------------------------------------- helpers
 
