@@ -163,7 +163,8 @@ def test_engine_metrics_split_seconds_from_counts():
     from minirl.step_metrics import engine_metrics
 
     dist = DistContext(device=torch.device("cpu"))
-    engine = types.SimpleNamespace(last_stats={"kv_resume_s": 0.25, "graph_captures": 3, "preemptions": 0})
+    stats = {"kv_resume_s": 0.25, "graph_captures": 3, "preemptions": 0, "note": "not a number"}
+    engine = types.SimpleNamespace(last_stats=stats)
     assert engine_metrics(engine, dist) == {
         "timing_s/gen.kv_resume": 0.25,
         "rollout/graph_captures": 3.0,
