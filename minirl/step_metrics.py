@@ -100,10 +100,10 @@ def perf_metrics(
 
 
 def engine_metrics(engine, dist: DistContext) -> dict[str, float]:
-    """The rollout engine's own account of its last generate, where it keeps one (`last_stats`),
-    the largest over the ranks (numbers only). Seconds (keys ending in _s: the native engine's KV-cache resume
-    and release, CUDA-graph captures, host wait) are parts of the gen phase, logged as
-    timing_s/gen.<part>; counts (preemptions, graph captures) as rollout/<name>."""
+    """The rollout engine's own account of its last generate, where it keeps one (`last_stats`;
+    numbers only), the largest over the ranks. Seconds (keys ending in _s: the native engine's
+    KV-cache resume and release, CUDA-graph captures, host wait) are parts of the gen phase,
+    logged as timing_s/gen.<part>; counts (preemptions, graph captures) as rollout/<name>."""
     stats = getattr(engine, "last_stats", None) or {}
     keys = sorted(k for k, v in stats.items() if isinstance(v, (int, float)))
     if not keys:
