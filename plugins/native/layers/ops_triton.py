@@ -341,10 +341,8 @@ def decode_attention(qkv, k_cache, v_cache, meta: StepMeta, heads, kv_heads, hea
     b = qkv.shape[0]
     group = heads // kv_heads
     splits = meta.num_splits
-    if k_cache.dtype.itemsize == 1:
-        launch = FP8_DECODE_CONFIG
-    else:
-        launch = {"block_n": decode_block_n(b * kv_heads * splits, qkv.device)}
+    fp8 = k_cache.dtype.itemsize == 1
+    launch = FP8_DECODE_CONFIG if fp8 else {"block_n": decode_block_n(b * kv_heads * splits, qkv.device)}
     cfg = {**DECODE_CONFIG, **launch, **(config or {})}
     out = torch.empty(b, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     if splits == 1:
@@ -376,7 +374,7 @@ def decode_attention(qkv, k_cache, v_cache, meta: StepMeta, heads, kv_heads, hea
         SPLITS=splits,
         DIRECT=splits == 1,
         PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
-        KV_F16=bool(cfg["fp8_f16"]) and k_cache.dtype.itemsize == 1 and qkv.dtype == torch.bfloat16,
+        KV_F16=fp8 and bool(cfg["fp8_f16"]) and qkv.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
