@@ -210,15 +210,19 @@ def test_last_stats_account_for_the_cache_and_graphs(qwen2, monkeypatch):
     eng.generate(PROMPTS, _greedy())
     assert eng.last_stats["kv_resume_s"] == 0.0  # allocated at construction, kept
     assert eng.last_stats["graph_captures"] == 0 and eng.last_stats["graph_capture_s"] == 0.0
+    release, allocate = eng.runner.release, eng.runner.allocate_kv
+
+    def slowly(fn):
+        def slow():
+            time.sleep(0.05)
+            fn()
+
+        return slow
+
+    monkeypatch.setattr(eng.runner, "release", slowly(release))
     eng.release_memory()
-    assert eng.last_stats["kv_release_s"] >= 0.0
-    allocate = eng.runner.allocate_kv
-
-    def slow_allocate():
-        time.sleep(0.05)
-        allocate()
-
-    monkeypatch.setattr(eng.runner, "allocate_kv", slow_allocate)
+    assert 0.05 <= eng.last_stats["kv_release_s"] < 5
+    monkeypatch.setattr(eng.runner, "allocate_kv", slowly(allocate))
     eng.resume_memory()
     eng.resume_memory()  # a no-op: the cache is there
     eng.generate(PROMPTS, _greedy())
