@@ -27,6 +27,7 @@ from minirl.forward import response_hidden, response_logprobs
 from minirl.guard import PHASE_METRIC, STEPS_METRIC, first_nonfinite_input, phase_code
 from minirl.loss_agg import aggregate, mini_batch_norm
 from minirl.rollout_corr import ROLLOUT_LOG_PROBS, MismatchStats, require_rollout_log_probs, tis_weights
+from minirl.transfer import tensor_to
 
 
 @torch.no_grad()
@@ -40,7 +41,7 @@ def compute_logprobs(model, batch: RolloutBatch, temperature: float, micro, dist
         sub = select_micro(batch, idx)  # an empty idx still runs its forward: FSDP ranks run in step
         logp_R, _ = response_logprobs(model, sub.prompts, sub.responses, temperature, dist.device)
         if idx:
-            out_BT[torch.tensor(idx, device=dist.device)] = scatter_tokens(logp_R.float(), sub.mask_BT)
+            out_BT[tensor_to(idx, torch.long, dist.device)] = scatter_tokens(logp_R.float(), sub.mask_BT)
     assembly.reshard(model)
     return out_BT
 
@@ -78,15 +79,20 @@ class MetricSums:
     """
 
     def __init__(self, mismatch: MismatchStats | None = None):
-        self.sums: dict[str, float] = {}
+        # float64 sums kept on the device: reading each value back would stop the host after
+        # every micro-batch's forward (minirl.transfer says what such a wait costs)
+        self.sums: dict[str, torch.Tensor] = {}
         self.mismatch = mismatch
 
     def add(self, name: str, value: torch.Tensor) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + float(value.detach())
+        value = value.detach().to(torch.float64)
+        self.sums[name] = value if name not in self.sums else self.sums[name] + value
 
     def reduced(self, dist: DistContext, n_minis: int) -> dict[str, float]:
         names = sorted(self.sums)
-        t = dist.all_reduce(torch.tensor([self.sums[k] for k in names], dtype=torch.float64, device=dist.device))
+        if not names:
+            return {}
+        t = dist.all_reduce(torch.stack([self.sums[k].to(dist.device).reshape(()) for k in names]))
         return {f"actor/{k}": v / n_minis for k, v in zip(names, t.tolist())}
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minirl.errors import UserError
+from minirl.transfer import to_device
 
 
 @dataclass
@@ -39,13 +40,17 @@ class RolloutBatch:
 
     def select(self, idx: list[int]) -> "RolloutBatch":
         t = torch.tensor(idx, dtype=torch.long)
+        on_device = {}  # the index, copied once to each device the tensors live on
+        for v in self.tensors.values():
+            if v.device not in on_device:
+                on_device[v.device] = to_device(t, v.device)
         return RolloutBatch(
             prompts=[self.prompts[i] for i in idx],
             responses=[self.responses[i] for i in idx],
             group_B=self.group_B[t],
             records=[self.records[i] for i in idx] if self.records else [],
             finish_reasons=[self.finish_reasons[i] for i in idx] if self.finish_reasons else [],
-            tensors={k: v[t.to(v.device)] for k, v in self.tensors.items()},
+            tensors={k: v[on_device[v.device]] for k, v in self.tensors.items()},
         )
 
 

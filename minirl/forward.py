@@ -15,6 +15,7 @@ import torch
 
 from minirl.logprob import chunked_logprobs
 from minirl.models.attention import packed_forward_kwargs
+from minirl.transfer import tensor_to, to_device
 
 LOGIT_CHUNK = 2048  # response positions per output-projection chunk
 
@@ -40,8 +41,8 @@ def pack(
         pred_pos.append(torch.arange(len(r)) + offset + len(p) - 1)
         labels += r
         offset += len(p) + len(r)
-    input_ids = torch.tensor(ids, dtype=torch.long, device=device)[None]
-    return input_ids, lens, torch.cat(pred_pos).to(device), torch.tensor(labels, dtype=torch.long, device=device)
+    input_ids = tensor_to(ids, torch.long, device)[None]
+    return input_ids, lens, to_device(torch.cat(pred_pos), device), tensor_to(labels, torch.long, device)
 
 
 def hidden_states(model: torch.nn.Module, input_ids_1N: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:

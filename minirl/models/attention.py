@@ -26,6 +26,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from minirl.transfer import to_device
+
 ATTN_NAME = "minirl"
 CORE_ATTR = "minirl_varlen_core"  # per-layer override of the core function (sequence parallelism)
 _HALF = (torch.float16, torch.bfloat16)
@@ -52,9 +54,9 @@ def packed_forward_kwargs(seq_lens: Sequence[int] | torch.Tensor, device: torch.
     starts_N = torch.repeat_interleave(cu_S1[:-1].long(), lens_S)
     position_ids_1N = (torch.arange(int(cu_S1[-1])) - starts_N).unsqueeze(0)
     max_len = int(lens_S.max())
-    cu_S1 = cu_S1.to(device)
+    cu_S1 = to_device(cu_S1, device)
     return {
-        "position_ids": position_ids_1N.to(device),
+        "position_ids": to_device(position_ids_1N, device),
         "cu_seq_lens_q": cu_S1,
         "cu_seq_lens_k": cu_S1,
         "max_length_q": max_len,

@@ -130,8 +130,8 @@ def test_tis_golden_values():
     loss = torch.tensor([[1.0, -2.0, 0.5, 0.0]], dtype=torch.float64)
     out = actor_lib._tis(loss, old, _mb(mask, roll), 3.0, norm, sums)
     torch.testing.assert_close(out, torch.tensor([[0.5, -2.0, 1.5, 0.0]], dtype=torch.float64))
-    assert sums.sums["tis_weight_mean"] == pytest.approx(1.5, rel=1e-12)
-    assert sums.sums["tis_capped_frac"] == pytest.approx(1 / 3, rel=1e-12)
+    assert float(sums.sums["tis_weight_mean"]) == pytest.approx(1.5, rel=1e-12)
+    assert float(sums.sums["tis_capped_frac"]) == pytest.approx(1 / 3, rel=1e-12)
 
 
 def test_tis_weight_is_detached():
