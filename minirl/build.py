@@ -99,6 +99,7 @@ def engine(pm, cfg: Config, actor, tokenizer, dist: DistContext):
         extra={
             "progress": cfg.trainer.progress_bar and dist.is_main,
             "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
+            "max_batch_rows": cfg.data.train_batch_size // dist.dp_size * r.n,  # a step's generate call
             "seed": cfg.trainer.seed + dist.dp_rank,  # engines with a seed of their own (sglang)
         },
     )

@@ -1,9 +1,11 @@
 """The engine's own settings, resolved from the `rollout` config section and EngineContext.extra.
 
 From `rollout`: gpu_memory_utilization (share of free device memory for the KV cache),
-kv_cache_dtype, max_num_seqs, enforce_eager. From ctx.extra (optional): max_model_len, max_num_batched_tokens,
-page_size, num_kv_pages (fixes the cache size; tests use it), cpu_kv_cache_bytes, max_graph_batch,
-use_triton, decode_steps, path (a local checkpoint), seed (of random weights).
+kv_cache_dtype, max_num_seqs, enforce_eager. From ctx.extra (optional): max_model_len, max_batch_rows
+(the sequences one generate call asks for: the trainer's prompts per rank x n; the KV cache holds no
+more than they can fill), max_num_batched_tokens, page_size, num_kv_pages (fixes the cache size;
+tests use it), cpu_kv_cache_bytes, max_graph_batch, use_triton, decode_steps, path (a local
+checkpoint), seed (of random weights).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ KV_CACHE_DTYPES = {
 class EngineConfig:
     max_num_seqs: int = 1024
     max_model_len: int = 32768
+    max_batch_rows: int = 0  # 0: unknown, plan for max_num_seqs rows
     max_num_batched_tokens: int = 16384
     page_size: int = 16
     gpu_memory_utilization: float = 0.5
@@ -44,6 +47,7 @@ class EngineConfig:
         cfg = cls(
             max_num_seqs=int(getattr(rollout_cfg, "max_num_seqs", 1024)),
             max_model_len=int(extra.get("max_model_len", min(max_pos, 32768))),
+            max_batch_rows=int(extra.get("max_batch_rows", 0)),
             max_num_batched_tokens=int(extra.get("max_num_batched_tokens", 16384)),
             page_size=int(extra.get("page_size", 16)),
             gpu_memory_utilization=float(getattr(rollout_cfg, "gpu_memory_utilization", 0.5)),
@@ -64,6 +68,8 @@ class EngineConfig:
                 f"rollout.gpu_memory_utilization = {self.gpu_memory_utilization}: must be in (0, 1], "
                 "the share of free device memory given to the KV cache"
             )
+        if self.max_batch_rows < 0:
+            raise ValueError(f"ctx.extra max_batch_rows = {self.max_batch_rows}: must be >= 0 (0: unknown)")
         if self.max_num_seqs < 1:
             raise ValueError(f"rollout.max_num_seqs = {self.max_num_seqs}: must be at least 1")
         if min(self.page_size, self.max_model_len, self.max_num_batched_tokens, self.decode_steps) < 1:

@@ -116,6 +116,24 @@ def test_n_samples_share_prefill_and_preemption_keeps_output(qwen2):
         assert (eng.last_stats["preemptions"] > 0) == preempts
 
 
+def test_cache_is_sized_by_the_rows_of_one_call(qwen2):
+    """max_batch_rows caps the cache at what those rows can fill at max_model_len (plus the scratch
+    page), below the memory budget; a call of that many rows then never preempts, and a larger
+    one runs in waves with the same greedy output."""
+    cfg, hf = qwen2
+    ref = [c.token_ids for c in _engine(cfg, hf, page_size=4).generate(PROMPTS, _greedy(max_new=24))]
+    rows = len(PROMPTS) * 3
+    eng = _engine(cfg, hf, page_size=4, max_model_len=64, max_batch_rows=rows)
+    assert eng.runner.num_pages == rows * 64 // 4 + 1
+    assert eng.runner.num_pages < _engine(cfg, hf, page_size=4, max_model_len=64).runner.num_pages
+    got = eng.generate(PROMPTS, _greedy(n=3, max_new=24))
+    assert [c.token_ids for c in got] == [t for t in ref for _ in range(3)]
+    assert eng.last_stats["preemptions"] == 0
+    small = _engine(cfg, hf, page_size=4, max_model_len=64, max_batch_rows=2)
+    got = small.generate(PROMPTS, _greedy(n=3, max_new=24))
+    assert [c.token_ids for c in got] == [t for t in ref for _ in range(3)]
+
+
 def test_logprobs_equal_full_recompute(qwen2):
     cfg, hf = qwen2
     eng = _engine(cfg, hf, page_size=4)
