@@ -4,7 +4,8 @@
 # Usage: bash scripts/gpu_workload.sh 'name|ENV=x|minirl.override=y ...' ...
 #   e.g. bash scripts/gpu_workload.sh 'eager||model.compile_layers=false' 'compiled'
 # Env: PROFILE (default h200), WORKLOAD (the overrides that make issue 11's workload; empty for the
-# profile's own), RUN_LIMIT (seconds per run, default 240), OUT (logs; default ./gpu_logs).
+# profile's own), RUN_LIMIT (seconds per run, default 240), OUT (logs; default ./gpu_logs), EXTRA_KEYS
+# (more metrics for the table, space-separated).
 set -uo pipefail
 source scripts/gpu_setup.sh
 [ -f data/gsm8k/train.parquet ] || python3 scripts/make_data.py --out data --seed 0 --tasks gsm8k >/dev/null
@@ -20,6 +21,7 @@ done
 python3 - /tmp/runs "$@" <<'PY'
 import glob, json, os, sys
 keys = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/update_actor", "timing_s/step", "perf/mfu/actor")
+keys += tuple(os.environ.get("EXTRA_KEYS", "").split())  # e.g. timing_s/gen.kv_resume rollout/graph_captures
 print("| variant | step | " + " | ".join(k.split("/")[-1] for k in keys) + " |")
 for variant in sys.argv[2:]:
     name = variant.split("|")[0]
