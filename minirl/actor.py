@@ -27,6 +27,7 @@ from minirl.forward import response_hidden, response_logprobs
 from minirl.guard import PHASE_METRIC, STEPS_METRIC, first_nonfinite_input, phase_code
 from minirl.loss_agg import aggregate, mini_batch_norm
 from minirl.rollout_corr import ROLLOUT_LOG_PROBS, MismatchStats, require_rollout_log_probs, tis_weights
+from minirl.stats import DeviceSums
 from minirl.transfer import tensor_to
 
 
@@ -72,28 +73,18 @@ class Losses:
     ref_model: Any = None  # only for an estimator with needs_logits (the exact full KL)
 
 
-class MetricSums:
+class MetricSums(DeviceSums):
     """Sums of per-micro-batch loss contributions; each already carries its global normaliser.
 
     mismatch: the step's rollout / training mismatch (None without rollout log-probs).
     """
 
     def __init__(self, mismatch: MismatchStats | None = None):
-        # float64 sums kept on the device: reading each value back would stop the host after
-        # every micro-batch's forward (minirl.transfer says what such a wait costs)
-        self.sums: dict[str, torch.Tensor] = {}
+        super().__init__()
         self.mismatch = mismatch
 
-    def add(self, name: str, value: torch.Tensor) -> None:
-        value = value.detach().to(torch.float64)
-        self.sums[name] = value if name not in self.sums else self.sums[name] + value
-
     def reduced(self, dist: DistContext, n_minis: int) -> dict[str, float]:
-        names = sorted(self.sums)
-        if not names:
-            return {}
-        t = dist.all_reduce(torch.stack([self.sums[k].to(dist.device).reshape(()) for k in names]))
-        return {f"actor/{k}": v / n_minis for k, v in zip(names, t.tolist())}
+        return self.means(n_minis, "actor/", dist.reduce_sum)
 
 
 def update_actor(

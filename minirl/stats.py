@@ -71,3 +71,24 @@ def masked_whiten(
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+class DeviceSums:
+    """Named running sums of 0-d tensors, kept in float64 where the tensors live. Adding never
+    reads a value back, which would make the host wait for the device after every micro-batch
+    (minirl/transfer.py says what such waits cost); `means` reads them all at once."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach().to(torch.float64).reshape(())
+        self.sums[name] = value if name not in self.sums else self.sums[name] + value
+
+    def means(self, count: int, prefix: str, reduce: Reducer = no_reduce) -> dict[str, float]:
+        """{prefix + name: the sum over every rank / count}, in one collective."""
+        names = sorted(self.sums)
+        if not names:
+            return {}
+        totals = reduce(torch.stack([self.sums[k] for k in names]))
+        return {f"{prefix}{k}": v / count for k, v in zip(names, totals.tolist())}

@@ -21,7 +21,9 @@ from minirl.critic.model import response_values
 from minirl.critic.value_loss import clipped_value_loss, explained_variance
 from minirl.dist import DistContext
 from minirl.loss_agg import aggregate, mini_batch_norm
+from minirl.stats import DeviceSums
 from minirl.step_metrics import reduced_stats
+from minirl.transfer import tensor_to
 
 
 def _micro(batch: RolloutBatch, cfg, dist: DistContext, forward: bool = False) -> list[list[int]]:
@@ -48,7 +50,7 @@ def compute_values(model, batch: RolloutBatch, cfg, dist: DistContext) -> torch.
         sub = select_micro(batch, idx)  # an empty idx still runs its forward: FSDP ranks run in step
         values_R = response_values(model, sub.prompts, sub.responses, dist.device)
         if idx:
-            out_BT[torch.tensor(idx, device=dist.device)] = scatter_tokens(values_R, sub.mask_BT)
+            out_BT[tensor_to(idx, torch.long, dist.device)] = scatter_tokens(values_R, sub.mask_BT)
     assembly.reshard(model)
     return out_BT
 
@@ -61,7 +63,7 @@ def update_critic(model, optimizer, batch: RolloutBatch, cfg, max_response_lengt
     grad_norm (mean over the finite ones) and nonfinite_steps.
     """
     seqs_per_mini = cfg.ppo_mini_batch_size * n // dist.dp_size
-    sums: dict[str, float] = {}
+    sums = DeviceSums()
     grad_norms, skipped = [], 0
     for _epoch in range(cfg.ppo_epochs):
         order = torch.randperm(len(batch)) if cfg.shuffle else None
@@ -70,9 +72,7 @@ def update_critic(model, optimizer, batch: RolloutBatch, cfg, max_response_lengt
             grad_norm, bad = _mini_batch_step(model, optimizer, mb, cfg, max_response_length, dist, sums)
             grad_norms.append(grad_norm)
             skipped += int(bad)
-    names = sorted(sums)
-    totals = dist.all_reduce(torch.tensor([sums[k] for k in names], dtype=torch.float64, device=dist.device))
-    metrics = {f"critic/{k}": v / len(grad_norms) for k, v in zip(names, totals.tolist())}
+    metrics = sums.means(len(grad_norms), "critic/", dist.reduce_sum)
     finite = [g for g in grad_norms if math.isfinite(g)]
     metrics["critic/grad_norm"] = sum(finite) / max(1, len(finite))
     metrics["critic/nonfinite_steps"] = float(skipped)
@@ -110,7 +110,7 @@ def _micro_batch_loss(model, mb: RolloutBatch, cfg, norm, dist: DistContext, sum
         ("vf_clipfrac", aggregate(out.clipped_BT, mask_BT, "token-mean", norm)),
         ("vpred_mean", aggregate(vpred_BT.detach(), mask_BT, "token-mean", norm)),
     ):
-        sums[name] = sums.get(name, 0.0) + float(value.detach())
+        sums.add(name, value)
     return loss
 
 

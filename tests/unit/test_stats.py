@@ -6,11 +6,12 @@ import sys
 import threading
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirl.stats import masked_mean, masked_sum, masked_var, masked_whiten
+from minirl.stats import DeviceSums, masked_mean, masked_sum, masked_var, masked_whiten
 
 FAST = settings(max_examples=30, deadline=None)
 
@@ -171,3 +172,27 @@ def test_engine_metrics_split_seconds_from_counts():
         "rollout/preemptions": 0.0,
     }
     assert engine_metrics(types.SimpleNamespace(), dist) == {}
+
+
+@FAST
+@given(st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=20))
+def test_device_sums_equal_float64_sums_read_once(values):
+    """Sums of float32 contributions accumulate in float64, as the float() readings they replace
+    did; `means` reduces every name in one call and divides by the count."""
+    sums, calls = DeviceSums(), []
+
+    def reduce(x):
+        calls.append(x.clone())
+        return 2 * x  # a second rank holding the same sums
+
+    for v in values:
+        sums.add("a", torch.tensor(v, dtype=torch.float32))
+        sums.add("b", torch.tensor([[-v]], dtype=torch.float32))  # any one-element shape
+    out = sums.means(4, "x/", reduce)
+    expected = sum(float(torch.tensor(v, dtype=torch.float32)) for v in values)
+    assert len(calls) == 1 and calls[0].dtype == torch.float64
+    assert out == {
+        "x/a": pytest.approx(2 * expected / 4, rel=1e-12, abs=1e-9),
+        "x/b": pytest.approx(-2 * expected / 4, rel=1e-12, abs=1e-9),
+    }
+    assert DeviceSums().means(3, "x/", reduce) == {} and len(calls) == 1
