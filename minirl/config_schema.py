@@ -97,7 +97,9 @@ class RolloutConfig:
     do_sample: bool = True
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: str = "auto"  # auto: rollout.dtype; fp8 (= fp8_e4m3), fp8_e5m2: half the KV bytes (native, sglang)
-    gpu_memory_utilization: float = 0.5  # share of free device memory for the KV cache
+    # share of free device memory for the KV cache; the native engine's takes no more than a step's
+    # prompts x n rows can fill at max_prompt_length + max_response_length
+    gpu_memory_utilization: float = 0.5
     max_num_seqs: int = 1024  # most sequences decoding at once
     enforce_eager: bool = False  # true: no CUDA graphs
     free_cache_engine: bool = True  # release the KV cache outside generation
