@@ -124,7 +124,7 @@ def test_cache_is_sized_by_the_rows_of_one_call(qwen2):
     ref = [c.token_ids for c in _engine(cfg, hf, page_size=4).generate(PROMPTS, _greedy(max_new=24))]
     rows = len(PROMPTS) * 3
     eng = _engine(cfg, hf, page_size=4, max_model_len=64, max_batch_rows=rows)
-    assert eng.runner.num_pages == rows * 64 // 4 + 1
+    assert eng.runner.num_pages == rows * (64 // 4 + 1) + 1  # a reserve page per row, the scratch page
     assert eng.runner.num_pages < _engine(cfg, hf, page_size=4, max_model_len=64).runner.num_pages
     got = eng.generate(PROMPTS, _greedy(n=3, max_new=24))
     assert [c.token_ids for c in got] == [t for t in ref for _ in range(3)]
@@ -132,6 +132,17 @@ def test_cache_is_sized_by_the_rows_of_one_call(qwen2):
     small = _engine(cfg, hf, page_size=4, max_model_len=64, max_batch_rows=2)
     got = small.generate(PROMPTS, _greedy(n=3, max_new=24))
     assert [c.token_ids for c in got] == [t for t in ref for _ in range(3)]
+    assert small.last_stats["preemptions"] > 0
+
+
+@pytest.mark.parametrize(("prompt_len", "max_new", "n"), [(60, 3, 1), (20, 8, 2), (20, 8, 4), (30, 2, 16)])
+def test_a_cache_sized_for_one_prompt_group_admits_it(qwen2, prompt_len, max_new, n):
+    """The trainer's sizing at one prompt per rank (rows = n) and a short budget: the scheduler
+    keeps a free page per running row when it admits a group, so the cache must count those."""
+    cfg, hf = qwen2
+    eng = _engine(cfg, hf, page_size=16, max_model_len=prompt_len + max_new, max_batch_rows=n)
+    got = eng.generate([list(range(3, 3 + prompt_len))], _greedy(n=n, max_new=max_new))
+    assert [len(c.token_ids) for c in got] == [max_new] * n
 
 
 def test_logprobs_equal_full_recompute(qwen2):

@@ -118,13 +118,14 @@ class ModelRunner:
         return max(2, min(int(budget) // (self.kv_bytes_per_token * self.page), self.useful_pages()))
 
     def useful_pages(self) -> int:
-        """Pages that the rows in flight can fill at most: every row at max_model_len, plus the
+        """Pages that the rows in flight can use at most: every row at max_model_len plus the one
+        free page per running row that the scheduler keeps back when it admits a prompt, and the
         scratch page. Rows in flight are max_num_seqs, or fewer when one generate call never asks
         for more (max_batch_rows): a batch of 256 rows of 2,048 tokens fills 15 GB of a 1.5B
         model's cache, not the 60 GB that half of an H200 would give it. A larger call (validation
         over a big set) then runs in waves."""
         rows = min(self.cfg.max_num_seqs, self.cfg.max_batch_rows or self.cfg.max_num_seqs)
-        return rows * cdiv(self.cfg.max_model_len, self.page) + 1
+        return rows * (cdiv(self.cfg.max_model_len, self.page) + 1) + 1
 
     def allocate_kv(self) -> None:
         if self.kv is not None:
