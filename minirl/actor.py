@@ -17,6 +17,7 @@ from minirl import assembly
 from minirl.batch import (
     RolloutBatch,
     mini_batches,
+    scatter_rows,
     scatter_tokens,
     select_micro,
     split_micro,
@@ -24,7 +25,7 @@ from minirl.batch import (
 from minirl.dist import DistContext
 from minirl.errors import UserError
 from minirl.forward import response_hidden, response_logprobs
-from minirl.guard import PHASE_METRIC, STEPS_METRIC, first_nonfinite_input, phase_code
+from minirl.guard import PHASE_METRIC, STEPS_METRIC, first_nonfinite_input, nonfinite_step, phase_code
 from minirl.loss_agg import aggregate, mini_batch_norm
 from minirl.rollout_corr import ROLLOUT_LOG_PROBS, MismatchStats, require_rollout_log_probs, tis_weights
 from minirl.stats import DeviceSums
@@ -175,25 +176,19 @@ def _mini_batch_step(model, optimizer, batch, mini, cfg, temperature, max_len, l
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
         grad_norm = grad_norm.full_tensor()
-    bad = _nonfinite(loss_sum, grad_norm, dist)
+    bad, norm = nonfinite_step(loss_sum, grad_norm, dist.reduce_sum)
     if not bad:
         optimizer.step()  # a skipped step keeps NaN and inf out of the weights and the optimizer state
     optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm), bad
-
-
-def _nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor, dist: DistContext) -> str:
-    """ "loss" or "grad_norm" when either is non-finite on any rank (all ranks agree), else ""."""
-    flags = torch.stack([(~torch.isfinite(loss)).float(), (~torch.isfinite(grad_norm.to(loss.device))).float()])
-    loss_bad, grad_bad = dist.reduce_sum(flags).tolist()
-    return "loss" if loss_bad else ("grad_norm" if grad_bad else "")
+    return norm, bad
 
 
 def _micro_batch_loss(model, mb: RolloutBatch, cfg, temperature, norm, losses: Losses, dist, sums) -> torch.Tensor:
     mask_BT = mb.mask_BT
     logp_R, ent_R = response_logprobs(model, mb.prompts, mb.responses, temperature, dist.device, with_entropy=True)
-    logp_BT = scatter_tokens(logp_R.float(), mask_BT)
-    ent_BT = scatter_tokens(ent_R.float(), mask_BT)
+    lens = [len(r) for r in mb.responses]
+    logp_BT = scatter_rows(logp_R.float(), lens, mask_BT)
+    ent_BT = scatter_rows(ent_R.float(), lens, mask_BT)
     on_policy = "old_log_probs" not in mb.tensors
     old_BT = logp_BT.detach() if on_policy else mb.tensors["old_log_probs"]
     if on_policy and sums.mismatch is not None:
@@ -233,7 +228,7 @@ def _kl_loss_terms(model, mb: RolloutBatch, logp_BT, temperature, losses: Losses
     est = losses.kl_estimator
     if not getattr(est, "needs_logits", False):
         return est(logp_BT, mb.tensors["ref_log_probs"])
-    return scatter_tokens(_full_kl(model, mb, temperature, losses, dist), mb.mask_BT)
+    return scatter_rows(_full_kl(model, mb, temperature, losses, dist), [len(r) for r in mb.responses], mb.mask_BT)
 
 
 def _full_kl(model, mb, temperature, losses: Losses, dist, chunk: int = 1024) -> torch.Tensor:

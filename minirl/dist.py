@@ -58,6 +58,8 @@ class DistContext:
 
     def max_over_ranks(self, n: int) -> int:
         """The largest n over the data-parallel ranks: counts of passes that must agree (FSDP)."""
+        if self.dp_size == 1 or not tdist.is_initialized():
+            return n  # no copy to the device and back: that would wait for its queued work
         return int(self.all_reduce(torch.tensor(n, device=self.device), "max"))
 
     def all_gather_objects(self, obj: Any) -> list[Any]:

@@ -49,6 +49,16 @@ def phase_name(code: float) -> str:
     return NONFINITE_PHASES[i] if 0 <= i < len(NONFINITE_PHASES) else f"unknown ({code})"
 
 
+def nonfinite_step(loss: torch.Tensor, grad_norm: torch.Tensor, reduce) -> tuple[str, float]:
+    """("loss" or "grad_norm" when either is non-finite on any rank (`reduce` sums over the ranks,
+    so all agree), else ""; the gradient norm as a float). Read back together: one wait for the
+    device before the optimizer step, none after it."""
+    grad_norm = grad_norm.detach().to(loss.device, torch.float32).reshape(1)
+    flags = torch.stack([(~torch.isfinite(loss)).float(), (~torch.isfinite(grad_norm[0])).float()])
+    loss_bad, grad_bad, norm = torch.cat([reduce(flags), grad_norm]).tolist()
+    return ("loss" if loss_bad else ("grad_norm" if grad_bad else "")), norm
+
+
 def first_nonfinite_input(tensors: dict[str, torch.Tensor], reduce=None) -> str:
     """The phase of the first batch tensor holding NaN or inf ("" when all are finite), agreed
     over ranks by `reduce` (a sum over data-parallel ranks) with one host sync."""

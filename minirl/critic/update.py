@@ -16,10 +16,11 @@ import math
 import torch
 
 from minirl import assembly
-from minirl.batch import RolloutBatch, mini_batches, scatter_tokens, select_micro, split_micro
+from minirl.batch import RolloutBatch, mini_batches, scatter_rows, scatter_tokens, select_micro, split_micro
 from minirl.critic.model import response_values
 from minirl.critic.value_loss import clipped_value_loss, explained_variance
 from minirl.dist import DistContext
+from minirl.guard import nonfinite_step
 from minirl.loss_agg import aggregate, mini_batch_norm
 from minirl.stats import DeviceSums
 from minirl.step_metrics import reduced_stats
@@ -92,17 +93,17 @@ def _mini_batch_step(model, optimizer, mb: RolloutBatch, cfg, max_len: int, dist
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
         grad_norm = grad_norm.full_tensor()
-    flags = torch.stack([(~torch.isfinite(loss_sum)).float(), (~torch.isfinite(grad_norm.to(loss_sum.device))).float()])
-    bad = bool(dist.reduce_sum(flags).sum() > 0)  # all ranks agree
-    if not bad:
+    phase, norm = nonfinite_step(loss_sum, grad_norm, dist.reduce_sum)
+    if not phase:
         optimizer.step()  # a skipped step keeps NaN and inf out of the weights and the optimizer state
     optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm), bad
+    return norm, bool(phase)
 
 
 def _micro_batch_loss(model, mb: RolloutBatch, cfg, norm, dist: DistContext, sums) -> torch.Tensor:
     mask_BT = mb.mask_BT
-    vpred_BT = scatter_tokens(response_values(model, mb.prompts, mb.responses, dist.device), mask_BT)
+    values_R = response_values(model, mb.prompts, mb.responses, dist.device)
+    vpred_BT = scatter_rows(values_R, [len(r) for r in mb.responses], mask_BT)
     out = clipped_value_loss(vpred_BT, mb.tensors["values"], mb.tensors["returns"], mask_BT, cfg.cliprange_value)
     loss = aggregate(out.loss_BT, mask_BT, cfg.loss_agg_mode, norm)
     for name, value in (

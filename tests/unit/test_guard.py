@@ -16,7 +16,15 @@ from minirl.batch import RolloutBatch, response_mask
 from minirl.config import load_config
 from minirl.dist import DistContext
 from minirl.errors import UserError
-from minirl.guard import CRITIC_STEPS_METRIC, PHASE_METRIC, STEPS_METRIC, NonFiniteGuard, phase_code, phase_name
+from minirl.guard import (
+    CRITIC_STEPS_METRIC,
+    PHASE_METRIC,
+    STEPS_METRIC,
+    NonFiniteGuard,
+    nonfinite_step,
+    phase_code,
+    phase_name,
+)
 from minirl.models.loading import random_model
 from minirl.models.presets import preset_config
 from minirl.plugins import PluginManager
@@ -132,3 +140,25 @@ def test_guard_state_round_trips_for_resume():
     resumed.load_state_dict(guard.state_dict())
     with pytest.raises(UserError, match="from step 1"):
         resumed.observe(_bad("grad_norm"), 3)
+
+
+@pytest.mark.parametrize(
+    ("loss", "norm", "other_rank", "phase"),
+    [
+        (1.0, 2.5, (0.0, 0.0), ""),
+        (float("nan"), 2.5, (0.0, 0.0), "loss"),
+        (1.0, float("inf"), (0.0, 0.0), "grad_norm"),
+        (1.0, 2.5, (0.0, 1.0), "grad_norm"),  # another rank's gradient was not finite
+        (1.0, 2.5, (1.0, 1.0), "loss"),
+    ],
+)
+def test_nonfinite_step_reads_the_flags_of_every_rank_and_the_norm_at_once(loss, norm, other_rank, phase):
+    calls = []
+
+    def reduce(flags):
+        calls.append(flags.clone())
+        return flags + torch.tensor(other_rank)
+
+    got_phase, got_norm = nonfinite_step(torch.tensor(loss), torch.tensor(norm, dtype=torch.float64), reduce)
+    assert got_phase == phase and len(calls) == 1
+    assert got_norm == norm
