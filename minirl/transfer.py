@@ -2,7 +2,7 @@
 
 `torch.tensor(values, device="cuda")` and `cpu_tensor.to("cuda")` copy from pageable memory, and
 torch follows such a copy with a stream synchronisation: the host waits for every queued kernel
-before it can build the next micro-batch, and the device idles while it does (about 13 ms a
+before it can build the next micro-batch, and the device idles while it does (about 6 ms a
 micro-batch of the log-prob pass; docs/benchmarks.md). Staged in pinned memory the copy instead
 queues behind the kernels; torch's pinned-memory cache keeps the staging buffer until it has run.
 """
