@@ -150,6 +150,7 @@ def test_guard_state_round_trips_for_resume():
         (1.0, float("inf"), (0.0, 0.0), "grad_norm"),
         (1.0, 2.5, (0.0, 1.0), "grad_norm"),  # another rank's gradient was not finite
         (1.0, 2.5, (1.0, 1.0), "loss"),
+        (1.0, 1e300, (0.0, 0.0), ""),  # a float64 norm past float32's range is finite, read exactly
     ],
 )
 def test_nonfinite_step_reads_the_flags_of_every_rank_and_the_norm_at_once(loss, norm, other_rank, phase):
