@@ -187,8 +187,7 @@ def _micro_batch_loss(model, mb: RolloutBatch, cfg, temperature, norm, losses: L
     mask_BT = mb.mask_BT
     logp_R, ent_R = response_logprobs(model, mb.prompts, mb.responses, temperature, dist.device, with_entropy=True)
     lens = [len(r) for r in mb.responses]
-    logp_BT = scatter_rows(logp_R.float(), lens, mask_BT)
-    ent_BT = scatter_rows(ent_R.float(), lens, mask_BT)
+    logp_BT, ent_BT = scatter_rows(torch.stack([logp_R, ent_R], -1).float(), lens, mask_BT).unbind(-1)
     on_policy = "old_log_probs" not in mb.tensors
     old_BT = logp_BT.detach() if on_policy else mb.tensors["old_log_probs"]
     if on_policy and sums.mismatch is not None:

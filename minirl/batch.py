@@ -70,14 +70,17 @@ def scatter_tokens(flat_N: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
 def scatter_rows(flat_N: torch.Tensor, lens: list[int], mask_BT: torch.Tensor) -> torch.Tensor:
     """scatter_tokens for the training loss, given each row's token count on the host: row b's
     first lens[b] positions take the next lens[b] values, and positions where mask_BT is 0 are 0
-    (all of the placeholder micro-batch's, select_micro). The same values as scatter_tokens for a
-    response mask, through an index_put whose backward is a gather; masked_scatter's backward
-    (masked_select) reads a count back from the device, which would stop the host once per
-    micro-batch of the update."""
+    (all of the placeholder micro-batch's, select_micro). flat_N may carry trailing dimensions
+    ([N, k] -> [B, T, k]: several per-token values, one index). The same values as scatter_tokens
+    for a response mask, through an index_put whose backward is a gather; masked_scatter's
+    backward (masked_select) reads a count back from the device, which would stop the host once
+    per micro-batch of the update."""
     B, T = mask_BT.shape
+    rest = flat_N.shape[1:]
     idx = torch.cat([torch.arange(n, dtype=torch.long) + b * T for b, n in enumerate(lens)])
-    flat_BT = flat_N.new_zeros(B * T).index_put((to_device(idx, flat_N.device),), flat_N).view(B, T)
-    return torch.where(mask_BT.to(flat_BT.device).bool(), flat_BT, 0.0)
+    flat_BT = flat_N.new_zeros(B * T, *rest).index_put((to_device(idx, flat_N.device),), flat_N).view(B, T, *rest)
+    keep = mask_BT.to(flat_BT.device).bool().view(B, T, *([1] * len(rest)))
+    return torch.where(keep, flat_BT, 0.0)
 
 
 def mini_batches(n_seqs: int, seqs_per_mini: int, order: torch.Tensor | None = None) -> list[list[int]]:

@@ -53,10 +53,9 @@ def nonfinite_step(loss: torch.Tensor, grad_norm: torch.Tensor, reduce) -> tuple
     """("loss" or "grad_norm" when either is non-finite on any rank (`reduce` sums over the ranks,
     so all agree), else ""; the gradient norm as a float). Read back together: one wait for the
     device before the optimizer step, none after it."""
-    finite = torch.stack([torch.isfinite(loss), torch.isfinite(grad_norm.to(loss.device))])
-    flags = reduce((~finite).float())
-    read = torch.cat([flags.to(torch.float64), grad_norm.detach().to(loss.device, torch.float64).reshape(1)])
-    loss_bad, grad_bad, norm = read.tolist()
+    norm_1 = grad_norm.detach().to(loss.device, torch.float64).reshape(1)
+    flags = reduce((~torch.stack([torch.isfinite(loss), torch.isfinite(norm_1[0])])).float())
+    loss_bad, grad_bad, norm = torch.cat([flags.to(torch.float64), norm_1]).tolist()
     return ("loss" if loss_bad else ("grad_norm" if grad_bad else "")), norm
 
 

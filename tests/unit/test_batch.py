@@ -43,3 +43,12 @@ def test_scatter_rows_zeroes_the_placeholder_micro_batch_even_for_non_finite_val
 def test_scatter_rows_rejects_a_count_that_does_not_match_the_lengths():
     with pytest.raises(RuntimeError):
         scatter_rows(torch.zeros(4), [2, 1], torch.ones(2, 2))
+
+
+def test_scatter_rows_with_trailing_dims_equals_one_scatter_per_column():
+    """The update scatters log-probs and entropies stacked, [N, 2] -> [B, T, 2]."""
+    lens, mask = [3, 0, 2], response_mask([[0] * 3, [], [0] * 2], "cpu")
+    flat = torch.randn(5, 2, dtype=torch.float64)
+    both = scatter_rows(flat, lens, mask)
+    for k in range(2):
+        torch.testing.assert_close(both[..., k], scatter_tokens(flat[:, k], mask), rtol=0, atol=0)
