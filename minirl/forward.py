@@ -10,14 +10,20 @@ Legend: N packed tokens, R response tokens of the micro-batch, H hidden size.
 from __future__ import annotations
 
 import contextlib
+from itertools import chain
 
+import numpy as np
 import torch
 
 from minirl.logprob import chunked_logprobs
 from minirl.models.attention import packed_forward_kwargs
-from minirl.transfer import tensor_to, to_device
+from minirl.transfer import to_device
 
-LOGIT_CHUNK = 2048  # response positions per output-projection chunk
+# Response positions per output-projection chunk. With gradients each chunk's logits are
+# recomputed in the backward, so the chunk bounds the memory the loss holds; without (the log-prob
+# passes) a chunk's logits live only while its statistics are taken, and longer chunks run the
+# head's GEMM a little faster (8,192 × 151,936 bf16 logits = 2.5 GB; docs/benchmarks.md).
+LOGIT_CHUNK, LOGIT_CHUNK_NO_GRAD = 2048, 8192
 
 
 def mixed_precision(device: torch.device):
@@ -32,22 +38,32 @@ def mixed_precision(device: torch.device):
 def pack(
     prompts: list[list[int]], responses: list[list[int]], device
 ) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor]:
-    """Return input_ids [1, N], the sequence lengths, the predicting positions [R], the labels [R]."""
-    ids, lens, pred_pos, labels, offset = [], [], [], [], 0
-    for p, r in zip(prompts, responses):
-        ids += p + r
-        lens.append(len(p) + len(r))
-        # position offset + len(p) - 1 + t predicts response token t
-        pred_pos.append(torch.arange(len(r)) + offset + len(p) - 1)
-        labels += r
-        offset += len(p) + len(r)
-    input_ids = tensor_to(ids, torch.long, device)[None]
-    return input_ids, lens, to_device(torch.cat(pred_pos), device), tensor_to(labels, torch.long, device)
+    """Return input_ids [1, N], the sequence lengths, the predicting positions [R], the labels [R].
+
+    Built in numpy: this runs on the host before the first kernel of every pass, and
+    torch.tensor(list) is about ten times slower than np.fromiter on 30k token ids.
+    """
+    p_S = np.fromiter(map(len, prompts), np.int64, len(prompts))
+    r_S = np.fromiter(map(len, responses), np.int64, len(responses))
+    seq_S = p_S + r_S
+    ids_N = np.fromiter(chain.from_iterable(chain.from_iterable(zip(prompts, responses))), np.int64, int(seq_S.sum()))
+    labels_R = np.fromiter(chain.from_iterable(responses), np.int64, int(r_S.sum()))
+    # response token t of sequence s sits at row offset_s + len(p_s) + t and is predicted by the
+    # position before it; numbered across all responses (np.arange(R)) that is a per-sequence shift
+    shift_S = (np.cumsum(seq_S) - seq_S) + p_S - 1 - (np.cumsum(r_S) - r_S)
+    pred_pos_R = np.repeat(shift_S, r_S) + np.arange(labels_R.size)
+    input_ids = to_device(torch.from_numpy(ids_N), device)[None]
+    return (
+        input_ids,
+        seq_S.tolist(),
+        to_device(torch.from_numpy(pred_pos_R), device),
+        to_device(torch.from_numpy(labels_R), device),
+    )
 
 
 def hidden_states(model: torch.nn.Module, input_ids_1N: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
     """Last hidden states [N, H] of a packed row."""
-    kwargs = packed_forward_kwargs(seq_lens, device=input_ids_1N.device)
+    kwargs = packed_forward_kwargs(seq_lens, input_ids_1N.device, _attn_implementation(model))
     out = model.get_decoder()(input_ids=input_ids_1N, **kwargs)
     return out.last_hidden_state[0]
 
@@ -73,8 +89,12 @@ def split(model: torch.nn.Module, input_ids_1N, seq_lens: list[int], pred_pos_R,
     sp = getattr(model, "minirl_sequence_parallel", None)
     if sp is not None:
         return sp.split(input_ids_1N, seq_lens, pred_pos_R, labels_R)
-    kwargs = packed_forward_kwargs(seq_lens, device=input_ids_1N.device)
+    kwargs = packed_forward_kwargs(seq_lens, input_ids_1N.device, _attn_implementation(model))
     return input_ids_1N, kwargs, pred_pos_R, labels_R, _whole
+
+
+def _attn_implementation(model: torch.nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
 def _whole(x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +109,7 @@ def _packed_logprobs(model, input_ids_1N, seq_lens, pred_pos_R, labels_R, temper
         model.get_output_embeddings(),
         labels_r,
         temperature,
-        chunk_size=LOGIT_CHUNK,
+        chunk_size=LOGIT_CHUNK if torch.is_grad_enabled() else LOGIT_CHUNK_NO_GRAD,
         with_entropy=with_entropy,
         recompute=torch.is_grad_enabled(),
     )

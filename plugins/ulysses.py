@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from minirl import hookimpl
 from minirl.errors import UserError
 from minirl.models.attention import (
+    MASKLESS,
     minirl_attention_forward,
     packed_forward_kwargs,
     padding_mask_only,
@@ -73,6 +74,7 @@ def register_attention() -> None:
 
     AttentionInterface.register(ATTN_NAME, ulysses_attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, padding_mask_only)
+    MASKLESS.add(ATTN_NAME)  # it reads cu_seq_lens, never the mask (packed_forward_kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,7 +93,7 @@ class SequenceParallel:
         total = input_ids_1N.shape[1]
         pad = -total % self.size
         lens = list(seq_lens) + ([pad] if pad else [])  # the padding is a sequence of its own
-        kwargs = packed_forward_kwargs(lens, device=input_ids_1N.device)
+        kwargs = packed_forward_kwargs(lens, input_ids_1N.device, ATTN_NAME)
         n = (total + pad) // self.size
         lo = self.rank * n
         kwargs["position_ids"] = kwargs["position_ids"][:, lo : lo + n]

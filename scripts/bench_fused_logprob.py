@@ -1,6 +1,7 @@
 """Micro-benchmark on CUDA: one chunk of `chunked_logprobs`, fused Triton kernels vs plain torch.
 
     python3 scripts/bench_fused_logprob.py            # V = 151,936, H = 1536 (Qwen2-1.5B's head)
+    python3 scripts/bench_fused_logprob.py --no-grad  # a whole log-prob pass's head, by chunk size
 
 For n = 1024, 2048, 4096 positions a chunk, as the actor's update runs it (bf16 autocast over an
 fp32 head weight, activation checkpointing, entropy on, upstream gradients on both outputs):
@@ -11,6 +12,9 @@ fp32 head weight, activation checkpointing, entropy on, upstream gradients on bo
   - the two kernels alone on a bf16 z [n, V], ms and effective GB/s (forward reads z once;
     backward reads z and writes grad_z), against the 4.28 TB/s copy ceiling measured on the H200,
     over a small sweep of block size and warps; the chunk passes then run with the best.
+--no-grad: the head of a whole log-prob pass (issue 11's 262,144 response positions, a bf16
+head as the reference holds it, no entropy) through `chunked_logprobs` at chunk sizes 2,048 to
+32,768: ms, the head GEMM's share of it, and TFLOP/s against the 768 measured for bf16 matmuls.
 Printed as markdown tables, and written to $OUT/bench_fused_logprob.md when OUT is set.
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 
 import torch
 
@@ -137,12 +142,37 @@ def kernel_table() -> list[str]:
     return rows
 
 
+def no_grad_table(rows: int = 262_144) -> list[str]:
+    head = torch.nn.Linear(H, V, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        head.weight.normal_(0.0, 0.02)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    y = torch.randint(0, V, (rows,), device="cuda", generator=gen)
+    flops = 2 * rows * H * V
+    out = [
+        f"| chunk | pass ms ({rows:,} positions) | head GEMMs alone ms | GEMM TFLOP/s | of 768 |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    with torch.no_grad():
+        for n in (2048, 4096, 8192, 16384, 32768):
+            t_pass = cuda_ms(lambda n=n: chunked_logprobs(h, head, y, T, chunk_size=n), reps=5)
+            t_gemm = cuda_ms(lambda n=n: [head(h[i : i + n]) for i in range(0, rows, n)], reps=5)
+            tflops = flops / t_gemm / 1e9
+            out.append(f"| {n} | {t_pass:.1f} | {t_gemm:.1f} | {tflops:.0f} | {tflops / 768:.0%} |")
+    return out
+
+
 def _second(pair):
     return pair[1]
 
 
 def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
+    if "--no-grad" in sys.argv[1:]:
+        text = "\n".join(["# no-grad log-prob pass, bf16 head, by chunk size", "", *no_grad_table()])
+        print(text, flush=True)
+        return
     head = torch.nn.Linear(H, V, bias=False, device="cuda")  # fp32 master weight, as the actor holds it
     with torch.no_grad():
         head.weight.normal_(0.0, 0.02)

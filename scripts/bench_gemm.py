@@ -4,6 +4,7 @@
     CUBLASLT_WORKSPACE_SIZE=65536 python3 scripts/bench_gemm.py     # a larger cuBLASLt workspace (KiB)
 
     python3 scripts/bench_gemm.py --split-k down --batches 256,512  # split-K candidates for one GEMM
+    python3 scripts/bench_gemm.py --shapes hf --batches 27500       # the log-prob pass's GEMMs
 
 Floor of each: max(weight bytes / 4.28 TB/s, FLOPs / 768 TFLOP/s), the H200's measured copy
 bandwidth and bf16 matmul ceiling. Shapes: the Qwen2-1.5B layer at decode batch M.
@@ -28,6 +29,15 @@ SHAPES = {
     "qkv": (2048, 1536),
     "o_proj": (1536, 1536),
     "gate_up": (17920, 1536),
+    "down": (1536, 8960),
+    "lm_head": (151936, 1536),
+}
+# The same layer as Hugging Face's Qwen2 runs it in the training and log-prob passes: separate
+# projections (k and v alike), at a packed micro-batch's M (--shapes hf --batches 27500).
+HF_SHAPES = {
+    "q / o_proj": (1536, 1536),
+    "k / v_proj": (256, 1536),
+    "gate / up_proj": (8960, 1536),
     "down": (1536, 8960),
     "lm_head": (151936, 1536),
 }
@@ -111,6 +121,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", default="128,256,512")
     p.add_argument("--split-k", default="", help="time split-K candidates for this GEMM (e.g. down) instead")
+    p.add_argument("--shapes", choices=("native", "hf"), default="native", help="the native engine's layer or HF's")
     args = p.parse_args()
     if args.split_k:
         split_k_table(args.split_k, [int(b) for b in args.batches.split(",")])
@@ -119,7 +130,7 @@ def main() -> int:
     print("| M | GEMM | library | us | floor us | of floor |")
     print("| ---: | --- | --- | ---: | ---: | ---: |")
     for m in (int(b) for b in args.batches.split(",")):
-        for name, (n, k) in SHAPES.items():
+        for name, (n, k) in (HF_SHAPES if args.shapes == "hf" else SHAPES).items():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             floor = max(n * k * 2 / BANDWIDTH, 2 * m * n * k / MATMUL) * 1e6

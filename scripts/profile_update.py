@@ -9,7 +9,8 @@ The run goes as `python -m minirl` would (in this process, world 1). PROFILE_PHA
 PROFILE_STEP-th call of each (default 2: step 1 is warm-up) runs under the profiler. Printed, and
 written to $OUT/profile_<method>.txt: the pass's wall time, the GPU kernel time by kind (GEMMs,
 attention, the log-softmax/cross-entropy, element-wise, the optimizer, copies, collectives) and
-the top kernels by time. The profiled step's own phase times include the profiler's bookkeeping:
+the top kernels by time, and where the device idled (scripts/trace_gaps.py; PROFILE_STACK=0 drops
+the Python frames it blames gaps on). The profiled step's own phase times include the profiler's bookkeeping:
 time the phases from a run without this script.
 """
 
@@ -21,13 +22,16 @@ import time
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from minirl import spmd
 from minirl import trainer as trainer_mod
 from minirl.cli import build_parser, resolve
 from minirl.spmd import free_port
 from minirl.validate import validate
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import trace_gaps  # noqa: E402  (scripts/ is not a package)
 
 # kernel kind: substrings of the kernel name (lower case), first match wins
 KINDS = (
@@ -95,10 +99,16 @@ def patch_phase(method: str, profile_step: int, out_path: str) -> None:
             return original(self, *args)
         sync()
         start = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            result = original(self, *args)
-            sync()
+        stack = os.environ.get("PROFILE_STACK", "1") == "1"
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stack) as prof:
+            with record_function(f"minirl/{method}"):
+                result = original(self, *args)
+                sync()
         text = f"## {method}, call {profile_step}\n\n" + report(prof, time.perf_counter() - start)
+        trace = os.path.join(os.environ.get("TRACE_DIR", "/tmp"), f"trace_{method}.json")
+        prof.export_chrome_trace(trace)
+        idle = trace_gaps.analyse(trace_gaps.load_events(trace), f"minirl/{method}")
+        text += "\n\n### Device idle\n\n" + idle.table()
         print(text, flush=True)
         with open(out_path, "w") as f:
             f.write(text + "\n")

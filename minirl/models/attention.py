@@ -38,13 +38,21 @@ _HALF = (torch.float16, torch.bfloat16)
 # ---------------------------------------------------------------------------------------------
 
 
-def packed_forward_kwargs(seq_lens: Sequence[int] | torch.Tensor, device: torch.device | str | None = None) -> dict:
+def packed_forward_kwargs(
+    seq_lens: Sequence[int] | torch.Tensor,
+    device: torch.device | str | None = None,
+    attn_implementation: str | None = None,
+) -> dict:
     """The kwargs that make a Hugging Face causal LM treat one [1, N] row as S separate sequences.
 
     position_ids restart at 0 per sequence (so RoPE matches the unpacked forward); cu_seq_lens_q/k
     are int32 boundaries [S+1] (what varlen kernels take); max_length_q/k are Python ints so no
     kernel call has to synchronise to find them; use_cache=False keeps the forward from storing
     every layer's keys and values in a cache nobody reads.
+
+    attn_implementation: the model's (`model.config._attn_implementation`). For one of
+    MASKLESS (minirl's, Ulysses') the kwargs also carry `attention_mask=NO_MASK`: see there.
+    Other implementations (sdpa, eager) get no mask and build theirs from the position_ids.
     """
     lens_S = torch.as_tensor(seq_lens, dtype=torch.int64).cpu()
     if lens_S.ndim != 1 or lens_S.numel() == 0 or bool((lens_S <= 0).any()):
@@ -55,7 +63,7 @@ def packed_forward_kwargs(seq_lens: Sequence[int] | torch.Tensor, device: torch.
     position_ids_1N = (torch.arange(int(cu_S1[-1])) - starts_N).unsqueeze(0)
     max_len = int(lens_S.max())
     cu_S1 = to_device(cu_S1, device)
-    return {
+    kwargs = {
         "position_ids": to_device(position_ids_1N, device),
         "cu_seq_lens_q": cu_S1,
         "cu_seq_lens_k": cu_S1,
@@ -63,6 +71,21 @@ def packed_forward_kwargs(seq_lens: Sequence[int] | torch.Tensor, device: torch.
         "max_length_k": max_len,
         "use_cache": False,
     }
+    if attn_implementation in MASKLESS:
+        kwargs["attention_mask"] = torch.empty(NO_MASK_SHAPE, dtype=torch.bool, device=device)
+    return kwargs
+
+
+# Attention implementations that take a packed row's boundaries from cu_seq_lens alone and never
+# read its mask (Ulysses adds its own name). For them packed_forward_kwargs passes NO_MASK: a 4-D
+# mask with no elements. transformers hands a 4-D mask to the layers as already prepared, so it
+# skips building one, and with it the packed-sequence detection that reads a value back from the
+# device (`(packed_sequence_mask[:, -1] == 0).all()`): a host sync in every packed forward, which
+# let the device run dry at the start of each micro-batch while the host launched the next one
+# (docs/benchmarks.md). Any other attention that got it would fail on its empty shape instead of
+# attending across sequences.
+MASKLESS = {ATTN_NAME}
+NO_MASK_SHAPE = (1, 1, 0, 0)
 
 
 def register_attention() -> None:

@@ -141,7 +141,7 @@ def test_packed_logits_and_grads_equal_unpacked(preset, reference_attn):
     g = torch.Generator().manual_seed(1)
     weights = torch.randn(1, sum(seq_lens), packed.config.vocab_size, generator=g)
 
-    logits = packed(input_ids=ids, **packed_forward_kwargs(seq_lens)).logits
+    logits = packed(input_ids=ids, **packed_forward_kwargs(seq_lens, attn_implementation=ATTN_NAME)).logits
     expected = _unpacked_logits(reference, ids, seq_lens)
     torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
 
@@ -150,6 +150,40 @@ def test_packed_logits_and_grads_equal_unpacked(preset, reference_attn):
     for (name, p), (_, p_ref) in zip(packed.named_parameters(), reference.named_parameters()):
         scale = p_ref.grad.abs().max().item()  # grads reach ~300: compare relative to each tensor
         assert (p.grad - p_ref.grad).abs().max().item() <= 1e-5 * scale, name
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_packed_forward_skips_transformers_packing_detection(preset, monkeypatch):
+    """With minirl's attention, transformers neither builds a mask nor looks for packed
+    sequences (that look reads a value back from the device: a host sync per forward), and the
+    logits are still each sequence's own. Without the stand-in mask it does look."""
+    import transformers.masking_utils as masking
+
+    seq_lens = [5, 9, 2]
+    ids = _packed_batch(seq_lens)
+    model = _model(preset, ATTN_NAME)
+    expected = _unpacked_logits(model, ids, seq_lens)
+    looked = []
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: looked.append(1))
+    kwargs = packed_forward_kwargs(seq_lens, attn_implementation=ATTN_NAME)
+    assert kwargs["attention_mask"].shape == (1, 1, 0, 0)
+    torch.testing.assert_close(model(input_ids=ids, **kwargs).logits, expected, atol=2e-5, rtol=1e-5)
+    assert looked == []
+    model(input_ids=ids, **packed_forward_kwargs(seq_lens))  # no implementation named: no stand-in
+    assert looked
+
+
+def test_other_attentions_get_no_stand_in_mask_and_refuse_it():
+    """sdpa builds its packed mask from the position_ids, so it gets no stand-in; handed one
+    anyway, it fails on the empty shape rather than attending across sequences."""
+    seq_lens = [6, 3]
+    ids = _packed_batch(seq_lens)
+    model = _model("tiny", "sdpa")
+    assert "attention_mask" not in packed_forward_kwargs(seq_lens, attn_implementation="sdpa")
+    logits = model(input_ids=ids, **packed_forward_kwargs(seq_lens, attn_implementation="sdpa")).logits
+    torch.testing.assert_close(logits, _unpacked_logits(model, ids, seq_lens), atol=2e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError):
+        model(input_ids=ids, **packed_forward_kwargs(seq_lens, attn_implementation=ATTN_NAME))
 
 
 def test_packing_without_boundaries_is_detected_by_the_test():

@@ -1,0 +1,85 @@
+"""Tests of scripts/trace_gaps.py: device idle time of a profiled pass, split and blamed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "trace_gaps.py"
+
+
+@pytest.fixture(scope="module")
+def trace_gaps():
+    spec = importlib.util.spec_from_file_location("trace_gaps", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["trace_gaps"] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def _x(cat, name, ts, dur, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+
+def _trace():
+    frame = "minirl/actor.py(45): compute_logprobs"
+    return [
+        {"ph": "M", "name": "process_name", "ts": 0, "args": {"name": "python"}},
+        _x("user_annotation", "minirl/log_probs", 0, 1000),
+        _x("gpu_user_annotation", "minirl/log_probs", 100, 600),  # its GPU-side twin
+        _x("kernel", "gemm", 100, 200, correlation=1),
+        _x("kernel", "gemm", 300, 200, correlation=2),  # back to back: no gap
+        _x("kernel", "silu", 600, 100, correlation=3),  # launched at 550, inside the gap before it
+        _x("kernel", "gemm", 800, 100, correlation=4),  # queued at 200, the host synchronized
+        _x("gpu_memcpy", "Memcpy HtoD", 905, 45, correlation=5),  # queued at 100: a 5 us gap
+        _x("cuda_runtime", "cudaLaunchKernel", 90, 2, correlation=1),
+        _x("cuda_runtime", "cudaLaunchKernel", 95, 2, correlation=2),
+        _x("cuda_runtime", "cudaMemcpyAsync", 100, 2, correlation=5),
+        _x("cuda_runtime", "cudaLaunchKernel", 200, 2, correlation=4),
+        _x("cuda_runtime", "cudaLaunchKernel", 550, 3, correlation=3),
+        _x("cuda_runtime", "cudaStreamSynchronize", 690, 100),
+        _x("python_function", frame, 540, 20),
+        _x("python_function", "torch/nn/modules/module.py(1): _call_impl", 530, 40),
+        _x("cpu_op", "aten::copy_", 545, 10),
+    ]
+
+
+def test_idle_is_split_into_lead_gaps_and_tail(trace_gaps):
+    report = trace_gaps.analyse(_trace(), "minirl/log_probs")
+    assert report.pass_us == 1000
+    assert report.busy_us == pytest.approx(645)
+    assert (report.lead_us, report.gaps_us, report.tail_us) == (100, 205, 50)
+    assert report.idle_us == pytest.approx(report.lead_us + report.gaps_us + report.tail_us)
+    assert report.gap_count == 3
+
+
+def test_gaps_are_blamed_on_a_blocking_call_the_launching_frame_or_the_queue(trace_gaps):
+    report = trace_gaps.analyse(_trace(), "minirl/log_probs")
+    assert report.blame_us == {
+        "aten::copy_ in minirl/actor.py(45): compute_logprobs": 100,
+        "cudaStreamSynchronize (blocking)": 100,
+        "launched before: queue ordering": 5,
+    }
+    assert [(start, length) for start, length, _ in report.largest] == [(500, 100), (700, 100), (900, 5)]
+    assert "compute_logprobs" in report.table()
+
+
+def test_overlapping_kernels_count_once_and_the_trace_reads_back(trace_gaps, tmp_path):
+    events = [
+        _x("kernel", "a", 10, 50, correlation=1),
+        _x("kernel", "b", 20, 20, correlation=2),  # inside a, on another stream
+        _x("kernel", "c", 40, 40, correlation=3),  # overlaps a's end
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": [*events, {"ph": "i", "name": "marker", "ts": 0}]}))
+    report = trace_gaps.analyse(trace_gaps.load_events(str(path)))
+    assert (report.pass_us, report.busy_us, report.idle_us) == (70, 70, 0)
+
+
+def test_a_pass_without_kernels_is_all_lead(trace_gaps):
+    report = trace_gaps.analyse([_x("user_annotation", "p", 0, 30)], "p")
+    assert (report.busy_us, report.lead_us, report.gap_count) == (0, 30, 0)
