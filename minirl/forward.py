@@ -40,8 +40,10 @@ def pack(
 ) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor]:
     """Return input_ids [1, N], the sequence lengths, the predicting positions [R], the labels [R].
 
-    Built in numpy: this runs on the host before the first kernel of every pass, and
-    torch.tensor(list) is about ten times slower than np.fromiter on 30k token ids.
+    The predicting positions stay on the host: `split` places them, and a sequence-parallel split
+    cuts its slices by them without reading them back from the device. Built in numpy: this runs
+    on the host before the first kernel of every pass, and torch.tensor(list) is about ten times
+    slower than np.fromiter on 30k token ids.
     """
     p_S = np.fromiter(map(len, prompts), np.int64, len(prompts))
     r_S = np.fromiter(map(len, responses), np.int64, len(responses))
@@ -53,12 +55,7 @@ def pack(
     shift_S = (np.cumsum(seq_S) - seq_S) + p_S - 1 - (np.cumsum(r_S) - r_S)
     pred_pos_R = np.repeat(shift_S, r_S) + np.arange(labels_R.size)
     input_ids = to_device(torch.from_numpy(ids_N), device)[None]
-    return (
-        input_ids,
-        seq_S.tolist(),
-        to_device(torch.from_numpy(pred_pos_R), device),
-        to_device(torch.from_numpy(labels_R), device),
-    )
+    return input_ids, seq_S.tolist(), torch.from_numpy(pred_pos_R), to_device(torch.from_numpy(labels_R), device)
 
 
 def hidden_states(model: torch.nn.Module, input_ids_1N: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
@@ -81,7 +78,8 @@ def run_packed(model: torch.nn.Module, fn, *args):
 
 def split(model: torch.nn.Module, input_ids_1N, seq_lens: list[int], pred_pos_R, labels_R):
     """This rank's share of a packed row: (input_ids [1, n], forward kwargs, predicting positions
-    [r] within it, their labels [r], gather: [r, ...] -> [R, ...]).
+    [r] within it on the row's device, their labels [r], gather: [r, ...] -> [R, ...]).
+    pred_pos_R comes from `pack`, on the host.
 
     Without sequence parallelism that is the whole row. A sequence-parallel plugin (Ulysses)
     installs `model.minirl_sequence_parallel`, whose `split` cuts the row into slices.
@@ -90,7 +88,7 @@ def split(model: torch.nn.Module, input_ids_1N, seq_lens: list[int], pred_pos_R,
     if sp is not None:
         return sp.split(input_ids_1N, seq_lens, pred_pos_R, labels_R)
     kwargs = packed_forward_kwargs(seq_lens, input_ids_1N.device, _attn_implementation(model))
-    return input_ids_1N, kwargs, pred_pos_R, labels_R, _whole
+    return input_ids_1N, kwargs, to_device(pred_pos_R, input_ids_1N.device), labels_R, _whole
 
 
 def _attn_implementation(model: torch.nn.Module) -> str | None:

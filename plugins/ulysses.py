@@ -35,6 +35,7 @@ from minirl.models.attention import (
     padding_mask_only,
     varlen_attention,
 )
+from minirl.transfer import to_device
 
 ATTN_NAME = "minirl_ulysses"
 _KWARG = "minirl_ulysses"  # the forward kwarg that carries the SequenceParallel to the attention
@@ -99,13 +100,15 @@ class SequenceParallel:
         kwargs["position_ids"] = kwargs["position_ids"][:, lo : lo + n]
         kwargs[_KWARG] = self
         ids_1n = F.pad(input_ids_1N, (0, pad))[:, lo : lo + n]
-        # predicting positions are sorted, so each slice owns one contiguous run of them
-        bounds = torch.arange(self.size + 1, device=pred_pos_R.device) * n
-        cuts = torch.searchsorted(pred_pos_R, bounds).tolist()
+        # predicting positions are sorted, so each slice owns one contiguous run of them; they are
+        # on the host (minirl.forward.pack), so the cuts need no read-back from the device
+        bounds = torch.arange(self.size + 1) * n
+        cuts = torch.searchsorted(pred_pos_R.cpu(), bounds).tolist()
         counts = [b - a for a, b in itertools.pairwise(cuts)]
         start, stop = cuts[self.rank], cuts[self.rank + 1]
         gather = _Gather(self, counts)
-        return ids_1n, kwargs, pred_pos_R[start:stop] - lo, labels_R[start:stop], gather
+        pos_r = to_device(pred_pos_R[start:stop] - lo, input_ids_1N.device)
+        return ids_1n, kwargs, pos_r, labels_R[start:stop], gather
 
 
 class _Gather:

@@ -3,11 +3,12 @@ token and those tokens, equal to building them sequence by sequence."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirl.forward import pack
+from minirl.forward import pack, response_logprobs
 
 tokens = st.lists(st.integers(0, 151_935), max_size=12)
 pairs = st.lists(st.tuples(tokens.filter(len), tokens), min_size=1, max_size=8)  # prompts are never empty
@@ -36,3 +37,32 @@ def test_pack_equals_building_each_sequence_in_turn(pairs):
     assert labels_R.dtype == torch.long and labels_R.tolist() == labels
     # each predicting position holds the token just before its label
     assert all(ids[pos + 1] == label for pos, label in zip(pred_pos, labels))
+
+
+def test_the_predicting_positions_stay_on_the_host():
+    """split places them; a sequence-parallel split cuts its slices by them without a read-back."""
+    ids_1N, _, pred_pos_R, labels_R = pack([[1, 2], [3]], [[4, 5], [6]], "meta")
+    assert ids_1N.device.type == labels_R.device.type == "meta"
+    assert pred_pos_R.device.type == "cpu" and pred_pos_R.tolist() == [1, 2, 4]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("preset", ["tiny", "llama3-tiny"])
+def test_a_packed_log_prob_pass_never_waits_for_the_device(preset):
+    """Under torch's sync debug mode a forward that read a value back (transformers' packing
+    detection did, once per forward) raises; minirl's packed forward must not."""
+    from minirl.models.loading import random_model
+    from minirl.models.presets import preset_config
+
+    model = random_model(preset_config(preset), "cuda", torch.bfloat16, seed=0)
+    prompts, responses = [[5, 6, 7], [8, 9]], [[10, 11, 12, 13], [14]]
+    with torch.no_grad():
+        want, _ = response_logprobs(model, prompts, responses, 1.0, torch.device("cuda"))  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got, _ = response_logprobs(model, prompts, responses, 1.0, torch.device("cuda"))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
