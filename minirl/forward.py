@@ -15,15 +15,16 @@ from itertools import chain
 import numpy as np
 import torch
 
-from minirl.logprob import chunked_logprobs
-from minirl.models.attention import packed_forward_kwargs
+from minirl.logprob import chunked_logprobs, use_fused
+from minirl.models.attention import ATTN_NAME, packed_forward_kwargs
 from minirl.transfer import to_device
 
 # Response positions per output-projection chunk. With gradients each chunk's logits are
-# recomputed in the backward, so the chunk bounds the memory the loss holds; without (the log-prob
-# passes) a chunk's logits live only while its statistics are taken, and longer chunks run the
-# head's GEMM a little faster (8,192 × 151,936 bf16 logits = 2.5 GB; docs/benchmarks.md).
-LOGIT_CHUNK, LOGIT_CHUNK_NO_GRAD = 2048, 8192
+# recomputed in the backward, so the chunk bounds the memory the loss holds. Without gradients
+# (the log-prob passes) on the fused kernels a chunk's logits live only in the head's dtype while
+# its statistics are taken, and longer chunks run the head's GEMM a little faster (8,192 × 151,936
+# bf16 logits = 2.5 GB; docs/benchmarks.md); the plain path's float32 copies keep the short chunk.
+LOGIT_CHUNK, LOGIT_CHUNK_FUSED_NO_GRAD = 2048, 8192
 
 
 def mixed_precision(device: torch.device):
@@ -37,13 +38,15 @@ def mixed_precision(device: torch.device):
 
 def pack(
     prompts: list[list[int]], responses: list[list[int]], device
-) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, list[int], np.ndarray, torch.Tensor]:
     """Return input_ids [1, N], the sequence lengths, the predicting positions [R], the labels [R].
 
-    The predicting positions stay on the host: `split` places them, and a sequence-parallel split
-    cuts its slices by them without reading them back from the device. Built in numpy: this runs
-    on the host before the first kernel of every pass, and torch.tensor(list) is about ten times
-    slower than np.fromiter on 30k token ids.
+    The predicting positions stay a numpy array on the host: `split` places them (a pinned copy),
+    and a sequence-parallel split cuts its slices by them without reading anything back from the
+    device. Not a CPU tensor: FSDP2's root forward (`run_packed` under FSDP2) moves every tensor
+    argument to the device with a blocking copy, and leaves other objects alone.
+    Built in numpy: this runs on the host before the first kernel of every pass. Through
+    torch.tensor(list), 2 ms for each 30k-id list, the whole pack took 4 ms; with np.fromiter, 1.
     """
     p_S = np.fromiter(map(len, prompts), np.int64, len(prompts))
     r_S = np.fromiter(map(len, responses), np.int64, len(responses))
@@ -55,12 +58,12 @@ def pack(
     shift_S = (np.cumsum(seq_S) - seq_S) + p_S - 1 - (np.cumsum(r_S) - r_S)
     pred_pos_R = np.repeat(shift_S, r_S) + np.arange(labels_R.size)
     input_ids = to_device(torch.from_numpy(ids_N), device)[None]
-    return input_ids, seq_S.tolist(), torch.from_numpy(pred_pos_R), to_device(torch.from_numpy(labels_R), device)
+    return input_ids, seq_S.tolist(), pred_pos_R, to_device(torch.from_numpy(labels_R), device)
 
 
 def hidden_states(model: torch.nn.Module, input_ids_1N: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
     """Last hidden states [N, H] of a packed row."""
-    kwargs = packed_forward_kwargs(seq_lens, input_ids_1N.device, _attn_implementation(model))
+    kwargs = packed_forward_kwargs(seq_lens, input_ids_1N.device, _reads_no_mask(model))
     out = model.get_decoder()(input_ids=input_ids_1N, **kwargs)
     return out.last_hidden_state[0]
 
@@ -79,7 +82,7 @@ def run_packed(model: torch.nn.Module, fn, *args):
 def split(model: torch.nn.Module, input_ids_1N, seq_lens: list[int], pred_pos_R, labels_R):
     """This rank's share of a packed row: (input_ids [1, n], forward kwargs, predicting positions
     [r] within it on the row's device, their labels [r], gather: [r, ...] -> [R, ...]).
-    pred_pos_R comes from `pack`, on the host.
+    pred_pos_R is `pack`'s numpy array.
 
     Without sequence parallelism that is the whole row. A sequence-parallel plugin (Ulysses)
     installs `model.minirl_sequence_parallel`, whose `split` cuts the row into slices.
@@ -87,16 +90,21 @@ def split(model: torch.nn.Module, input_ids_1N, seq_lens: list[int], pred_pos_R,
     sp = getattr(model, "minirl_sequence_parallel", None)
     if sp is not None:
         return sp.split(input_ids_1N, seq_lens, pred_pos_R, labels_R)
-    kwargs = packed_forward_kwargs(seq_lens, input_ids_1N.device, _attn_implementation(model))
-    return input_ids_1N, kwargs, to_device(pred_pos_R, input_ids_1N.device), labels_R, _whole
+    kwargs = packed_forward_kwargs(seq_lens, input_ids_1N.device, _reads_no_mask(model))
+    return input_ids_1N, kwargs, to_device(torch.from_numpy(pred_pos_R), input_ids_1N.device), labels_R, _whole
 
 
-def _attn_implementation(model: torch.nn.Module) -> str | None:
-    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+def _reads_no_mask(model: torch.nn.Module) -> bool:
+    """minirl's attention takes packed rows' boundaries from cu_seq_lens and never reads the mask."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTN_NAME
 
 
 def _whole(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _logit_chunk(device: torch.device) -> int:
+    return LOGIT_CHUNK if torch.is_grad_enabled() or not use_fused(device) else LOGIT_CHUNK_FUSED_NO_GRAD
 
 
 def _packed_logprobs(model, input_ids_1N, seq_lens, pred_pos_R, labels_R, temperature, with_entropy):
@@ -107,7 +115,7 @@ def _packed_logprobs(model, input_ids_1N, seq_lens, pred_pos_R, labels_R, temper
         model.get_output_embeddings(),
         labels_r,
         temperature,
-        chunk_size=LOGIT_CHUNK if torch.is_grad_enabled() else LOGIT_CHUNK_NO_GRAD,
+        chunk_size=_logit_chunk(hidden_nH.device),
         with_entropy=with_entropy,
         recompute=torch.is_grad_enabled(),
     )

@@ -22,6 +22,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
@@ -29,7 +30,6 @@ import torch.nn.functional as F
 from minirl import hookimpl
 from minirl.errors import UserError
 from minirl.models.attention import (
-    MASKLESS,
     minirl_attention_forward,
     packed_forward_kwargs,
     padding_mask_only,
@@ -75,7 +75,6 @@ def register_attention() -> None:
 
     AttentionInterface.register(ATTN_NAME, ulysses_attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, padding_mask_only)
-    MASKLESS.add(ATTN_NAME)  # it reads cu_seq_lens, never the mask (packed_forward_kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,20 +93,19 @@ class SequenceParallel:
         total = input_ids_1N.shape[1]
         pad = -total % self.size
         lens = list(seq_lens) + ([pad] if pad else [])  # the padding is a sequence of its own
-        kwargs = packed_forward_kwargs(lens, input_ids_1N.device, ATTN_NAME)
+        kwargs = packed_forward_kwargs(lens, input_ids_1N.device, stand_in_mask=True)  # reads cu_seq_lens only
         n = (total + pad) // self.size
         lo = self.rank * n
         kwargs["position_ids"] = kwargs["position_ids"][:, lo : lo + n]
         kwargs[_KWARG] = self
         ids_1n = F.pad(input_ids_1N, (0, pad))[:, lo : lo + n]
-        # predicting positions are sorted, so each slice owns one contiguous run of them; they are
-        # on the host (minirl.forward.pack), so the cuts need no read-back from the device
-        bounds = torch.arange(self.size + 1) * n
-        cuts = torch.searchsorted(pred_pos_R.cpu(), bounds).tolist()
+        # predicting positions are sorted, so each slice owns one contiguous run of them; they are a
+        # numpy array on the host (minirl.forward.pack): the cuts need no read-back from the device
+        cuts = np.searchsorted(pred_pos_R, np.arange(self.size + 1) * n).tolist()
         counts = [b - a for a, b in itertools.pairwise(cuts)]
         start, stop = cuts[self.rank], cuts[self.rank + 1]
         gather = _Gather(self, counts)
-        pos_r = to_device(pred_pos_R[start:stop] - lo, input_ids_1N.device)
+        pos_r = to_device(torch.from_numpy(pred_pos_R[start:stop] - lo), input_ids_1N.device)
         return ids_1n, kwargs, pos_r, labels_R[start:stop], gather
 
 

@@ -11,8 +11,9 @@ kernel, memcpy or memset runs. Idle time is split into:
 - gaps: idle stretches between kernels. Each gap is blamed on what the host did: a blocking CUDA
   runtime call that overlaps most of it (a synchronize, a pageable copy, a cudaFree), else, when
   the kernel that ends the gap was launched inside it (the device waited for the launch), the
-  innermost Python frame (or operator) around that launch, else "launched before: queue
-  ordering" (the kernel was queued early and waited for another stream or an event).
+  innermost Python frame (or operator) around that launch on the launching thread, else
+  "launched before: queue ordering" (the kernel was queued early and waited for another stream
+  or an event).
 
 Times in the trace are microseconds.
 """
@@ -26,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 HOST_CATS = ("python_function", "cpu_op", "user_annotation")
 MIN_GAP_US = 5.0  # shorter gaps are launch jitter, counted in idle but not listed
 
@@ -80,10 +82,10 @@ def analyse(events: list[dict], annotation: str | None = None) -> GapReport:
     )
     if not device:
         return GapReport(end - start, 0.0, end - start, 0.0, 0.0, 0)
-    launches = {
-        e["args"]["correlation"]: e["ts"]
+    launches = {  # Triton kernels launch through the driver API (cuLaunchKernel), the rest the runtime
+        e["args"]["correlation"]: (e["ts"], e.get("tid"))
         for e in events
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})
     }
     blockers = sorted(
         (e["ts"], e["ts"] + e["dur"], e["name"])
@@ -126,28 +128,36 @@ def _blocking(name: str) -> bool:
     return any(k in low for k in ("synchronize", "memcpy", "free", "hostalloc", "malloc"))
 
 
-def _blame(gap_start: float, gap_end: float, launch_ts: float | None, blockers, host: _HostStack) -> str:
+def _blame(gap_start: float, gap_end: float, launch, blockers, host: _HostStack) -> str:
+    """launch: (ts, tid) of the call that launched the kernel ending the gap, or None.
+    A blocker is a runtime call that may wait (a synchronize, a memcpy, a free or malloc) and
+    covers at least half the gap; an asynchronous copy from pinned memory returns in
+    microseconds, so it never covers one."""
     hi = bisect.bisect_left(blockers, (gap_end,))
     for b_start, b_end, name in blockers[max(0, hi - 256) : hi]:  # a blocking call is short-lived
         if min(b_end, gap_end) - max(b_start, gap_start) >= 0.5 * (gap_end - gap_start):
             return f"{name} (blocking)"
-    if launch_ts is not None and launch_ts >= gap_start:
-        return host.innermost(launch_ts) or "host, no frame recorded"
+    if launch is not None and launch[0] >= gap_start:
+        return host.innermost(*launch) or "host, no frame recorded"
     return "launched before: queue ordering"
 
 
 class _HostStack:
-    """The host's Python frames and operators on the launching thread, looked up by time."""
+    """The host's Python frames and operators, per thread, looked up by time."""
 
     def __init__(self, events: list[dict]):
-        self.spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events)
-        self.starts = [s[0] for s in self.spans]
+        by_thread: dict = defaultdict(list)
+        for e in events:
+            by_thread[e.get("tid")].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+        self.spans = {tid: sorted(spans) for tid, spans in by_thread.items()}
+        self.starts = {tid: [s[0] for s in spans] for tid, spans in self.spans.items()}
 
-    def innermost(self, ts: float) -> str | None:
-        """The shortest span that contains ts, with the Python frame around it when that is not
-        itself a frame."""
-        hi = bisect.bisect_right(self.starts, ts)
-        inside = [s for s in self.spans[max(0, hi - 5000) : hi] if s[1] >= ts]
+    def innermost(self, ts: float, tid=None) -> str | None:
+        """The shortest span on thread `tid` that contains ts, with the Python frame around it
+        when that is not itself a frame."""
+        spans, starts = self.spans.get(tid, []), self.starts.get(tid, [])
+        hi = bisect.bisect_right(starts, ts)
+        inside = [s for s in spans[max(0, hi - 5000) : hi] if s[1] >= ts]
         if not inside:
             return None
         inside.sort(key=lambda s: s[1] - s[0])

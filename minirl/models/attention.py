@@ -2,9 +2,9 @@
 
 Training and log-prob forwards run one packed row with no padding: input_ids [1, N], position_ids
 restarting at 0 for every sequence, and the cumulative sequence lengths. Build the extra forward
-kwargs with `packed_forward_kwargs(seq_lens)`:
+kwargs with `packed_forward_kwargs(seq_lens)` (stand_in_mask: see there):
 
-    out = model(input_ids=ids_1N, **packed_forward_kwargs(seq_lens, device=ids_1N.device))
+    out = model(input_ids=ids_1N, **packed_forward_kwargs(seq_lens, ids_1N.device, stand_in_mask=True))
 
 transformers hands `cu_seq_lens_q` / `max_length_q` (its FlashAttentionKwargs) through every
 decoder layer to the attention function, which calls `varlen_attention`: the one core function,
@@ -41,7 +41,7 @@ _HALF = (torch.float16, torch.bfloat16)
 def packed_forward_kwargs(
     seq_lens: Sequence[int] | torch.Tensor,
     device: torch.device | str | None = None,
-    attn_implementation: str | None = None,
+    stand_in_mask: bool = False,
 ) -> dict:
     """The kwargs that make a Hugging Face causal LM treat one [1, N] row as S separate sequences.
 
@@ -50,9 +50,14 @@ def packed_forward_kwargs(
     kernel call has to synchronise to find them; use_cache=False keeps the forward from storing
     every layer's keys and values in a cache nobody reads.
 
-    attn_implementation: the model's (`model.config._attn_implementation`). For one of
-    MASKLESS (minirl's, Ulysses') the kwargs also carry `attention_mask=NO_MASK`: see there.
-    Other implementations (sdpa, eager) get no mask and build theirs from the position_ids.
+    stand_in_mask: for a model whose attention reads the boundaries from cu_seq_lens alone and
+    never the mask (minirl's, Ulysses'), the kwargs also carry an `attention_mask` of shape
+    STAND_IN_MASK_SHAPE: a 4-D mask with no elements. transformers hands a 4-D mask to the layers
+    as already prepared, so it builds none and skips its packed-sequence detection, which reads a
+    value back from the device (`(packed_sequence_mask[:, -1] == 0).all()`) in every forward: a
+    host sync that let the device run dry at the start of each micro-batch (docs/benchmarks.md).
+    Any other attention would fail on the empty shape rather than attend across sequences; sdpa
+    and eager models get no stand-in and build their masks from the position_ids.
     """
     lens_S = torch.as_tensor(seq_lens, dtype=torch.int64).cpu()
     if lens_S.ndim != 1 or lens_S.numel() == 0 or bool((lens_S <= 0).any()):
@@ -71,21 +76,12 @@ def packed_forward_kwargs(
         "max_length_k": max_len,
         "use_cache": False,
     }
-    if attn_implementation in MASKLESS:
-        kwargs["attention_mask"] = torch.empty(NO_MASK_SHAPE, dtype=torch.bool, device=device)
+    if stand_in_mask:
+        kwargs["attention_mask"] = torch.empty(STAND_IN_MASK_SHAPE, dtype=torch.bool, device=device)
     return kwargs
 
 
-# Attention implementations that take a packed row's boundaries from cu_seq_lens alone and never
-# read its mask (Ulysses adds its own name). For them packed_forward_kwargs passes NO_MASK: a 4-D
-# mask with no elements. transformers hands a 4-D mask to the layers as already prepared, so it
-# skips building one, and with it the packed-sequence detection that reads a value back from the
-# device (`(packed_sequence_mask[:, -1] == 0).all()`): a host sync in every packed forward, which
-# let the device run dry at the start of each micro-batch while the host launched the next one
-# (docs/benchmarks.md). Any other attention that got it would fail on its empty shape instead of
-# attending across sequences.
-MASKLESS = {ATTN_NAME}
-NO_MASK_SHAPE = (1, 1, 0, 0)
+STAND_IN_MASK_SHAPE = (1, 1, 0, 0)
 
 
 def register_attention() -> None:

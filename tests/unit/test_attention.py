@@ -141,7 +141,7 @@ def test_packed_logits_and_grads_equal_unpacked(preset, reference_attn):
     g = torch.Generator().manual_seed(1)
     weights = torch.randn(1, sum(seq_lens), packed.config.vocab_size, generator=g)
 
-    logits = packed(input_ids=ids, **packed_forward_kwargs(seq_lens, attn_implementation=ATTN_NAME)).logits
+    logits = packed(input_ids=ids, **packed_forward_kwargs(seq_lens, stand_in_mask=True)).logits
     expected = _unpacked_logits(reference, ids, seq_lens)
     torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
 
@@ -165,25 +165,28 @@ def test_a_packed_forward_skips_transformers_packing_detection(preset, monkeypat
     expected = _unpacked_logits(model, ids, seq_lens)
     looked = []
     monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: looked.append(1))
-    kwargs = packed_forward_kwargs(seq_lens, attn_implementation=ATTN_NAME)
+    kwargs = packed_forward_kwargs(seq_lens, stand_in_mask=True)
     assert kwargs["attention_mask"].shape == (1, 1, 0, 0)
     torch.testing.assert_close(model(input_ids=ids, **kwargs).logits, expected, atol=2e-5, rtol=1e-5)
     assert looked == []
-    model(input_ids=ids, **packed_forward_kwargs(seq_lens))  # no implementation named: no stand-in
+    model(input_ids=ids, **packed_forward_kwargs(seq_lens))  # without the stand-in transformers looks
     assert looked
 
 
 def test_other_attentions_get_no_stand_in_mask_and_refuse_it():
-    """sdpa builds its packed mask from the position_ids, so it gets no stand-in; handed one
-    anyway, it fails on the empty shape rather than attending across sequences."""
+    """sdpa builds its packed mask from the position_ids, so the packed forward gives it no
+    stand-in; handed one anyway, it fails on the empty shape rather than attending across
+    sequences."""
+    from minirl.forward import _reads_no_mask
+
     seq_lens = [6, 3]
     ids = _packed_batch(seq_lens)
     model = _model("tiny", "sdpa")
-    assert "attention_mask" not in packed_forward_kwargs(seq_lens, attn_implementation="sdpa")
-    logits = model(input_ids=ids, **packed_forward_kwargs(seq_lens, attn_implementation="sdpa")).logits
+    assert not _reads_no_mask(model) and _reads_no_mask(_model("tiny", ATTN_NAME))
+    logits = model(input_ids=ids, **packed_forward_kwargs(seq_lens)).logits
     torch.testing.assert_close(logits, _unpacked_logits(model, ids, seq_lens), atol=2e-5, rtol=1e-5)
     with pytest.raises(RuntimeError):
-        model(input_ids=ids, **packed_forward_kwargs(seq_lens, attn_implementation=ATTN_NAME))
+        model(input_ids=ids, **packed_forward_kwargs(seq_lens, stand_in_mask=True))
 
 
 def test_packing_without_boundaries_is_detected_by_the_test():

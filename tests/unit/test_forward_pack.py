@@ -3,6 +3,7 @@ token and those tokens, equal to building them sequence by sequence."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -33,17 +34,19 @@ def test_pack_equals_building_each_sequence_in_turn(pairs):
     ids, want_lens, pred_pos, labels = _pack_one_by_one(prompts, responses)
     assert ids_1N.shape == (1, len(ids)) and ids_1N.dtype == torch.long
     assert ids_1N[0].tolist() == ids and lens == want_lens
-    assert pred_pos_R.dtype == torch.long and pred_pos_R.tolist() == pred_pos
+    assert pred_pos_R.dtype == np.int64 and pred_pos_R.tolist() == pred_pos
     assert labels_R.dtype == torch.long and labels_R.tolist() == labels
     # each predicting position holds the token just before its label
     assert all(ids[pos + 1] == label for pos, label in zip(pred_pos, labels))
 
 
-def test_the_predicting_positions_stay_on_the_host():
-    """split places them; a sequence-parallel split cuts its slices by them without a read-back."""
+def test_the_predicting_positions_stay_a_host_array():
+    """split places them; a sequence-parallel split cuts its slices by them without a read-back.
+    A numpy array, not a CPU tensor: FSDP2's root forward would copy a tensor argument to the
+    device with a blocking copy."""
     ids_1N, _, pred_pos_R, labels_R = pack([[1, 2], [3]], [[4, 5], [6]], "meta")
     assert ids_1N.device.type == labels_R.device.type == "meta"
-    assert pred_pos_R.device.type == "cpu" and pred_pos_R.tolist() == [1, 2, 4]
+    assert isinstance(pred_pos_R, np.ndarray) and pred_pos_R.tolist() == [1, 2, 4]
 
 
 @pytest.mark.gpu

@@ -21,8 +21,8 @@ def trace_gaps():
     return module
 
 
-def _x(cat, name, ts, dur, **args):
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+def _x(cat, name, ts, dur, tid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
 
 
 def _trace():
@@ -45,6 +45,7 @@ def _trace():
         _x("python_function", frame, 540, 20),
         _x("python_function", "torch/nn/modules/module.py(1): _call_impl", 530, 40),
         _x("cpu_op", "aten::copy_", 545, 10),
+        _x("cpu_op", "autograd::engine::evaluate_function", 549, 2, tid=2),  # another thread's op
     ]
 
 
@@ -66,6 +67,20 @@ def test_gaps_are_blamed_on_a_blocking_call_the_launching_frame_or_the_queue(tra
     }
     assert [(start, length) for start, length, _ in report.largest] == [(500, 100), (700, 100), (900, 5)]
     assert "compute_logprobs" in report.table()
+
+
+def test_a_triton_kernel_launched_through_the_driver_is_blamed_on_its_frame(trace_gaps):
+    frame = "minirl/forward.py(90): _packed_logprobs"
+    events = [
+        _x("user_annotation", "p", 0, 100),
+        _x("kernel", "gemm", 0, 10, correlation=1),
+        _x("kernel", "triton_poi_fused_mul_silu_1", 40, 10, correlation=2),
+        _x("cuda_runtime", "cudaLaunchKernel", 0, 1, correlation=1),
+        _x("cuda_driver", "cuLaunchKernel", 35, 1, correlation=2),
+        _x("python_function", frame, 20, 20),
+    ]
+    report = trace_gaps.analyse(events, "p")
+    assert report.blame_us == {frame: 30}
 
 
 def test_overlapping_kernels_count_once_and_the_trace_reads_back(trace_gaps, tmp_path):
