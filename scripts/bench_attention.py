@@ -18,10 +18,10 @@ A kernel that raises is reported with its error instead of figures.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
+from cuda_timing import cuda_ms
 
 H, K, D = 12, 2, 128
 NO_BIAS = torch.empty(0, device="cuda") if torch.cuda.is_available() else None  # the op's bias is not optional
@@ -95,20 +95,6 @@ def reference(q, k, v, g, lens, scale):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def cuda_ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def errors(got, want) -> str:
     diff = (got.float() - want).abs()
     return f"{diff.max().item():.2e} / {diff.mean().item():.1e}"
@@ -133,10 +119,10 @@ def main() -> None:
         row = [name]
         try:
             out, backward = kernel(q, k, v, cu, max(lens), scale)
-            t_fwd = cuda_ms(lambda kernel=kernel: kernel(q, k, v, cu, max(lens), scale))
+            t_fwd = cuda_ms(lambda kernel=kernel: kernel(q, k, v, cu, max(lens), scale), reps=20, warmup=3)
             row += [f"{t_fwd:.3f}", f"{flops / t_fwd / 1e9:.0f}"]
             grads = backward(g)
-            t_all = cuda_ms(lambda kernel=kernel: kernel(q, k, v, cu, max(lens), scale)[1](g))
+            t_all = cuda_ms(lambda kernel=kernel: kernel(q, k, v, cu, max(lens), scale)[1](g), reps=20, warmup=3)
             row += [f"{t_all:.3f}", f"{3.5 * flops / t_all / 1e9:.0f}"]
             row += [errors(a, b) for a, b in zip((out, *grads), ref)]
         except Exception as e:  # report and go on: the point is which kernels run here

@@ -21,30 +21,16 @@ Printed as markdown tables, and written to $OUT/bench_fused_logprob.md when OUT 
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 import torch
+from cuda_timing import cuda_ms
 
 from minirl import logprob_triton as lt
 from minirl.logprob import chunked_logprobs
 
 V, H, T = 151_936, 1536, 0.6
 COPY_CEILING_GBS = 4280.0
-
-
-def cuda_ms(fn, reps: int = 10, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def chunk_pass(head, h_nH, y_n, g_n, impl):

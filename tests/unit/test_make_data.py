@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -15,20 +12,10 @@ from minirl.data import load_prompts
 from minirl.plugins import Registry
 from minirl.reward import RewardManager
 from minirl_plugins import rewards
+from tests.scripts import import_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_data.py"
 TASKS = ("gsm8k", "countdown", "copy")
-
-
-def _import_script():
-    spec = importlib.util.spec_from_file_location("make_data", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_data"] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
-make_data = _import_script()
+make_data = import_script("make_data")
 
 
 class StubTokenizer:

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "trace_gaps.py"
+from tests.scripts import import_script
 
 
 @pytest.fixture(scope="module")
 def trace_gaps():
-    spec = importlib.util.spec_from_file_location("trace_gaps", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["trace_gaps"] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
+    return import_script("trace_gaps")
 
 
 def _x(cat, name, ts, dur, tid=1, **args):

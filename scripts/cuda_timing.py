@@ -1,0 +1,23 @@
+"""Median CUDA-event time of a callable, for the bench_*.py scripts (run from scripts/, so
+`from cuda_timing import cuda_ms` finds this file)."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def cuda_ms(fn, reps: int = 10, warmup: int = 2) -> float:
+    """Milliseconds between two events around fn(), median of `reps` runs after `warmup`."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
