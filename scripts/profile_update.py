@@ -10,8 +10,8 @@ PROFILE_STEP-th call of each (default 2: step 1 is warm-up) runs under the profi
 written to $OUT/profile_<method>.txt: the pass's wall time, the GPU kernel time by kind (GEMMs,
 attention, the log-softmax/cross-entropy, element-wise, the optimizer, copies, collectives) and
 the top kernels by time, and where the device idled (scripts/trace_gaps.py; PROFILE_STACK=0 drops
-the Python frames it blames gaps on). The profiled step's own phase times include the profiler's bookkeeping:
-time the phases from a run without this script.
+the Python frames it blames gaps on). The profiled step's own phase times include the profiler's
+bookkeeping: time the phases from a run without this script.
 """
 
 from __future__ import annotations

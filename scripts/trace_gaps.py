@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import json
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -38,15 +38,31 @@ class GapReport:
     busy_us: float
     lead_us: float
     tail_us: float
-    gaps_us: float
-    gap_count: int
-    blame_us: dict[str, float] = field(default_factory=dict)
-    blame_count: dict[str, int] = field(default_factory=dict)
-    largest: list[tuple[float, float, str]] = field(default_factory=list)  # (start, length, blame)
+    gaps_us: float  # all idle between kernels, the short gaps too
+    listed: list[tuple[float, float, str]] = field(default_factory=list)  # gaps >= MIN_GAP_US: (start, length, blame)
 
     @property
     def idle_us(self) -> float:
         return self.pass_us - self.busy_us
+
+    @property
+    def gap_count(self) -> int:
+        return len(self.listed)
+
+    @property
+    def largest(self) -> list[tuple[float, float, str]]:
+        return sorted(self.listed, key=lambda g: -g[1])
+
+    @property
+    def blame_us(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for _, length, name in self.listed:
+            out[name] += length
+        return dict(out)
+
+    @property
+    def blame_count(self) -> dict[str, int]:
+        return dict(Counter(name for _, _, name in self.listed))
 
     def table(self, top: int = 15) -> str:
         ms = 1e-3
@@ -58,8 +74,9 @@ class GapReport:
             "| gaps blamed on | count | idle ms |",
             "| --- | ---: | ---: |",
         ]
+        counts = self.blame_count
         for name, us in sorted(self.blame_us.items(), key=lambda kv: -kv[1])[:top]:
-            lines.append(f"| `{name}` | {self.blame_count[name]} | {us * ms:.2f} |")
+            lines.append(f"| `{name}` | {counts[name]} | {us * ms:.2f} |")
         lines += ["", "| largest gaps: at ms | idle ms | blamed on |", "| ---: | ---: | --- |"]
         for start, length, name in self.largest[:top]:
             lines.append(f"| {start * ms:.2f} | {length * ms:.2f} | `{name}` |")
@@ -81,7 +98,7 @@ def analyse(events: list[dict], annotation: str | None = None) -> GapReport:
         if e.get("cat") in DEVICE_CATS and e["ts"] < end and e["ts"] + e["dur"] > start
     )
     if not device:
-        return GapReport(end - start, 0.0, end - start, 0.0, 0.0, 0)
+        return GapReport(end - start, 0.0, end - start, 0.0, 0.0)
     launches = {  # Triton kernels launch through the driver API (cuLaunchKernel), the rest the runtime
         e["args"]["correlation"]: (e["ts"], e.get("tid"))
         for e in events
@@ -93,26 +110,18 @@ def analyse(events: list[dict], annotation: str | None = None) -> GapReport:
         if e.get("cat") == "cuda_runtime" and _blocking(e["name"])
     )
     host = _HostStack([e for e in events if e.get("cat") in HOST_CATS and e.get("name") != annotation])
-    report = GapReport(end - start, 0.0, max(0.0, device[0][0] - start), 0.0, 0.0, 0)
+    report = GapReport(end - start, 0.0, max(0.0, device[0][0] - start), 0.0, 0.0)
     busy_end = device[0][0]
-    blame_us: dict[str, float] = defaultdict(float)
-    blame_count: dict[str, int] = defaultdict(int)
-    largest = []
     for k_start, k_end, corr in device:
         if k_start > busy_end:
             gap = k_start - busy_end
             report.gaps_us += gap
             if gap >= MIN_GAP_US:
                 name = _blame(busy_end, k_start, launches.get(corr), blockers, host)
-                blame_us[name] += gap
-                blame_count[name] += 1
-                report.gap_count += 1
-                largest.append((busy_end - start, gap, name))
+                report.listed.append((busy_end - start, gap, name))
         report.busy_us += max(0.0, min(k_end, end) - max(k_start, busy_end, start))
         busy_end = max(busy_end, k_end)
     report.tail_us = max(0.0, end - busy_end)
-    report.blame_us, report.blame_count = dict(blame_us), dict(blame_count)
-    report.largest = sorted(largest, key=lambda g: -g[1])
     return report
 
 
