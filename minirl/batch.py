@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from minirl.errors import UserError
@@ -77,8 +78,11 @@ def scatter_rows(flat_N: torch.Tensor, lens: list[int], mask_BT: torch.Tensor) -
     per micro-batch of the update."""
     B, T = mask_BT.shape
     rest = flat_N.shape[1:]
-    idx = torch.cat([torch.arange(n, dtype=torch.long) + b * T for b, n in enumerate(lens)])
-    flat_BT = flat_N.new_zeros(B * T, *rest).index_put((to_device(idx, flat_N.device),), flat_N).view(B, T, *rest)
+    # value j of row b goes to b * T + (j - the values before row b): a per-row shift of arange(N)
+    lens_B = np.asarray(lens, dtype=np.int64)
+    idx_N = np.repeat(np.arange(B, dtype=np.int64) * T - (np.cumsum(lens_B) - lens_B), lens_B) + np.arange(lens_B.sum())
+    idx_N = to_device(torch.from_numpy(idx_N), flat_N.device)
+    flat_BT = flat_N.new_zeros(B * T, *rest).index_put((idx_N,), flat_N).view(B, T, *rest)
     keep = mask_BT.to(flat_BT.device).bool().view(B, T, *([1] * len(rest)))
     return torch.where(keep, flat_BT, 0.0)
 
