@@ -38,8 +38,8 @@ HF_SHAPES = {
     "q / o_proj": (1536, 1536),
     "k / v_proj": (256, 1536),
     "gate / up_proj": (8960, 1536),
-    "down": (1536, 8960),
-    "lm_head": (151936, 1536),
+    "down": SHAPES["down"],
+    "lm_head": SHAPES["lm_head"],
 }
 
 
