@@ -1,6 +1,6 @@
 """Turning a plain model into the actor, the reference and the critic, in the order the core fixes:
-sequence parallel -> activation checkpointing -> regional compile (model.compile_layers) ->
-data-parallel sharding -> optimizer.
+sequence parallel -> activation checkpointing -> regional compile (model.compile_layers) and the
+fused MLP (model.fused_mlp) -> data-parallel sharding -> optimizer.
 
 Plugins do the work through the assembly hooks; this module only calls them in order.
 """
@@ -13,6 +13,7 @@ import torch
 
 from minirl.dist import DistContext
 from minirl.models.compile import compile_layers
+from minirl.models.fused_mlp import fuse_mlps
 
 # prefixes that wrappers add to parameter names; the engines want Hugging Face names
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.", "module.")
@@ -22,7 +23,7 @@ def assemble_actor(pm, model: torch.nn.Module, cfg, dist: DistContext) -> torch.
     """cfg is the whole config: the hooks get their own sections (actor, model)."""
     pm.hook.minirl_apply_sequence_parallel(model=model, cfg=cfg.actor, mesh=dist.mesh)
     pm.hook.minirl_apply_activation_checkpointing(model=model, cfg=cfg.model)
-    compile_layers(model, cfg.model.compile_layers)
+    speed_up(model, cfg.model)
     wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=cfg.actor, mesh=dist.mesh)
     return model if wrapped is None else wrapped
 
@@ -32,19 +33,24 @@ def assemble_critic(pm, model: torch.nn.Module, critic_cfg, dist: DistContext) -
     critic.model), which carry the same key names as the actor's."""
     pm.hook.minirl_apply_sequence_parallel(model=model, cfg=critic_cfg, mesh=dist.mesh)
     pm.hook.minirl_apply_activation_checkpointing(model=model, cfg=critic_cfg.model)
-    compile_layers(model, critic_cfg.model.compile_layers)
+    speed_up(model, critic_cfg.model)
     wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=critic_cfg, mesh=dist.mesh)
     return model if wrapped is None else wrapped
 
 
-def assemble_reference(
-    pm, model: torch.nn.Module, ref_cfg, dist: DistContext, compile_: bool = False
-) -> torch.nn.Module:
-    """compile_: model.compile_layers (the reference is the actor's model)."""
+def assemble_reference(pm, model: torch.nn.Module, ref_cfg, dist: DistContext, model_cfg=None) -> torch.nn.Module:
+    """model_cfg: the [model] section (the reference is the actor's model, sped up as it is)."""
     pm.hook.minirl_apply_sequence_parallel(model=model, cfg=ref_cfg, mesh=dist.mesh)
-    compile_layers(model, compile_)
+    if model_cfg is not None:
+        speed_up(model, model_cfg)
     wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=ref_cfg, mesh=dist.mesh)
     return model if wrapped is None else wrapped
+
+
+def speed_up(model: torch.nn.Module, model_cfg) -> None:
+    """model_cfg: [model] or [critic.model] (compile_layers, fused_mlp)."""
+    compile_layers(model, model_cfg.compile_layers)
+    fuse_mlps(model, model_cfg.fused_mlp)
 
 
 def build_optimizer(pm, model: torch.nn.Module, optim_cfg, total_steps: int):

@@ -35,7 +35,7 @@ def models(pm, cfg: Config, dist: DistContext):
     ref = None
     if needs_ref(cfg):
         ref = copy.deepcopy(model).eval().requires_grad_(False)
-        ref = assembly.assemble_reference(pm, ref, cfg.ref, dist, cfg.model.compile_layers)
+        ref = assembly.assemble_reference(pm, ref, cfg.ref, dist, cfg.model)
     actor = assembly.assemble_actor(pm, model, cfg, dist)
     return tokenizer, actor, ref
 

@@ -19,6 +19,7 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     attn_implementation: str = "minirl"  # minirl (packed varlen) | sdpa | eager
     compile_layers: bool = False  # torch.compile each decoder layer (actor and reference): fuses the element-wise work
+    fused_mlp: bool = False  # SiLU·mul in the gate/up GEMM's epilogue in gradient-free forwards (Hopper GPUs)
     seed: int = 0  # seed of the random weights of a preset
 
 
@@ -126,6 +127,7 @@ class CriticModelConfig:
     path: str = ""  # the value model's backbone: a local Hugging Face directory; empty = the actor's model
     enable_gradient_checkpointing: bool = False
     compile_layers: bool = False  # torch.compile each of the critic's decoder layers (model.compile_layers)
+    fused_mlp: bool = False  # the critic's values passes with model.fused_mlp's kernel
 
 
 def _critic_optim() -> OptimConfig:

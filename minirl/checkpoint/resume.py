@@ -42,13 +42,13 @@ _FREE_KEYS = {
     ),
     "data": "val_files",
     "reward": "num_workers timeout_s",
-    "model": "enable_gradient_checkpointing compile_layers",
+    "model": "enable_gradient_checkpointing compile_layers fused_mlp",
     "actor": "ppo_micro_batch_size_per_gpu use_dynamic_bsz ppo_max_token_len_per_gpu ulysses_sequence_parallel_size",
     "critic": (
         "ppo_micro_batch_size_per_gpu use_dynamic_bsz ppo_max_token_len_per_gpu ulysses_sequence_parallel_size "
         "forward_micro_batch_size_per_gpu forward_max_token_len_per_gpu"
     ),
-    "critic.model": "enable_gradient_checkpointing compile_layers",
+    "critic.model": "enable_gradient_checkpointing compile_layers fused_mlp",
     "rollout": (
         "gpu_memory_utilization kv_cache_dtype max_num_seqs enforce_eager free_cache_engine "
         "log_prob_micro_batch_size_per_gpu "

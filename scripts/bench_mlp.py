@@ -1,0 +1,136 @@
+"""Would fewer bytes in the decoder layer pay? Times, at a packed micro-batch's M, each fusion that
+minirl's own decoder layer could make against what the compiled Hugging Face layer runs now.
+
+    python3 scripts/bench_mlp.py [--residual]       # on the H200: M = 28,000 (a ref-pass micro-batch)
+    TRITON_INTERPRET=1 python3 scripts/bench_mlp.py --m 100 --check-only   # CPU: the kernels' values
+
+1. SiLU·mul in the gate/up GEMM's epilogue. Now: cuBLAS gate GEMM, cuBLAS up GEMM (each writes
+   M×I bf16), then one fused element-wise kernel that reads both and writes silu(g)·u. Fused: a
+   Triton GEMM whose program multiplies one row tile of x by the same column tile of W_gate and
+   W_up (two accumulators sharing the x tile) and writes silu(g)·u only. Its epilogue rounds as
+   eager does (g and u to bf16, silu in float32 to bf16, the product to bf16), so it can differ
+   from the unfused bits only where the two GEMMs' float32 sums round differently.
+   minirl's kernel (minirl/models/fused_mlp_triton.py), swept over its tiling.
+2. The residual add in the projection's epilogue. Now: cuBLAS o_proj / down_proj writes y, then
+   one fused kernel reads y and the residual r and writes h = r + y and rmsnorm(h). Fused:
+   cuBLAS addmm (β = 1) writes h = r + x Wᵀ, then a norm kernel reads h and writes rmsnorm(h).
+Prints each variant's time, its TFLOP/s, and its agreement with the unfused bits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+
+import torch
+from cuda_timing import cuda_ms
+
+from minirl.models.fused_mlp_triton import launch
+
+HIDDEN, INTER = 1536, 8960
+
+
+def gate_up_silu(x, wg, wu, bm=128, bn=128, bk=64, group_m=8, warps=8, stages=3):
+    return launch(x, wg, wu, bm, bn, bk, group_m, warps, stages)
+
+
+def silu_mul_eager(g, u):
+    return torch.nn.functional.silu(g) * u
+
+
+def rms_norm(h, weight, eps=1e-6):
+    """Hugging Face's Qwen2RMSNorm."""
+    var = h.float().pow(2).mean(-1, keepdim=True)
+    return weight * (h.float() * torch.rsqrt(var + eps)).to(h.dtype)
+
+
+def add_norm(y, r, weight):
+    h = r + y
+    return h, rms_norm(h, weight)
+
+
+def agreement(a, b) -> str:
+    differ = int((a != b).sum())
+    rel = ((a.float() - b.float()).abs() / b.float().abs().clamp_min(1e-2)).max().item()
+    return f"{differ} of {a.numel()} values differ, max relative diff {rel:.3g}"
+
+
+def configs():
+    """Around the first sweep's best (128 × 128 × 64, 8 warps, 3 stages, TMA; pointer loads were
+    no faster): the stages, the group and the K block."""
+    for (bm, bn, bk), warps, stages, group_m in itertools.product(
+        ((128, 128, 64), (128, 128, 128)), (8,), (3, 4), (8, 16)
+    ):
+        yield dict(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages, group_m=group_m)
+
+
+def bench_gate_up(m: int, check_only: bool):
+    # Triton's CPU interpreter multiplies bf16 tiles wrongly (fp16 in fp16); there the check runs in fp32
+    dev, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+    torch.manual_seed(0)
+    # and rounds to bf16 by truncation, so only a few ulps' agreement is expected there
+    # (in fp32 the values are bf16's, so the interpreter's tf32 dot multiplies them exactly)
+    x = torch.randn(m, HIDDEN, device=dev).bfloat16().to(dtype)
+    wg = (torch.randn(INTER, HIDDEN, device=dev) * HIDDEN**-0.5).bfloat16().to(dtype)
+    wu = (torch.randn(INTER, HIDDEN, device=dev) * HIDDEN**-0.5).bfloat16().to(dtype)
+    ref = silu_mul_eager((x.float() @ wg.float().T).bfloat16(), (x.float() @ wu.float().T).bfloat16())
+    flops = 2 * 2 * m * INTER * HIDDEN
+    if check_only:
+        cfg = {"bm": 32, "bn": 64, "bk": 32}
+        print(cfg, agreement(gate_up_silu(x, wg, wu, **cfg).bfloat16(), ref))
+        return
+    fused = torch.compile(silu_mul_eager, options={"emulate_precision_casts": True})
+    ref = silu_mul_eager(x @ wg.T, x @ wu.T)
+    base_ms = cuda_ms(lambda: fused(x @ wg.T, x @ wu.T), reps=20)
+    gemm_ms = cuda_ms(lambda: (x @ wg.T, x @ wu.T), reps=20)
+    print(
+        f"gate/up M={m}: cuBLAS GEMMs {gemm_ms:.3f} ms ({flops / gemm_ms / 1e9:.0f} TFLOP/s) "
+        f"+ silu·mul = {base_ms:.3f} ms; compiled vs eager: {agreement(fused(x @ wg.T, x @ wu.T), ref)}"
+    )
+    rows = []
+    for cfg in configs():
+        run = functools.partial(gate_up_silu, x, wg, wu, **cfg)
+        try:
+            rows.append((cuda_ms(run, reps=20), cfg, agreement(run(), ref)))
+        except Exception as exc:  # a tile that does not fit shared memory, or no TMA
+            print(cfg, "failed:", type(exc).__name__, str(exc).splitlines()[0][:100])
+    rows.sort(key=lambda r: r[0])
+    for ms, cfg, agree in rows[:8]:
+        print(f"  {ms:.3f} ms {flops / ms / 1e9:5.0f} TFLOP/s  {ms / base_ms:.1%} of now  {cfg}  {agree}")
+
+
+def bench_residual(m: int):
+    dev = "cuda"
+    torch.manual_seed(0)
+    weight = torch.ones(HIDDEN, device=dev, dtype=torch.bfloat16)
+    r = torch.randn(m, HIDDEN, device=dev, dtype=torch.bfloat16)
+    norm = torch.compile(rms_norm, options={"emulate_precision_casts": True})
+    addn = torch.compile(add_norm, options={"emulate_precision_casts": True})
+    for name, k in (("o_proj", HIDDEN), ("down", INTER)):
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        wt = (torch.randn(HIDDEN, k, device=dev, dtype=torch.bfloat16) * k**-0.5).T
+        now = cuda_ms(functools.partial(lambda a, wt: addn(a @ wt, r, weight), a, wt), reps=20)
+        fused = cuda_ms(functools.partial(lambda a, wt: norm(torch.addmm(r, a, wt), weight), a, wt), reps=20)
+        mm = cuda_ms(functools.partial(torch.mm, a, wt), reps=20)
+        addmm = cuda_ms(functools.partial(torch.addmm, r, a, wt), reps=20)
+        h_now, h_fused = addn(a @ wt, r, weight)[0], torch.addmm(r, a, wt)
+        print(
+            f"{name} M={m}: mm + add·norm {now:.3f} ms (mm {mm:.3f}); addmm + norm {fused:.3f} ms "
+            f"(addmm {addmm:.3f}): {fused / now:.1%}; h: {agreement(h_fused, h_now)}"
+        )
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--m", type=int, default=28000)
+    p.add_argument("--check-only", action="store_true")
+    p.add_argument("--residual", action="store_true", help="also time the residual add in addmm")
+    args = p.parse_args()
+    bench_gate_up(args.m, args.check_only)
+    if args.residual:
+        bench_residual(args.m)
+
+
+if __name__ == "__main__":
+    main()
