@@ -40,6 +40,7 @@ KINDS = (
     ("attention", ("flash", "fmha", "attention", "attn", "cudnn")),
     ("fused log-prob/entropy (minirl.logprob_triton)", ("_fwd_kernel", "_bwd_kernel")),
     ("inductor-fused element-wise (compiled layers)", ("triton_poi", "triton_red", "triton_per")),
+    ("GEMM with SiLU·mul epilogue (model.fused_mlp)", ("gate_up_silu",)),
     ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "wgmma", "sm90_")),
     ("log-softmax / cross-entropy / reductions", ("softmax", "logsumexp", "reduce_kernel", "nll", "gather", "scatter")),
     ("copies / casts", ("copy", "memcpy", "memset", "cat", "convert")),
