@@ -33,13 +33,14 @@ def assemble_critic(pm, model: torch.nn.Module, critic_cfg, dist: DistContext) -
     critic.model), which carry the same key names as the actor's."""
     pm.hook.minirl_apply_sequence_parallel(model=model, cfg=critic_cfg, mesh=dist.mesh)
     pm.hook.minirl_apply_activation_checkpointing(model=model, cfg=critic_cfg.model)
-    speed_up(model, critic_cfg.model)
+    speed_up(model, critic_cfg.model, "critic.model")
     wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=critic_cfg, mesh=dist.mesh)
     return model if wrapped is None else wrapped
 
 
 def assemble_reference(pm, model: torch.nn.Module, ref_cfg, dist: DistContext, model_cfg=None) -> torch.nn.Module:
-    """model_cfg: the [model] section (the reference is the actor's model, sped up as it is)."""
+    """model_cfg: the [model] section (the reference is the actor's model, sped up as it is);
+    None leaves the reference as it is, neither compiled nor fused (tests that build one)."""
     pm.hook.minirl_apply_sequence_parallel(model=model, cfg=ref_cfg, mesh=dist.mesh)
     if model_cfg is not None:
         speed_up(model, model_cfg)
@@ -47,10 +48,10 @@ def assemble_reference(pm, model: torch.nn.Module, ref_cfg, dist: DistContext, m
     return model if wrapped is None else wrapped
 
 
-def speed_up(model: torch.nn.Module, model_cfg) -> None:
-    """model_cfg: [model] or [critic.model] (compile_layers, fused_mlp)."""
+def speed_up(model: torch.nn.Module, model_cfg, section: str = "model") -> None:
+    """model_cfg: [model] or [critic.model] (compile_layers, fused_mlp), named by `section`."""
     compile_layers(model, model_cfg.compile_layers)
-    fuse_mlps(model, model_cfg.fused_mlp)
+    fuse_mlps(model, model_cfg.fused_mlp, f"{section}.fused_mlp")
 
 
 def build_optimizer(pm, model: torch.nn.Module, optim_cfg, total_steps: int):

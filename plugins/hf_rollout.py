@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from minirl import hookimpl
 from minirl.models.compile import uncompile_layers
+from minirl.models.fused_mlp import unfuse_mlps
 from minirl.protocols import Completion, EngineContext, SamplingParams
 
 
@@ -25,6 +26,7 @@ class HFEngine:
             raise ValueError("rollout.name = 'hf' needs the actor module to copy")
         self.model = copy.deepcopy(ctx.actor).to(device=ctx.device, dtype=ctx.dtype).eval()
         uncompile_layers(self.model)  # generate's KV-cache forwards run eagerly (model.compile_layers)
+        unfuse_mlps(self.model)  # and with Hugging Face's MLP (model.fused_mlp)
         self.model.requires_grad_(False)
         # generate() pads; the packed-sequence attention is for training forwards.
         self.model.set_attn_implementation("sdpa")

@@ -2,7 +2,8 @@
 minirl's own decoder layer could make against what the compiled Hugging Face layer runs now.
 
     python3 scripts/bench_mlp.py [--residual]       # on the H200: M = 28,000 (a ref-pass micro-batch)
-    TRITON_INTERPRET=1 python3 scripts/bench_mlp.py --m 100 --check-only   # CPU: the kernels' values
+
+(The kernel's values on the CPU, under Triton's interpreter: tests/unit/test_fused_mlp.py.)
 
 1. SiLU·mul in the gate/up GEMM's epilogue. Now: cuBLAS gate GEMM, cuBLAS up GEMM (each writes
    M×I bf16), then one fused element-wise kernel that reads both and writes silu(g)·u. Fused: a
@@ -26,12 +27,24 @@ import itertools
 import torch
 from cuda_timing import cuda_ms
 
+from minirl.models import fused_mlp
 from minirl.models.fused_mlp_triton import launch
 
 HIDDEN, INTER = 1536, 8960
 
 
-def gate_up_silu(x, wg, wu, bm=128, bn=128, bk=64, group_m=8, warps=8, stages=3):
+def gate_up_silu(
+    x,
+    wg,
+    wu,
+    bm=fused_mlp.BLOCK_M,
+    bn=fused_mlp.BLOCK_N,
+    bk=fused_mlp.BLOCK_K,
+    group_m=fused_mlp.GROUP_M,
+    warps=fused_mlp.WARPS,
+    stages=fused_mlp.STAGES,
+):
+    """minirl's kernel with its tiling (the defaults) or another one."""
     return launch(x, wg, wu, bm, bn, bk, group_m, warps, stages)
 
 
@@ -63,21 +76,12 @@ def configs():
         yield dict(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages, group_m=group_m)
 
 
-def bench_gate_up(m: int, check_only: bool):
-    # Triton's CPU interpreter multiplies bf16 tiles wrongly (fp16 in fp16); there the check runs in fp32
-    dev, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+def bench_gate_up(m: int):
     torch.manual_seed(0)
-    # and rounds to bf16 by truncation, so only a few ulps' agreement is expected there
-    # (in fp32 the values are bf16's, so the interpreter's tf32 dot multiplies them exactly)
-    x = torch.randn(m, HIDDEN, device=dev).bfloat16().to(dtype)
-    wg = (torch.randn(INTER, HIDDEN, device=dev) * HIDDEN**-0.5).bfloat16().to(dtype)
-    wu = (torch.randn(INTER, HIDDEN, device=dev) * HIDDEN**-0.5).bfloat16().to(dtype)
-    ref = silu_mul_eager((x.float() @ wg.float().T).bfloat16(), (x.float() @ wu.float().T).bfloat16())
+    x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    wg = torch.randn(INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * HIDDEN**-0.5
+    wu = torch.randn(INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * HIDDEN**-0.5
     flops = 2 * 2 * m * INTER * HIDDEN
-    if check_only:
-        cfg = {"bm": 32, "bn": 64, "bk": 32}
-        print(cfg, agreement(gate_up_silu(x, wg, wu, **cfg).bfloat16(), ref))
-        return
     fused = torch.compile(silu_mul_eager, options={"emulate_precision_casts": True})
     ref = silu_mul_eager(x @ wg.T, x @ wu.T)
     base_ms = cuda_ms(lambda: fused(x @ wg.T, x @ wu.T), reps=20)
@@ -122,10 +126,9 @@ def bench_residual(m: int):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m", type=int, default=28000)
-    p.add_argument("--check-only", action="store_true")
     p.add_argument("--residual", action="store_true", help="also time the residual add in addmm")
     args = p.parse_args()
-    bench_gate_up(args.m, args.check_only)
+    bench_gate_up(args.m)
     if args.residual:
         bench_residual(args.m)
 

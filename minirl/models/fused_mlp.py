@@ -13,15 +13,22 @@ M = 28,000 none did (scripts/bench_mlp.py; docs/benchmarks.md).
 
 Scope: gradient-free forwards only (log-prob and value passes). With gradients, the backward needs
 g and u, which this kernel never writes, so the update keeps Hugging Face's MLP. Used when x and
-both weights are contiguous bf16 on a CUDA device with TMA (compute capability 9.0+, checked once
-when the forwards are installed), the hidden size is a multiple of BLOCK_K and the intermediate
-size of BLOCK_N; anything else runs the MLP as Hugging Face writes it. The checks are on tensor
-properties only, so under model.compile_layers they become guards of the compiled layer (one
-graph with gradients, one without), and the kernel is a custom op the graph calls as it is.
+both weights are contiguous bf16 on a CUDA device where the kernel runs and agrees with the
+unfused computation (kernel_problem, checked once when the forwards are installed), the hidden
+size is a multiple of BLOCK_K and the intermediate size of BLOCK_N; anything else runs the
+module's own forward. The checks read tensor properties and the grad mode only, so under
+model.compile_layers they become guards of the compiled layer (one graph with gradients, one
+without), and the kernel is a custom op the graph calls as it is.
+
+Activation checkpointing: minirl's (non-reentrant) runs the checkpointed forward with gradients
+on, so the forward and its recomputation both take the unfused path. A reentrant checkpoint runs
+the forward without gradients: it would take the kernel there and the unfused path when it
+recomputes, and the recomputed values could differ in a rounding.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 
@@ -31,19 +38,16 @@ BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WARPS, STAGES = 128, 128, 64, 16, 8, 3
 _OP = "minirl::gate_up_silu"
 
 
-def fuse_mlps(model: torch.nn.Module, enabled: bool) -> int:
+def fuse_mlps(model: torch.nn.Module, enabled: bool, key: str = "model.fused_mlp") -> int:
     """Give each of the model's MLPs the fused gradient-free forward when `enabled`; returns how
     many. Only MLPs built exactly like Hugging Face's SiLU-gated one (gate_proj, up_proj,
-    down_proj without bias, act_fn SiLU) change; on a machine without the kernel none does, and
-    a warning says so."""
+    down_proj without bias, act_fn SiLU) change. Where the kernel cannot run (kernel_problem)
+    none does, and a warning names `key`, the config key that asked for it."""
     if not enabled:
         return 0
-    if not kernel_available():
-        warnings.warn(
-            "model.fused_mlp = true: no CUDA device with TMA (compute capability 9.0+) and triton "
-            "here, so the MLPs run unfused; set model.fused_mlp = false to silence this",
-            stacklevel=2,
-        )
+    problem = kernel_problem()
+    if problem is not None:
+        warnings.warn(f"{key} = true: {problem}, so the MLPs run unfused; set {key} = false to silence this")
         return 0
     mlps = [m for m in model.modules() if _is_silu_gated(m)]
     for mlp in mlps:
@@ -51,14 +55,40 @@ def fuse_mlps(model: torch.nn.Module, enabled: bool) -> int:
     return len(mlps)
 
 
-def kernel_available() -> bool:
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
-        return False
+def unfuse_mlps(model: torch.nn.Module) -> None:
+    """Undo fuse_mlps: for a copy that runs another kind of forward (the hf engine's generate,
+    whose decode steps are not what the kernel's tiles are for)."""
+    for module in model.modules():
+        if getattr(module.__dict__.get("forward"), "__func__", None) is _forward:
+            del module.forward
+
+
+@functools.cache
+def kernel_problem() -> str | None:
+    """Why the kernel cannot run on this machine's current CUDA device, or None when it can.
+    Checked once: the kernel runs on a small input (a partial row tile included) and must agree
+    with the unfused computation, so a GPU whose shared memory cannot hold its tiles, or a
+    triton that cannot build it, falls back instead of failing in the first log-prob pass."""
+    if not torch.cuda.is_available():
+        return "there is no CUDA device"
+    if torch.cuda.get_device_capability() < (9, 0):
+        return "the GPU has no TMA (compute capability below 9.0)"
     try:
-        import triton.tools.tensor_descriptor  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        agrees = _kernel_agrees(torch.device("cuda", torch.cuda.current_device()))
+    except Exception as exc:  # triton missing or broken, tiles that do not fit this GPU
+        return f"the kernel failed on this GPU ({type(exc).__name__}: {str(exc)[:200]})"
+    return None if agrees else "the kernel disagrees with the unfused computation on this GPU"
+
+
+def _kernel_agrees(device: torch.device) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 2 * BLOCK_K, generator=gen)
+    wg, wu = (torch.randn(2 * BLOCK_N, 2 * BLOCK_K, generator=gen) * (2 * BLOCK_K) ** -0.5 for _ in range(2))
+    x, wg, wu = (t.to(device, torch.bfloat16) for t in (x, wg, wu))
+    with torch.no_grad():
+        got = gate_up_silu(x, wg, wu).float()
+        want = (torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)).float()
+    return torch.allclose(got, want, rtol=2**-7, atol=1e-3)
 
 
 def _is_silu_gated(mlp) -> bool:
@@ -79,14 +109,18 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     if kernel_applies(x, wg, wu):
         h = torch.ops.minirl.gate_up_silu(x.reshape(-1, x.shape[-1]), wg, wu)
         return self.down_proj(h.view(*x.shape[:-1], wg.shape[0]))
-    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    return type(self).forward(self, x)  # the module's own forward
 
 
 def kernel_applies(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> bool:
+    """No gradients; contiguous bf16 CUDA tensors whose data start 16-byte aligned (TMA); at least
+    one row; shapes the tiles divide."""
     tensors = (x, wg, wu)
     return (
         not torch.is_grad_enabled()
         and all(t.is_cuda and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
+        and all(t.storage_offset() % 8 == 0 for t in tensors)
+        and x.numel() > 0
         and wg.shape == wu.shape
         and x.shape[-1] == wg.shape[1]
         and wg.shape[1] % BLOCK_K == 0

@@ -77,7 +77,7 @@ def _mlps(model):
 
 @pytest.mark.parametrize("preset", ["tiny", "qwen3-tiny", "llama3-tiny"])
 def test_fuse_mlps_installs_on_silu_gated_mlps_and_leaves_others(preset, monkeypatch):
-    monkeypatch.setattr(fused_mlp, "kernel_available", lambda: True)
+    monkeypatch.setattr(fused_mlp, "kernel_problem", lambda: None)
     model = random_model(preset_config(preset), "cpu", torch.float32, seed=0)
     mlps = _mlps(model)
     mlps[0].act_fn = torch.nn.GELU()  # not SiLU-gated any more: keeps its forward
@@ -86,12 +86,54 @@ def test_fuse_mlps_installs_on_silu_gated_mlps_and_leaves_others(preset, monkeyp
     assert fused_mlp.fuse_mlps(model, False) == 0
 
 
-def test_without_the_kernel_fuse_mlps_warns_and_changes_nothing(monkeypatch):
-    monkeypatch.setattr(fused_mlp, "kernel_available", lambda: False)
+def test_without_the_kernel_fuse_mlps_warns_naming_the_key_and_changes_nothing(monkeypatch):
+    from minirl import assembly
+    from minirl.config import load_config
+
+    monkeypatch.setattr(fused_mlp, "kernel_problem", lambda: "there is no CUDA device")
+    cfg = load_config(None, ["model.fused_mlp=true", "critic.model.fused_mlp=true"])
+    for section, model_cfg in (("model", cfg.model), ("critic.model", cfg.critic.model)):
+        model = random_model(preset_config("tiny"), "cpu", torch.float32, seed=0)
+        with pytest.warns(UserWarning, match=rf"^{section}\.fused_mlp = true: there is no CUDA device"):
+            assembly.speed_up(model, model_cfg, section)
+        assert not any("forward" in vars(m) for m in _mlps(model))
+
+
+def test_without_cuda_the_kernel_check_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert fused_mlp.kernel_problem() == "there is no CUDA device"
+
+
+def test_a_run_fuses_the_actor_and_reference_mlps_only_when_asked(monkeypatch):
+    """build.models (what the trainer calls) installs the fused forward on every MLP of the actor
+    and of the reference with model.fused_mlp = true, and on none without it."""
+    from minirl import build
+    from minirl.config import load_config
+    from minirl.dist import DistContext
+    from minirl.plugins import PluginManager
+
+    monkeypatch.setattr(fused_mlp, "kernel_problem", lambda: None)
+    pm, dist = PluginManager(entry_points=False), DistContext(device=torch.device("cpu"))
+    for enabled in (True, False):
+        overrides = ["trainer.device='cpu'", "actor.use_kl_loss=true", f"model.fused_mlp={str(enabled).lower()}"]
+        _, actor, ref = build.models(pm, load_config(None, overrides), dist)
+        for model in (actor, ref):
+            assert ["forward" in vars(m) for m in _mlps(model)] == [enabled] * len(_mlps(model))
+
+
+def test_a_deep_copy_runs_its_own_mlps_and_unfuse_restores_them(monkeypatch):
+    """The hf engine deep-copies the actor and unfuses the copy for generate."""
+    import copy
+
+    monkeypatch.setattr(fused_mlp, "kernel_problem", lambda: None)
     model = random_model(preset_config("tiny"), "cpu", torch.float32, seed=0)
-    with pytest.warns(UserWarning, match="model.fused_mlp"):
-        assert fused_mlp.fuse_mlps(model, True) == 0
-    assert not any("forward" in vars(m) for m in _mlps(model))
+    fused_mlp.fuse_mlps(model, True)
+    clone = copy.deepcopy(model)
+    assert all(c.forward.__self__ is c for c in _mlps(clone))
+    fused_mlp.unfuse_mlps(clone)
+    assert not any("forward" in vars(m) for m in _mlps(clone))
+    assert all("forward" in vars(m) for m in _mlps(model))
 
 
 def test_the_kernel_applies_only_to_gradient_free_bf16_cuda_forwards():
@@ -102,13 +144,16 @@ def test_the_kernel_applies_only_to_gradient_free_bf16_cuda_forwards():
         x, wg, wu = (t.cuda() for t in (x, wg, wu))
         with torch.no_grad():
             assert fused_mlp.kernel_applies(x, wg, wu)
-            assert not fused_mlp.kernel_applies(x, wg[:, :32].contiguous(), wu[:, :32].contiguous())
-            assert not fused_mlp.kernel_applies(x, wg[:64], wu[:64])  # 64 rows: not a BLOCK_N multiple
+            assert not fused_mlp.kernel_applies(*(t.cuda() for t in inputs(4, 96, 128, dtype=torch.bfloat16)))  # K
+            assert not fused_mlp.kernel_applies(*(t.cuda() for t in inputs(4, 64, 64, dtype=torch.bfloat16)))  # I
+            assert not fused_mlp.kernel_applies(x[:0], wg, wu)  # no rows
+            shifted = torch.empty(4 * 64 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(4, 64)
+            assert not fused_mlp.kernel_applies(shifted, wg, wu)  # starts 2 bytes in: TMA needs 16
         assert not fused_mlp.kernel_applies(x, wg, wu)  # gradients on
 
 
 def test_fused_forward_falls_back_to_hugging_faces_mlp_off_the_gpu(monkeypatch):
-    monkeypatch.setattr(fused_mlp, "kernel_available", lambda: True)
+    monkeypatch.setattr(fused_mlp, "kernel_problem", lambda: None)
     plain = random_model(preset_config("tiny"), "cpu", torch.float32, seed=0)
     fused = random_model(preset_config("tiny"), "cpu", torch.float32, seed=0)
     fused_mlp.fuse_mlps(fused, True)
@@ -117,11 +162,35 @@ def test_fused_forward_falls_back_to_hugging_faces_mlp_off_the_gpu(monkeypatch):
         assert torch.equal(plain(input_ids=ids).logits, fused(input_ids=ids).logits)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs on CPU tensors")
+def test_fused_forward_through_the_kernel_under_the_interpreter(monkeypatch):
+    """The kernel branch of the MLP forward (the [B, N, D] input flattened, the product put back
+    in shape, down_proj): a float32 model whose MLPs take the kernel without gradients agrees with
+    Hugging Face's to bf16's precision in the MLP."""
+    from minirl.models import fused_mlp_triton
+
+    launches = []
+    launch = fused_mlp_triton.launch
+    monkeypatch.setattr(fused_mlp, "kernel_problem", lambda: None)
+    monkeypatch.setattr(fused_mlp, "kernel_applies", lambda *a: not torch.is_grad_enabled())
+    monkeypatch.setattr(fused_mlp_triton, "launch", lambda *a: launches.append(a[0].shape) or launch(*a))
+    plain = random_model(preset_config("tiny"), "cpu", torch.float32, seed=0)
+    fused = random_model(preset_config("tiny"), "cpu", torch.float32, seed=0)
+    fused_mlp.fuse_mlps(fused, True)
+    ids = torch.randint(0, plain.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        want, got = plain(input_ids=ids).logits, fused(input_ids=ids).logits
+    assert launches == [(18, 64)] * len(_mlps(fused))
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
+    assert float((got - want).abs().max()) > 0  # the kernel's bf16 roundings, not the plain path
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 127, 1000, 28000])
 def test_kernel_matches_the_unfused_bf16_computation(m):
     """The 1.5B shape (hidden 1536, intermediate 8960): cuBLAS GEMMs, eager silu·mul."""
+    assert fused_mlp.kernel_problem() is None  # the H200 runs it
     x, wg, wu = inputs(m, 1536, 8960, device="cuda", dtype=torch.bfloat16, seed=m)
     unfused = torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)
     assert_matches(torch.ops.minirl.gate_up_silu(x, wg, wu), unfused, max_differing=1e-4)
