@@ -88,7 +88,7 @@ def _kernel_agrees(device: torch.device) -> bool:
     with torch.no_grad():
         got = gate_up_silu(x, wg, wu).float()
         want = (torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)).float()
-    return torch.allclose(got, want, rtol=2**-7, atol=1e-3)
+    return torch.allclose(got, want, rtol=2**-6, atol=1e-2)  # a rounding apart at most; a broken kernel is far off
 
 
 def _is_silu_gated(mlp) -> bool:
