@@ -29,12 +29,8 @@ import torch.nn.functional as F
 
 from minirl import hookimpl
 from minirl.errors import UserError
-from minirl.models.attention import (
-    minirl_attention_forward,
-    packed_forward_kwargs,
-    padding_mask_only,
-    varlen_attention,
-)
+from minirl.models.attention import minirl_attention_forward, packed_forward_kwargs, padding_mask_only
+from minirl.models.varlen import varlen_attention
 from minirl.transfer import to_device
 
 ATTN_NAME = "minirl_ulysses"

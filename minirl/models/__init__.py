@@ -24,7 +24,7 @@ _EXPORTS = {
     "packed_forward_kwargs": "attention",
     "register_attention": "attention",
     "set_varlen_core": "attention",
-    "varlen_attention": "attention",
+    "varlen_attention": "varlen",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -5,16 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minirl.models.attention import (
-    ATTN_NAME,
-    minirl_attention_forward,
-    packed_forward_kwargs,
-    register_attention,
-    varlen_attention,
-)
+from minirl.models.attention import ATTN_NAME, minirl_attention_forward, packed_forward_kwargs, register_attention
 from minirl.models.loading import random_model
 from minirl.models.presets import preset_config
 from minirl.models.tokenizers import byte_tokenizer
+from minirl.models.varlen import varlen_attention
 
 PRESETS = ["tiny", "llama3-tiny", "qwen3-tiny"]
 gpu = pytest.mark.gpu
@@ -85,7 +80,7 @@ def test_varlen_attention_cpu_matches_written_out_attention():
 def _fake_kernel(expect_heads_equal: bool):
     """Stand-ins with the signatures of torch's varlen_attn (2.10: is_causal; 2.11: window_size;
     2.13: window_size + enable_gqa) and flash-attn, computing with the exact CPU path."""
-    import minirl.models.attention as attn
+    import minirl.models.varlen as attn
 
     def check(q, k, cu_q, cu_k, max_q, max_k):
         assert cu_q.dtype == torch.int32 and cu_q is cu_k and max_q == max_k
@@ -117,7 +112,7 @@ def _fake_kernel(expect_heads_equal: bool):
 def test_kernel_adapters_pass_causal_gqa_and_int32_boundaries(kernel, monkeypatch):
     """The CUDA kernels cannot run here, so fakes with their signatures check what minirl passes
     them: causality spelled per torch version, GQA natively or by repeating heads, int32 cu."""
-    import minirl.models.attention as attn
+    import minirl.models.varlen as attn
 
     native_gqa = kernel in ("torch_213", "flash")
     fake = _fake_kernel(expect_heads_equal=not native_gqa)[kernel]
@@ -261,7 +256,7 @@ def test_register_is_idempotent_and_unsupported_options_are_errors():
 
 
 def _cuda_backends():
-    from minirl.models.attention import _flash_attn_varlen, _torch_varlen
+    from minirl.models.varlen import _flash_attn_varlen, _torch_varlen
 
     names = [n for n, ok in (("flash_attn", _flash_attn_varlen()), ("torch", _torch_varlen())) if ok]
     return names or ["missing"]
@@ -302,7 +297,7 @@ def test_cuda_torch_varlen_gqa_equals_repeated_heads():
     """Where torch's varlen_attn has no enable_gqa (torch 2.11), minirl calls its flash kernel
     with the grouped keys and values: the output equals that of the heads repeated (the same
     kernel on the same values) and the gradients agree to bf16 rounding of the group sums."""
-    import minirl.models.attention as attn
+    import minirl.models.varlen as attn
 
     if attn._torch_varlen() is None:
         pytest.skip("torch.nn.attention.varlen is not available")
@@ -316,7 +311,7 @@ def test_cuda_torch_varlen_gqa_equals_repeated_heads():
         leaves = [t.clone().requires_grad_() for t in base]
         q, k, v = leaves
         if not grouped:
-            k, v = attn._repeat_kv(k, 12), attn._repeat_kv(v, 12)
+            k, v = attn.repeat_kv(k, 12), attn.repeat_kv(v, 12)
         out = attn._aten_flash_gqa(q, k, v, cu.int(), max(seq_lens), 128**-0.5)
         out.backward(grad)
         results.append([out.detach()] + [t.grad for t in leaves])

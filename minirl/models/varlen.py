@@ -1,0 +1,133 @@
+"""The varlen core: causal attention within each of the packed sequences of one row, by backend.
+
+minirl.models.attention calls `varlen_attention` for every packed forward; sequence parallelism
+(plugins/ulysses.py) wraps it. Backends: flash-attn's varlen kernel when the package is installed,
+else torch's varlen attention (CUDA, half precision), else exact per-segment SDPA (the CPU, float32).
+
+Shape legend: N packed tokens, S sequences, H query heads, K key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def varlen_attention(
+    q: torch.Tensor,  # [N, H, D]
+    k: torch.Tensor,  # [N, K, D]
+    v: torch.Tensor,  # [N, K, D]
+    cu_seqlens: torch.Tensor,  # [S+1] int32 boundaries
+    max_seqlen: int,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Causal attention within each of S packed sequences; returns [N, H, D].
+
+    backend: "flash_attn" | "torch" | "sdpa", or None to pick the fastest available for q.
+    """
+    name = backend or pick_backend(q)
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown varlen attention backend {name!r}; choose one of {sorted(_BACKENDS)}")
+    return _BACKENDS[name](q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+def pick_backend(q: torch.Tensor) -> str:
+    """flash-attn, then torch's varlen kernel (both CUDA + half precision only), else per-segment SDPA."""
+    if q.is_cuda and q.dtype in _HALF:
+        if _flash_attn_varlen() is not None:
+            return "flash_attn"
+        if _torch_varlen() is not None:
+            return "torch"
+    return "sdpa"
+
+
+def _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale):
+    fn = _flash_attn_varlen()
+    if fn is None:
+        raise ValueError("varlen backend 'flash_attn' needs the flash-attn package: pip install 'minirl[flash-attn]'")
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    # flash-attn handles GQA natively (K divides H), so keys and values are not repeated.
+    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=True)
+
+
+def _torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scale):
+    fn = _torch_varlen()
+    if fn is None:
+        raise ValueError("varlen backend 'torch' needs torch >= 2.10 (torch.nn.attention.varlen)")
+    params = inspect.signature(fn).parameters
+    kwargs: dict = {"scale": scale}
+    # torch 2.10 spells causality is_causal=True; later releases window_size=(-1, 0).
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        elif q.is_cuda:
+            return _aten_flash_gqa(q, k, v, cu, max_seqlen, scale)
+        else:
+            k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+
+
+def _aten_flash_gqa(q, k, v, cu, max_seqlen, scale):
+    """The flash kernel torch's varlen_attn runs, called with fewer key/value heads than query
+    heads, which it supports (each KV head serves its group; the backward sums the group's
+    gradients). torch 2.11's varlen_attn has no enable_gqa, and repeating the keys and values
+    instead is a strided copy of both: 4% of a compiled layer's forward on 30k tokens
+    (docs/benchmarks.md), plus a sum in the backward."""
+    flash = torch.ops.aten._flash_attention_forward
+    return flash(q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True, False, scale=scale)[0]
+
+
+def _segment_sdpa(q, k, v, cu_seqlens, max_seqlen, scale):
+    """Exact reference: one causal SDPA per sequence. One host sync (the boundaries) per call."""
+    bounds = cu_seqlens.tolist()
+    q_HND = q.transpose(0, 1)
+    k_HND = repeat_kv(k, q.shape[1]).transpose(0, 1)
+    v_HND = repeat_kv(v, q.shape[1]).transpose(0, 1)
+    outs = [
+        F.scaled_dot_product_attention(q_HND[:, s:e], k_HND[:, s:e], v_HND[:, s:e], is_causal=True, scale=scale)
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ]
+    return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+_BACKENDS: dict[str, Callable] = {
+    "flash_attn": _flash_varlen,
+    "torch": _torch_varlen_attn,
+    "sdpa": _segment_sdpa,
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _flash_attn_varlen() -> Callable | None:
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # not installed, or built against another torch (undefined symbols)
+        return None
+    return flash_attn_varlen_func
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_varlen() -> Callable | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """GQA on [N, K, D] or [B, K, L, D]: query head h reads key/value head h // (H // K), as in HF."""
+    groups = num_heads // x.shape[1]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
