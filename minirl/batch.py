@@ -68,6 +68,13 @@ def scatter_tokens(flat_N: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     return out_BT.masked_scatter(mask_BT.bool().to(flat_N.device), flat_N)
 
 
+def ragged_arange(starts_S: np.ndarray, lens_S: np.ndarray) -> np.ndarray:
+    """arange(starts_S[s], starts_S[s] + lens_S[s]) for every s, concatenated, as int64: one shift
+    per run of arange(sum of lens) instead of an arange and a concatenation per run (a host cost
+    paid per micro-batch)."""
+    return np.repeat(starts_S - (np.cumsum(lens_S) - lens_S), lens_S) + np.arange(int(lens_S.sum()), dtype=np.int64)
+
+
 def scatter_rows(flat_N: torch.Tensor, lens: list[int], mask_BT: torch.Tensor) -> torch.Tensor:
     """scatter_tokens for the training loss, given each row's token count on the host: row b's
     first lens[b] positions take the next lens[b] values, and positions where mask_BT is 0 are 0
@@ -78,9 +85,7 @@ def scatter_rows(flat_N: torch.Tensor, lens: list[int], mask_BT: torch.Tensor) -
     per micro-batch of the update."""
     B, T = mask_BT.shape
     rest = flat_N.shape[1:]
-    # value j of row b goes to b * T + (j - the values before row b): a per-row shift of arange(N)
-    lens_B = np.asarray(lens, dtype=np.int64)
-    idx_N = np.repeat(np.arange(B, dtype=np.int64) * T - (np.cumsum(lens_B) - lens_B), lens_B) + np.arange(lens_B.sum())
+    idx_N = ragged_arange(np.arange(B, dtype=np.int64) * T, np.asarray(lens, dtype=np.int64))  # row b from b * T
     idx_N = to_device(torch.from_numpy(idx_N), flat_N.device)
     flat_BT = flat_N.new_zeros(B * T, *rest).index_put((idx_N,), flat_N).view(B, T, *rest)
     keep = mask_BT.to(flat_BT.device).bool().view(B, T, *([1] * len(rest)))

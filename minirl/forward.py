@@ -15,6 +15,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from minirl.batch import ragged_arange
 from minirl.logprob import chunked_logprobs, use_fused
 from minirl.models.attention import ATTN_NAME, packed_forward_kwargs
 from minirl.transfer import to_device
@@ -53,10 +54,8 @@ def pack(
     seq_S = p_S + r_S
     ids_N = np.fromiter(chain.from_iterable(chain.from_iterable(zip(prompts, responses))), np.int64, int(seq_S.sum()))
     labels_R = np.fromiter(chain.from_iterable(responses), np.int64, int(r_S.sum()))
-    # response token t of sequence s sits at row offset_s + len(p_s) + t and is predicted by the
-    # position before it; numbered across all responses (np.arange(R)) that is a per-sequence shift
-    shift_S = (np.cumsum(seq_S) - seq_S) + p_S - 1 - (np.cumsum(r_S) - r_S)
-    pred_pos_R = np.repeat(shift_S, r_S) + np.arange(labels_R.size)
+    # response token t of sequence s sits at row offset_s + len(p_s) + t, predicted by the one before
+    pred_pos_R = ragged_arange((np.cumsum(seq_S) - seq_S) + p_S - 1, r_S)
     input_ids = to_device(torch.from_numpy(ids_N), device)[None]
     return input_ids, seq_S.tolist(), pred_pos_R, to_device(torch.from_numpy(labels_R), device)
 
