@@ -16,16 +16,9 @@ import numpy as np
 import torch
 
 from minirl.batch import ragged_arange
-from minirl.logprob import chunked_logprobs, use_fused
+from minirl.logprob import chunked_logprobs
 from minirl.models.attention import ATTN_NAME, packed_forward_kwargs
 from minirl.transfer import to_device
-
-# Response positions per output-projection chunk. With gradients each chunk's logits are
-# recomputed in the backward, so the chunk bounds the memory the loss holds. Without gradients
-# (the log-prob passes) on the fused kernels a chunk's logits live only in the head's dtype while
-# its statistics are taken, and longer chunks run the head's GEMM a little faster (8,192 × 151,936
-# bf16 logits = 2.5 GB; docs/benchmarks.md); the plain path's float32 copies keep the short chunk.
-LOGIT_CHUNK, LOGIT_CHUNK_FUSED_NO_GRAD = 2048, 8192
 
 
 def mixed_precision(device: torch.device):
@@ -102,10 +95,6 @@ def _whole(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _logit_chunk(device: torch.device) -> int:
-    return LOGIT_CHUNK if torch.is_grad_enabled() or not use_fused(device) else LOGIT_CHUNK_FUSED_NO_GRAD
-
-
 def _packed_logprobs(model, input_ids_1N, seq_lens, pred_pos_R, labels_R, temperature, with_entropy):
     ids_1n, kwargs, pos_r, labels_r, gather = split(model, input_ids_1N, seq_lens, pred_pos_R, labels_R)
     hidden_nH = model.get_decoder()(input_ids=ids_1n, **kwargs).last_hidden_state[0]
@@ -114,7 +103,6 @@ def _packed_logprobs(model, input_ids_1N, seq_lens, pred_pos_R, labels_R, temper
         model.get_output_embeddings(),
         labels_r,
         temperature,
-        chunk_size=_logit_chunk(hidden_nH.device),
         with_entropy=with_entropy,
         recompute=torch.is_grad_enabled(),
     )

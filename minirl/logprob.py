@@ -28,7 +28,13 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-DEFAULT_CHUNK_SIZE = 1024  # 1024 × 151,936 × 4 B ≈ 0.6 GB per float32 chunk tensor
+# Positions per output-projection chunk (chunk_size=None). With gradients each chunk's logits are
+# recomputed in the backward, so the chunk bounds the memory the loss holds; the plain path keeps
+# float32 copies of a chunk (2,048 × 151,936 × 4 B = 1.2 GB each). Without gradients on the fused
+# kernels a chunk's logits live only in the head's dtype while its statistics are taken, and
+# longer chunks run the head's GEMM a little faster (8,192 × 151,936 bf16 = 2.5 GB;
+# docs/benchmarks.md).
+CHUNK, CHUNK_FUSED_NO_GRAD = 2048, 8192
 IMPLS = ("auto", "fused", "plain")
 IMPL = os.environ.get("MINIRL_LOGPROB_IMPL", "auto")  # auto: fused on CUDA when its kernels check out
 
@@ -151,7 +157,7 @@ def chunked_logprobs(
     head: Callable[[torch.Tensor], torch.Tensor],
     labels_N: torch.Tensor,
     temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     with_entropy: bool = False,
     recompute: bool = True,
     impl: str | None = None,
@@ -165,15 +171,20 @@ def chunked_logprobs(
     chunk's float32 intermediates for backward (as much memory as the unchunked form: use it
     only for small vocabularies; the fused path keeps each chunk's logits in the head's dtype).
     Under torch.no_grad checkpointing is skipped, it saves nothing.
+    chunk_size: positions per chunk; None: CHUNK_FUSED_NO_GRAD on the fused path without
+    gradients, else CHUNK.
     impl: "auto" (fused Triton kernels on CUDA when they check out, else plain torch), "fused",
     "plain"; None reads the module's IMPL (env MINIRL_LOGPROB_IMPL).
     Returns (logp_N, entropy_N or None), float32.
     """
     _check_temperature(temperature)
+    fused = use_fused(hidden_NH.device, impl)
+    if chunk_size is None:
+        chunk_size = CHUNK_FUSED_NO_GRAD if fused and not torch.is_grad_enabled() else CHUNK
     if chunk_size < 1:
         raise ValueError(f"chunk_size = {chunk_size}: must be >= 1 positions")
     use_checkpoint = recompute and torch.is_grad_enabled()
-    stats = _chunk_stats_fused if use_fused(hidden_NH.device, impl) else _chunk_stats
+    stats = _chunk_stats_fused if fused else _chunk_stats
     logps, entropies = [], []
     for start in range(0, hidden_NH.shape[0], chunk_size):
         h_nH = hidden_NH[start : start + chunk_size]
