@@ -26,8 +26,10 @@ import itertools
 
 import torch
 from cuda_timing import cuda_ms
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from minirl.models import fused_mlp
+from minirl.models.compile import INDUCTOR_OPTIONS
 from minirl.models.fused_mlp_triton import launch
 
 HIDDEN, INTER = 1536, 8960
@@ -52,15 +54,9 @@ def silu_mul_eager(g, u):
     return torch.nn.functional.silu(g) * u
 
 
-def rms_norm(h, weight, eps=1e-6):
-    """Hugging Face's Qwen2RMSNorm."""
-    var = h.float().pow(2).mean(-1, keepdim=True)
-    return weight * (h.float() * torch.rsqrt(var + eps)).to(h.dtype)
-
-
-def add_norm(y, r, weight):
+def add_norm(y, r, norm):
     h = r + y
-    return h, rms_norm(h, weight)
+    return h, norm(h)
 
 
 def agreement(a, b) -> str:
@@ -82,7 +78,7 @@ def bench_gate_up(m: int):
     wg = torch.randn(INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * HIDDEN**-0.5
     wu = torch.randn(INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * HIDDEN**-0.5
     flops = 2 * 2 * m * INTER * HIDDEN
-    fused = torch.compile(silu_mul_eager, options={"emulate_precision_casts": True})
+    fused = torch.compile(silu_mul_eager, options=INDUCTOR_OPTIONS)
     ref = silu_mul_eager(x @ wg.T, x @ wu.T)
     base_ms = cuda_ms(lambda: fused(x @ wg.T, x @ wu.T), reps=20)
     gemm_ms = cuda_ms(lambda: (x @ wg.T, x @ wu.T), reps=20)
@@ -105,18 +101,18 @@ def bench_gate_up(m: int):
 def bench_residual(m: int):
     dev = "cuda"
     torch.manual_seed(0)
-    weight = torch.ones(HIDDEN, device=dev, dtype=torch.bfloat16)
+    rms_norm = Qwen2RMSNorm(HIDDEN).to(dev, torch.bfloat16)
     r = torch.randn(m, HIDDEN, device=dev, dtype=torch.bfloat16)
-    norm = torch.compile(rms_norm, options={"emulate_precision_casts": True})
-    addn = torch.compile(add_norm, options={"emulate_precision_casts": True})
+    norm = torch.compile(rms_norm, options=INDUCTOR_OPTIONS)
+    addn = torch.compile(functools.partial(add_norm, norm=rms_norm), options=INDUCTOR_OPTIONS)
     for name, k in (("o_proj", HIDDEN), ("down", INTER)):
         a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         wt = (torch.randn(HIDDEN, k, device=dev, dtype=torch.bfloat16) * k**-0.5).T
-        now = cuda_ms(functools.partial(lambda a, wt: addn(a @ wt, r, weight), a, wt), reps=20)
-        fused = cuda_ms(functools.partial(lambda a, wt: norm(torch.addmm(r, a, wt), weight), a, wt), reps=20)
+        now = cuda_ms(functools.partial(lambda a, wt: addn(a @ wt, r), a, wt), reps=20)
+        fused = cuda_ms(functools.partial(lambda a, wt: norm(torch.addmm(r, a, wt)), a, wt), reps=20)
         mm = cuda_ms(functools.partial(torch.mm, a, wt), reps=20)
         addmm = cuda_ms(functools.partial(torch.addmm, r, a, wt), reps=20)
-        h_now, h_fused = addn(a @ wt, r, weight)[0], torch.addmm(r, a, wt)
+        h_now, h_fused = addn(a @ wt, r)[0], torch.addmm(r, a, wt)
         print(
             f"{name} M={m}: mm + add·norm {now:.3f} ms (mm {mm:.3f}); addmm + norm {fused:.3f} ms "
             f"(addmm {addmm:.3f}): {fused / now:.1%}; h: {agreement(h_fused, h_now)}"

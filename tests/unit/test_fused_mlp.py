@@ -21,7 +21,7 @@ from minirl.models.loading import random_model
 from minirl.models.presets import preset_config
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
@@ -185,7 +185,7 @@ def test_fused_forward_through_the_kernel_under_the_interpreter(monkeypatch):
     assert float((got - want).abs().max()) > 0  # the kernel's bf16 roundings, not the plain path
 
 
-@gpu
+@needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 127, 1000, 28000])
 def test_kernel_matches_the_unfused_bf16_computation(m):
@@ -196,7 +196,7 @@ def test_kernel_matches_the_unfused_bf16_computation(m):
     assert_matches(torch.ops.minirl.gate_up_silu(x, wg, wu), unfused, max_differing=1e-4)
 
 
-@gpu
+@needs_cuda
 @pytest.mark.gpu
 def test_compiled_model_gradient_free_pass_matches_the_unfused_one():
     """Log-probs of a compiled bf16 model (the tiny preset, whose MLP tiles divide) with and
