@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 from cuda_timing import cuda_ms
+
+from minirl.models.attention import packed_forward_kwargs
+from minirl.models.varlen import repeat_kv, varlen_attention
 
 H, K, D = 12, 2, 128
 NO_BIAS = torch.empty(0, device="cuda") if torch.cuda.is_available() else None  # the op's bias is not optional
@@ -66,8 +68,7 @@ def cudnn(q, k, v, cu, max_len, scale):
 
 def cudnn_rep(q, k, v, cu, max_len, scale):
     groups = q.shape[1] // k.shape[1]
-    k_rep, v_rep = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    out, backward_rep = cudnn(q, k_rep, v_rep, cu, max_len, scale)
+    out, backward_rep = cudnn(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]), cu, max_len, scale)
 
     def backward(g):
         dq, dk, dv = backward_rep(g)
@@ -79,18 +80,10 @@ def cudnn_rep(q, k, v, cu, max_len, scale):
 KERNELS = {"fa2": fa2, "cudnn": cudnn, "cudnn-rep": cudnn_rep}
 
 
-def reference(q, k, v, g, lens, scale):
-    """Per-sequence float32 SDPA: output and gradients of (out · g).sum()."""
+def reference(q, k, v, g, cu, max_len, scale):
+    """Per-sequence float32 SDPA (minirl's exact varlen backend): output and gradients of (out · g).sum()."""
     q, k, v = (t.float().requires_grad_() for t in (q, k, v))
-    groups = H // K
-    outs, start = [], 0
-    for n in lens:
-        sl = slice(start, start + n)
-        qs, ks, vs = q[sl].transpose(0, 1), k[sl].repeat_interleave(groups, 1).transpose(0, 1), v[sl]
-        vs = vs.repeat_interleave(groups, 1).transpose(0, 1)
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
-        start += n
-    out = torch.cat(outs)
+    out = varlen_attention(q, k, v, cu, max_len, scale, backend="sdpa")
     (out * g.float()).sum().backward()
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -109,8 +102,8 @@ def main() -> None:
     n, scale = sum(lens), D**-0.5
     gen = torch.Generator(device="cuda").manual_seed(1)
     q, k, v, g = (torch.randn(n, h, D, device="cuda", generator=gen, dtype=torch.bfloat16) for h in (H, K, K, H))
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
-    ref = reference(q, k, v, g, lens, scale)
+    cu = packed_forward_kwargs(lens, "cuda")["cu_seq_lens_q"]
+    ref = reference(q, k, v, g, cu, max(lens), scale)
     flops = 4 * H * D * sum(s * (s + 1) / 2 for s in lens)
     print(f"{len(lens)} sequences, {n} tokens, max {max(lens)}; forward {flops / 1e12:.3f} TFLOP\n")
     print("| kernel | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | out err max / mean | dq | dk | dv |")
