@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from minirl.dist.transfer import to_device
 from minirl.errors import UserError
-from minirl.transfer import to_device
 
 
 @dataclass

@@ -10,16 +10,17 @@ import os
 
 import torch
 
-from minirl import actor as actor_lib
-from minirl import assembly, spmd
-from minirl.config import Config, to_toml
+from minirl.config.load import Config, to_toml
 from minirl.critic import Critic, needs_values, resolved
 from minirl.critic.model import build_value_model
-from minirl.data import PromptLoader, load_prompts
-from minirl.dist import DistContext
+from minirl.data.prompts import PromptLoader, load_prompts
+from minirl.dist.context import DistContext
 from minirl.errors import UserError
+from minirl.models import assembly
+from minirl.models.loading import load_model_for_rank
+from minirl.observe.evaluate import ValSet, load_val_set
 from minirl.protocols import EngineContext
-from minirl.validation import ValSet, load_val_set
+from minirl.update import actor as actor_lib
 
 
 def needs_ref(cfg: Config) -> bool:
@@ -31,7 +32,7 @@ def models(pm, cfg: Config, dist: DistContext):
     """(tokenizer, actor, reference or None): the policy loaded once; the reference is a frozen
     copy taken before the actor is sharded and wrapped."""
     dtype = getattr(torch, cfg.model.dtype)
-    model, tokenizer = spmd.load_model_for_rank(cfg.model, dist, dtype)  # ranks > 0: meta for a checkpoint
+    model, tokenizer = load_model_for_rank(cfg.model, dist, dtype)  # ranks > 0: meta for a checkpoint
     ref = None
     if needs_ref(cfg):
         ref = copy.deepcopy(model).eval().requires_grad_(False)

@@ -7,8 +7,8 @@
 
 The first runs a job (or prints the resolved config as TOML); `plugins` prints every plugin and
 every registered component by kind, including the config's own plugin modules; `compare` and
-`report` read finished (or running) run directories (minirl.rundirs). The resolved
-config is validated as a whole before any model loads (minirl.validate). A user mistake
+`report` read finished (or running) run directories (minirl.observe.runs). The resolved
+config is validated as a whole before any model loads (minirl.validate.core). A user mistake
 (config, data, model files, plugins) prints one clear error line per mistake on stderr and exits
 with status 2; Ctrl-C during start-up exits with 130. Notices go to stderr, so
 `--print-config > job.toml` writes valid TOML.
@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minirl.config import load_config, parse_overrides, profiles_in, to_toml
+from minirl.config.load import load_config, parse_overrides, profiles_in, to_toml
 from minirl.errors import UserError
+from minirl.observe.runs.commands import COMMANDS
 from minirl.plugins import PluginManager
-from minirl.rundirs.commands import COMMANDS
 
 USAGE = """python -m minirl --config FILE [--profile P] [--print-config] [section.key=value ...]
        python -m minirl plugins [--config FILE] [section.key=value ...]
@@ -107,7 +107,7 @@ def run(argv: list[str]) -> int:
     if args.config is None and not args.print_config:
         build_parser().error("--config is required to run a job")
     pm, cfg = resolve(args)
-    from minirl.validate import validate
+    from minirl.validate.core import validate
 
     validate(cfg, pm, files=not args.print_config)
     if args.print_config:

@@ -44,7 +44,7 @@ def minirl_advantage_estimators() -> dict[str, AdvantageEstimator]:
 
     :return: name -> estimator, selected by ``algorithm.adv_estimator``.
 
-    Built-in: ``minirl_plugins.advantage`` (grpo, rloo, reinforce_plus_plus,
+    Built-in: ``minirl_plugins.algorithms.advantage`` (grpo, rloo, reinforce_plus_plus,
     reinforce_plus_plus_baseline, opo, gae).
     """
 
@@ -57,7 +57,7 @@ def minirl_kl_estimators() -> dict[str, KLEstimator]:
 
     :return: name -> estimator, selected by ``actor.kl_loss_type`` and ``algorithm.kl_penalty``.
 
-    Built-in: ``minirl_plugins.kl`` (k1/kl, abs, k2/mse, k3/low_var_kl, the ``+`` variants, full).
+    Built-in: ``minirl_plugins.algorithms.kl`` (k1/kl, abs, k2/mse, k3/low_var_kl, the ``+`` variants, full).
     """
 
 
@@ -69,7 +69,7 @@ def minirl_policy_losses() -> dict[str, PolicyLoss]:
 
     :return: name -> loss, selected by ``actor.policy_loss``.
 
-    Built-in: ``minirl_plugins.policy_loss`` (vanilla: PPO clip with dual clip).
+    Built-in: ``minirl_plugins.algorithms.policy_loss`` (vanilla: PPO clip with dual clip).
     """
 
 
@@ -97,7 +97,7 @@ def minirl_rollout_engines() -> dict[str, EngineFactory]:
 
     :return: name -> factory(rollout_cfg, ctx), selected by ``rollout.name``.
 
-    Built-in: ``minirl_plugins.native`` (native), ``minirl_plugins.hf_rollout`` (hf).
+    Built-in: ``minirl_plugins.engines.native`` (native), ``minirl_plugins.engines.hf`` (hf).
     """
 
 
@@ -109,7 +109,7 @@ def minirl_loggers() -> dict[str, LoggerFactory]:
 
     :return: name -> factory(trainer_cfg, run_dir), selected by ``trainer.logger`` (a list).
 
-    Built-in: ``minirl_plugins.loggers`` (console, jsonl, tensorboard, wandb).
+    Built-in: ``minirl_plugins.observe.loggers`` (console, jsonl, tensorboard, wandb).
     """
 
 
@@ -133,14 +133,14 @@ def minirl_launchers() -> dict[str, Launcher]:
 
     :return: name -> launcher(cfg, pm, job) -> exit status, selected by ``trainer.launcher``
         (``auto``: torchrun under torchrun, ray for ``trainer.nnodes > 1`` or a Ray address,
-        else local). A launcher ends in ``minirl.spmd.init_from_env`` on every rank.
+        else local). A launcher ends in ``minirl.dist.spmd.init_from_env`` on every rank.
 
-    Built-in: ``minirl_plugins.launchers`` (local, torchrun), ``minirl_plugins.ray_launcher`` (ray).
+    Built-in: ``minirl_plugins.launchers`` (local, torchrun), ``minirl_plugins.launchers.ray`` (ray).
     """
 
 
 # ---------------------------------------------------------------------------------------------
-# assembly hooks (called in this order by minirl.assembly)
+# assembly hooks (called in this order by minirl.models.assembly)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -154,7 +154,7 @@ def minirl_apply_sequence_parallel(model: torch.nn.Module, cfg: Any, mesh: Any) 
     :param cfg: the ``actor`` (or ``ref``, ``critic``) config section.
     :param mesh: the device mesh (dims ``dp``, ``sp``), or None on one CPU process.
 
-    Built-in: ``minirl_plugins.ulysses`` (acts when ulysses_sequence_parallel_size > 1).
+    Built-in: ``minirl_plugins.parallel.ulysses`` (acts when ulysses_sequence_parallel_size > 1).
     """
 
 
@@ -166,7 +166,7 @@ def minirl_apply_activation_checkpointing(model: torch.nn.Module, cfg: Any) -> N
 
     :param cfg: the ``model`` (or ``critic.model``) config section (enable_gradient_checkpointing).
 
-    Built-in: ``minirl_plugins.checkpointing``.
+    Built-in: ``minirl_plugins.parallel.checkpointing``.
     """
 
 
@@ -180,7 +180,7 @@ def minirl_apply_data_parallel(model: torch.nn.Module, cfg: Any, mesh: Any) -> t
     :param mesh: the device mesh, or None on one CPU process.
     :return: the wrapped module, or None to leave it to another plugin.
 
-    Built-in: ``minirl_plugins.fsdp2`` (acts whenever there is a mesh: on CUDA, one GPU too).
+    Built-in: ``minirl_plugins.parallel.fsdp2`` (acts whenever there is a mesh: on CUDA, one GPU too).
     """
 
 
@@ -194,7 +194,7 @@ def minirl_build_optimizer(model: torch.nn.Module, cfg: Any, total_steps: int) -
     :param total_steps: optimizer steps of the whole run (for warm-up ratios and decay).
     :return: (optimizer, lr_scheduler).
 
-    Built-in: ``minirl_plugins.optim`` (AdamW with warm-up and constant/cosine decay).
+    Built-in: ``minirl_plugins.algorithms.optim`` (AdamW with warm-up and constant/cosine decay).
     """
 
 

@@ -1,14 +1,14 @@
-"""Start a job: the chosen launcher (minirl.launchers: local, torchrun, ray) runs `fit` on
+"""Start a job: the chosen launcher (minirl.dist.launchers: local, torchrun, ray) runs `fit` on
 every rank."""
 
 from __future__ import annotations
 
-from minirl.dist import DistContext
+from minirl.dist.context import DistContext
 
 
 def launch(cfg, pm) -> int:
     """Run the job; returns the exit status (0, 1 for a crash, 2 for a user error)."""
-    from minirl import launchers
+    from minirl.dist import launchers
 
     return launchers.launch(cfg, pm, fit)
 

@@ -21,20 +21,20 @@ from minirl import hookspecs
 from minirl.errors import UserError, reraise_if_debug, wrapped
 
 BUILTIN_MODULES = (
-    "minirl_plugins.advantage",
-    "minirl_plugins.kl",
-    "minirl_plugins.policy_loss",
+    "minirl_plugins.algorithms.advantage",
+    "minirl_plugins.algorithms.kl",
+    "minirl_plugins.algorithms.policy_loss",
     "minirl_plugins.rewards",
-    "minirl_plugins.hf_rollout",
-    "minirl_plugins.native",
-    "minirl_plugins.sglang",
-    "minirl_plugins.loggers",
-    "minirl_plugins.optim",
-    "minirl_plugins.checkpointing",
-    "minirl_plugins.ulysses",
-    "minirl_plugins.fsdp2",
+    "minirl_plugins.engines.hf",
+    "minirl_plugins.engines.native",
+    "minirl_plugins.engines.sglang",
+    "minirl_plugins.observe.loggers",
+    "minirl_plugins.algorithms.optim",
+    "minirl_plugins.parallel.checkpointing",
+    "minirl_plugins.parallel.ulysses",
+    "minirl_plugins.parallel.fsdp2",
     "minirl_plugins.launchers",
-    "minirl_plugins.ray_launcher",
+    "minirl_plugins.launchers.ray",
 )
 
 ENTRY_POINT_GROUP = "minirl"

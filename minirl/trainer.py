@@ -15,29 +15,31 @@ import signal
 import torch
 from tqdm import tqdm
 
-from minirl import actor as actor_lib
-from minirl import assembly, build, dynamic_sampling
+from minirl import build
+from minirl.algo import dynamic_sampling
+from minirl.algo.guard import NonFiniteGuard
+from minirl.algo.kl_control import apply_kl_in_reward, build_kl_controller
+from minirl.algo.rollout_corr import ROLLOUT_LOG_PROBS, require_rollout_log_probs, rollout_log_probs_BT
 from minirl.batch import RolloutBatch, response_mask
 from minirl.checkpoint import faults, save_hf_checkpoint
 from minirl.checkpoint import state as ckpt_state
 from minirl.checkpoint import training as ckpt_training
 from minirl.checkpoint.resume import plan_run
 from minirl.checkpoint.training import TrainingState
-from minirl.config import Config
+from minirl.config.load import Config
 from minirl.critic import critic_line
 from minirl.critic import update as critic_lib
-from minirl.data import expand_groups
-from minirl.dist import DistContext
+from minirl.data.prompts import expand_groups
+from minirl.dist.context import DistContext
+from minirl.dist.signals import StopRequest
 from minirl.errors import Stopped
-from minirl.guard import NonFiniteGuard
-from minirl.kl_control import apply_kl_in_reward, build_kl_controller
-from minirl.metrics import PhaseTimer, summary_table
+from minirl.models import assembly
+from minirl.observe.evaluate import validate
+from minirl.observe.metrics import PhaseTimer, summary_table
+from minirl.observe.step_metrics import data_metrics, engine_metrics, perf_metrics, value_metrics
 from minirl.protocols import AdvantageInputs, SamplingParams
 from minirl.reward import build_reward_manager, overlong_penalty, place_scores, reward_metrics
-from minirl.rollout_corr import ROLLOUT_LOG_PROBS, require_rollout_log_probs, rollout_log_probs_BT
-from minirl.signals import StopRequest
-from minirl.step_metrics import data_metrics, engine_metrics, perf_metrics
-from minirl.validation import validate
+from minirl.update import actor as actor_lib
 
 
 class Trainer:
@@ -87,7 +89,7 @@ class Trainer:
 
     @property
     def on_policy(self) -> bool:
-        """The old log-probs come from the update's own forward (minirl.actor.on_policy)."""
+        """The old log-probs come from the update's own forward (minirl.update.actor.on_policy)."""
         c = self.cfg
         return actor_lib.on_policy(c.actor, c.data.train_batch_size, c.algorithm.use_kl_in_reward)
 
@@ -227,7 +229,7 @@ class Trainer:
 
     def rollout(self, records, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float], int]:
         """gen + reward; with algorithm.filter_groups, further prompt batches until the step holds
-        data.train_batch_size informative groups (minirl.dynamic_sampling). The number handed to
+        data.train_batch_size informative groups (minirl.algo.dynamic_sampling). The number handed to
         generate (its seed and uids) is then the loader's count of batches drawn, unique per batch.
         Also returns this rank's response tokens generated over every batch drawn (what the
         generation time was spent on; the trained batch may hold fewer)."""
@@ -356,7 +358,7 @@ class Trainer:
         metrics["critic/lr"] = critic.scheduler.get_last_lr()[0]
         critic.scheduler.step()
         critic.model.eval()
-        metrics.update(critic_lib.value_metrics(batch, self.dist))
+        metrics.update(value_metrics(batch, self.dist))
         return metrics
 
     def sync_weights(self) -> None:

@@ -21,10 +21,12 @@ import time
 
 import torch
 
-from minirl import assembly, spmd
 from minirl.checkpoint import save_hf_checkpoint
 from minirl.checkpoint import state as ckpt_state
-from minirl.config import load_config, to_toml
+from minirl.config.load import load_config, to_toml
+from minirl.dist import spmd
+from minirl.models import assembly
+from minirl.models.loading import load_model_for_rank
 from minirl.plugins import PluginManager
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +36,7 @@ def build(preset: str, device: str):
     cfg = load_config(os.path.join(ROOT, "bench.toml"), [f"model.preset={preset}", f"trainer.device={device}"])
     pm = PluginManager(cfg.plugins.modules)
     dist = spmd.single_process(cfg)
-    model, tokenizer = spmd.load_model_for_rank(cfg.model, dist, torch.float32)
+    model, tokenizer = load_model_for_rank(cfg.model, dist, torch.float32)
     actor = assembly.assemble_actor(pm, model, cfg, dist)
     optimizer, _ = assembly.build_optimizer(pm, actor, cfg.actor.optim, 10)
     for p in actor.parameters():

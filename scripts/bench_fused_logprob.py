@@ -26,8 +26,8 @@ import sys
 import torch
 from cuda_timing import cuda_ms
 
-from minirl import logprob_triton as lt
-from minirl.logprob import chunked_logprobs
+from minirl.forward.logprob import chunked_logprobs
+from minirl.kernels import logprob as lt
 
 V, H, T = 151_936, 1536, 0.6
 COPY_CEILING_GBS = 4280.0

@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from minirl.metrics import synchronize
 from minirl.models.attention import packed_forward_kwargs
 from minirl.models.compile import compile_layers
 from minirl.models.loading import random_model
 from minirl.models.presets import preset_config
+from minirl.observe.metrics import synchronize
 
 VARIANTS = ("eager", "hf_rotary", "hf_rotary_32bit", "seq_major", "seq_major_32bit")
 

@@ -11,7 +11,7 @@ minirl's own decoder layer could make against what the compiled Hugging Face lay
    W_up (two accumulators sharing the x tile) and writes silu(g)·u only. Its epilogue rounds as
    eager does (g and u to bf16, silu in float32 to bf16, the product to bf16), so it can differ
    from the unfused bits only where the two GEMMs' float32 sums round differently.
-   minirl's kernel (minirl/models/fused_mlp_triton.py), swept over its tiling.
+   minirl's kernel (minirl/kernels/fused_mlp.py), swept over its tiling.
 2. The residual add in the projection's epilogue. Now: cuBLAS o_proj / down_proj writes y, then
    one fused kernel reads y and the residual r and writes h = r + y and rmsnorm(h). Fused:
    cuBLAS addmm (β = 1) writes h = r + x Wᵀ, then a norm kernel reads h and writes rmsnorm(h).
@@ -28,9 +28,9 @@ import torch
 from cuda_timing import cuda_ms
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
+from minirl.kernels.fused_mlp import launch
 from minirl.models import fused_mlp
 from minirl.models.compile import INDUCTOR_OPTIONS
-from minirl.models.fused_mlp_triton import launch
 
 HIDDEN, INTER = 1536, 8960
 

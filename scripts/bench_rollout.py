@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from minirl.config_schema import RolloutConfig
+from minirl.config.schema import RolloutConfig
 from minirl.protocols import EngineContext, SamplingParams
-from minirl_plugins.native import build_native_engine, weights_checksum
+from minirl_plugins.engines.native import build_native_engine, weights_checksum
 
 BANDWIDTH = 4.28e12
 # w3: issue 11's workload (32 prompts x 8 samples, gsm8k prompts of about 100 tokens, 1,024 new)
@@ -220,7 +220,7 @@ def micro(engine, device, batch, ctx, path) -> list[str]:
 def paged_case(spec, batch, ctx, device, dtype, page=16, kv_dtype=None):
     """One layer's paged KV cache (in kv_dtype, default dtype) with shuffled pages, every row at
     `ctx` tokens."""
-    from minirl_plugins.native.layers.meta import StepMeta
+    from minirl_plugins.engines.native.layers.meta import StepMeta
 
     pages_per_row = -(-ctx // page)
     table = (torch.randperm(batch * pages_per_row, device=device) + 1).view(batch, pages_per_row).to(torch.int32)
@@ -255,7 +255,7 @@ def sweep_attention(engine, device, path, shapes=((128, 512), (512, 1280))) -> l
     """Decode attention launch settings against KV bytes read, at (batch, context) shapes."""
     import triton.testing
 
-    from minirl_plugins.native.layers import ops_triton
+    from minirl_plugins.engines.native.layers import ops_triton
 
     spec, kv_dtype = engine.spec, engine.runner.kv.dtype
     lines = ["-- decode attention sweep: batch ctx splits block_n warps stages min_chunk [f16] -> us, TB/s"]

@@ -16,7 +16,7 @@ import copy
 
 import torch
 
-from minirl.forward import response_logprobs
+from minirl.forward.packed import response_logprobs
 from minirl.models import compile as mc
 from minirl.models.loading import random_model
 from minirl.models.presets import preset_config

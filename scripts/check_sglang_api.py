@@ -6,7 +6,7 @@
 
 It downloads the release without dependencies (SGLang cannot be installed next to our torch),
 reads its source with `ast`, never imports it, and compares it with the lists in
-plugins/sglang/api.py: import paths, classes, methods and their keyword arguments, ServerArgs
+plugins/engines/sglang/api.py: import paths, classes, methods and their keyword arguments, ServerArgs
 fields, sampling-param keys, output keys. On the newest release everything the plugin may use must
 exist; on an older named release only what the plugin cannot do without (the rest is reported as
 a fallback). Exit 0: all present; 1: something the plugin uses is gone; 2: the release could not
@@ -25,7 +25,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from minirl_plugins.sglang import api
+from minirl_plugins.engines.sglang import api
 
 Sources = dict[str, str]  # path inside the package ("sglang/srt/...py") -> source text
 

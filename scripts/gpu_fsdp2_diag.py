@@ -26,9 +26,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "distributed"))
 import dist_helpers as h  # noqa: E402
 
-from minirl import assembly, spmd  # noqa: E402
-from minirl.forward import response_logprobs  # noqa: E402
-from minirl.launchers import spawn  # noqa: E402
+from minirl.dist import spmd  # noqa: E402
+from minirl.dist.launchers import spawn  # noqa: E402
+from minirl.forward.packed import response_logprobs  # noqa: E402
+from minirl.models import assembly
 from minirl.plugins import PluginManager  # noqa: E402
 
 PROMPT_LENS, RESPONSE_LENS = [5, 9, 3, 12], [7, 2, 11, 4]
@@ -169,7 +170,7 @@ def shard_check(model, rank: int, world: int) -> dict:
 
 
 def worker(rank: int, out_path: str, world: int) -> None:
-    from minirl_plugins.native import weights_checksum
+    from minirl_plugins.engines.native import weights_checksum
 
     cfg = base_cfg(world)
     dist = spmd.init_from_env(cfg)

@@ -16,7 +16,7 @@ import test_fsdp2_gpu as t  # noqa: E402
 t.BASE = tuple(x for x in t.BASE if not x.startswith("trainer.n_gpus_per_node")) + ("trainer.n_gpus_per_node=1",)
 
 if __name__ == "__main__":
-    from minirl.launchers import spawn
+    from minirl.dist.launchers import spawn
 
     out = os.path.join(os.environ.get("OUT", "."), "fsdp2_world1.json")
     assert spawn.spawn(t._worker, 1, (out,)) == 0

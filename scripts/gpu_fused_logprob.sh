@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a CUDA machine: the fused log-prob/entropy kernels (minirl/logprob_triton.py) against the plain
+# On a CUDA machine: the fused log-prob/entropy kernels (minirl/kernels/logprob.py) against the plain
 # torch path. 1) the gpu-marked exactness tests, 2) the one-chunk micro-benchmark, 3) issue 11's
 # workload (32 prompts x 8 samples x 1,024 tokens, one optimizer step per step, 3 steps) with the
 # fused path (default on CUDA) and with MINIRL_LOGPROB_IMPL=plain.

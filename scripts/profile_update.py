@@ -24,11 +24,11 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from minirl import spmd
 from minirl import trainer as trainer_mod
 from minirl.cli import build_parser, resolve
-from minirl.spmd import free_port
-from minirl.validate import validate
+from minirl.dist import spmd
+from minirl.dist.spmd import free_port
+from minirl.validate.core import validate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trace_gaps  # noqa: E402  (scripts/ is not a package)
@@ -38,7 +38,7 @@ KINDS = (
     ("collectives (NCCL)", ("nccl",)),
     ("optimizer (AdamW)", ("adam", "multi_tensor_apply")),
     ("attention", ("flash", "fmha", "attention", "attn", "cudnn")),
-    ("fused log-prob/entropy (minirl.logprob_triton)", ("_fwd_kernel", "_bwd_kernel")),
+    ("fused log-prob/entropy (minirl.kernels.logprob)", ("_fwd_kernel", "_bwd_kernel")),
     ("inductor-fused element-wise (compiled layers)", ("triton_poi", "triton_red", "triton_per")),
     ("GEMM with SiLU·mul epilogue (model.fused_mlp)", ("gate_up_silu",)),
     ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "wgmma", "sm90_")),

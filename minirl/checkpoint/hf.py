@@ -11,8 +11,8 @@ import os
 
 import torch
 
-from minirl.assembly import full_weights
-from minirl.dist import DistContext
+from minirl.dist.context import DistContext
+from minirl.models.assembly import full_weights
 
 
 def save_hf_checkpoint(actor: torch.nn.Module, tokenizer, path: str, dist: DistContext) -> str | None:

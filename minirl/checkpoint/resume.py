@@ -28,6 +28,7 @@ else:  # pragma: no cover - Python 3.10 only
     import tomli as tomllib
 
 from minirl.checkpoint import store
+from minirl.config.load import flatten
 from minirl.errors import UserError
 
 MODES = ("auto", "disable", "resume_path")
@@ -183,7 +184,7 @@ def config_differences(
     resume; a key whose new default differs from what it replaced is a change the keys list.
     Keys starting with an `unused` prefix change nothing in this run (a critic-free run's
     [critic] section)."""
-    old, new, base = _flatten(saved), _flatten(current), _flatten(defaults or {})
+    old, new, base = flatten(saved), flatten(current), flatten(defaults or {})
     diffs = []
     for key in sorted(set(old) | set(new)):
         if key in FREE_KEYS or key.startswith(FREE_PREFIXES + unused):
@@ -193,15 +194,6 @@ def config_differences(
             diffs.append(f"{key} = {a!r} (checkpoint) vs {b!r} (now)")
     return diffs
 
-
-def _flatten(table: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in table.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        elif value is not None:  # unset optional keys are absent from the TOML
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _is_nan(x: Any) -> bool:

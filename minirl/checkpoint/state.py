@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from minirl.checkpoint import faults, store
-from minirl.dist import DistContext
+from minirl.dist.context import DistContext
 from minirl.errors import UserError
 
 TRAINER_STATE = "trainer_state.json"

@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 from minirl.checkpoint import state as ckpt_state
 from minirl.checkpoint.resume import check_config
-from minirl.config import Config, to_toml
-from minirl.dist import DistContext
+from minirl.config.load import Config, to_toml
+from minirl.dist.context import DistContext
 from minirl.errors import UserError
 
 

@@ -8,7 +8,7 @@ init of a token-classification score head, as verl's critic), drawn from a gener
 model.seed, so every rank draws the same head without touching the run's random stream.
 
 The model stays a transformers causal LM whose `get_output_embeddings()` is the value head: the
-assembly hooks (Ulysses, activation checkpointing, FSDP2) and minirl.forward's packing apply to
+assembly hooks (Ulysses, activation checkpointing, FSDP2) and minirl.forward.packed's packing apply to
 it unchanged. V_t is read at the position that predicts response token t (the last prompt token
 for t = 0), the positions whose hidden states give the log-probs (verl's alignment).
 Legend: N packed tokens, R response tokens of a micro-batch, H hidden size.
@@ -20,9 +20,10 @@ import dataclasses
 
 import torch
 
-from minirl import assembly, spmd
-from minirl.dist import DistContext
-from minirl.forward import mixed_precision, pack, run_packed, split
+from minirl.dist.context import DistContext
+from minirl.forward.packed import mixed_precision, pack, run_packed, split
+from minirl.models import assembly
+from minirl.models.loading import load_model_for_rank
 
 
 def backbone_config(model_cfg, critic_cfg):
@@ -58,7 +59,7 @@ def add_value_head(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 def build_value_model(pm, cfg, dist: DistContext) -> torch.nn.Module:
     """The assembled critic (cfg is the whole config; the hooks get the critic's sections)."""
     model_cfg = backbone_config(cfg.model, cfg.critic)
-    model, _ = spmd.load_model_for_rank(model_cfg, dist, getattr(torch, cfg.model.dtype))
+    model, _ = load_model_for_rank(model_cfg, dist, getattr(torch, cfg.model.dtype))
     add_value_head(model, cfg.model.seed)
     return assembly.assemble_critic(pm, model, cfg.critic, dist)
 

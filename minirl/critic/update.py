@@ -2,7 +2,7 @@
 (beside the actor's), with the actor's mini-/micro-batching and global loss normalisation.
 
 The update's loss is minirl.critic.value_loss's, aggregated with critic.loss_agg_mode over the
-whole global mini-batch (minirl.loss_agg): each micro-batch contributes its partial sum divided
+whole global mini-batch (minirl.algo.loss_agg): each micro-batch contributes its partial sum divided
 by the mini-batch's global counts, so the gradient is the same for any split over micro-batches
 and data-parallel ranks. An optimizer step whose loss or gradient norm is non-finite on any rank
 is skipped (counted in critic/nonfinite_steps), as the actor's.
@@ -15,16 +15,15 @@ import math
 
 import torch
 
-from minirl import assembly
+from minirl.algo.guard import nonfinite_step
+from minirl.algo.loss_agg import aggregate, mini_batch_norm
+from minirl.algo.stats import DeviceSums
 from minirl.batch import RolloutBatch, mini_batches, scatter_rows, scatter_tokens, select_micro, split_micro
 from minirl.critic.model import response_values
-from minirl.critic.value_loss import clipped_value_loss, explained_variance
-from minirl.dist import DistContext
-from minirl.guard import nonfinite_step
-from minirl.loss_agg import aggregate, mini_batch_norm
-from minirl.stats import DeviceSums
-from minirl.step_metrics import reduced_stats
-from minirl.transfer import tensor_to
+from minirl.critic.value_loss import clipped_value_loss
+from minirl.dist.context import DistContext
+from minirl.dist.transfer import tensor_to
+from minirl.models import assembly
 
 
 def _micro(batch: RolloutBatch, cfg, dist: DistContext, forward: bool = False) -> list[list[int]]:
@@ -113,14 +112,3 @@ def _micro_batch_loss(model, mb: RolloutBatch, cfg, norm, dist: DistContext, sum
     ):
         sums.add(name, value)
     return loss
-
-
-def value_metrics(batch: RolloutBatch, dist: DistContext) -> dict[str, float]:
-    """critic/values/mean|max|min, critic/returns/mean and critic/vf_explained_var over the valid
-    tokens of every data-parallel rank (values from the values pass, returns from the estimator)."""
-    mask = batch.mask_BT.bool()
-    values_BT, returns_BT = batch.tensors["values"], batch.tensors["returns"]
-    out = reduced_stats("critic/values", values_BT[mask], dist)
-    out["critic/returns/mean"] = reduced_stats("critic/returns", returns_BT[mask], dist)["critic/returns/mean"]
-    out["critic/vf_explained_var"] = explained_variance(returns_BT, values_BT, batch.mask_BT, dist.reduce_sum)
-    return out

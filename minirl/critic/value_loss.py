@@ -4,7 +4,7 @@ Per valid token, with V the current prediction, V_old the values pass's, R the G
 c = critic.cliprange_value:
     V_clip = V_old + clamp(V − V_old, −c, c)
     L      = ½ · max((V − R)², (V_clip − R)²)
-The trainer aggregates L with critic.loss_agg_mode over the global mini-batch (minirl.loss_agg),
+The trainer aggregates L with critic.loss_agg_mode over the global mini-batch (minirl.algo.loss_agg),
 exactly as the policy loss. Where the clipped branch is strictly larger, V has left the trust
 region on the side away from R, and the loss (so the gradient) does not depend on V there.
 

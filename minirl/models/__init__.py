@@ -14,7 +14,7 @@ import importlib
 _EXPORTS = {
     "load_model": "loading",
     "random_model": "loading",
-    "load_tokenizer": "tokenizers",
+    "load_tokenizer": "loading",
     "byte_tokenizer": "tokenizers",
     "qwen2_tokenizer": "tokenizers",
     "preset_config": "presets",

@@ -23,8 +23,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from minirl.dist.transfer import to_device
 from minirl.models.varlen import repeat_kv, varlen_attention
-from minirl.transfer import to_device
 
 ATTN_NAME = "minirl"
 CORE_ATTR = "minirl_varlen_core"  # per-layer override of the core function (sequence parallelism)

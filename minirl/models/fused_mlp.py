@@ -131,7 +131,7 @@ def kernel_applies(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> bool:
 @torch.library.custom_op(_OP, mutates_args=())
 def gate_up_silu(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> torch.Tensor:
     """silu(x Wgᵀ) · (x Wuᵀ) for x [M, K], Wg and Wu [I, K], all bf16 on the GPU: [M, I]."""
-    from minirl.models.fused_mlp_triton import launch
+    from minirl.kernels.fused_mlp import launch
 
     return launch(x, wg, wu, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WARPS, STAGES)
 

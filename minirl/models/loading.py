@@ -13,12 +13,13 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from minirl.dist.context import DistContext
 from minirl.errors import UserError, reraise_if_debug, wrapped
 from minirl.models.attention import ATTN_NAME, register_attention
-from minirl.models.presets import preset_config
-from minirl.models.tokenizers import load_tokenizer
+from minirl.models.presets import preset_config, preset_tokenizer
+from minirl.models.tokenizers import tokenizer_from_dir
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -146,3 +147,31 @@ def _check_attn_implementation(name: str) -> str:
             f"{ATTN_NAME!r} (packed varlen), 'sdpa' or 'eager' (or one of {sorted(known)})"
         )
     return name
+
+
+def load_tokenizer(model_cfg) -> PreTrainedTokenizerBase:
+    """model.tokenizer if set, else the tokenizer in model.path, else the preset's built-in one."""
+    if model_cfg.tokenizer:
+        return tokenizer_from_dir(model_cfg.tokenizer, "model.tokenizer")
+    if model_cfg.path:
+        return tokenizer_from_dir(model_cfg.path, "model.path")
+    return preset_tokenizer(model_cfg.preset)
+
+
+def load_model_for_rank(model_cfg, dist: DistContext, dtype: torch.dtype):
+    """(model, tokenizer) as this rank should hold them before sharding.
+
+    A checkpoint (model.path) is read by rank 0 alone; the other ranks build the model on the
+    meta device (no memory, no disk reads) and the FSDP2 plugin fills their shards from rank 0's
+    weights (broadcast_from_rank0). Random presets are drawn on every rank: seeded, and cheaper
+    than a broadcast.
+    """
+    if dist.world_size == 1 or dist.rank == 0 or not model_cfg.path:
+        return load_model(model_cfg, dist.device, dtype)
+    register_attention()
+    config = AutoConfig.from_pretrained(model_cfg.path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=model_cfg.attn_implementation or ATTN_NAME, dtype=dtype
+        )
+    return model.eval(), load_tokenizer(model_cfg)

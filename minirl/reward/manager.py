@@ -160,7 +160,7 @@ def place_scores(scores_B: Any, response_lengths_B: Any, T: int) -> torch.Tensor
     """token_scores_BT: each score on its response's last valid token (index length - 1).
 
     A zero-length response has no valid token, so its row is all zero: the estimators read a
-    sequence's score as Σ token_rewards·mask (plugins/advantage.py, convention 1), which is 0
+    sequence's score as Σ token_rewards·mask (plugins/algorithms/advantage.py, convention 1), which is 0
     for it whatever it scored, and this row says the same.
     """
     scores_B = torch.as_tensor(scores_B, dtype=torch.float32)

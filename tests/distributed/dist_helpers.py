@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from minirl.config import load_config
+from minirl.config.load import load_config
 from minirl.models.loading import random_model
 from minirl.models.presets import preset_config
 

@@ -12,7 +12,7 @@ import time
 import dist_helpers as h
 import pytest
 
-from minirl import spmd
+from minirl.dist import spmd
 
 pytestmark = pytest.mark.distributed
 

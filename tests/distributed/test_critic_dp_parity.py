@@ -14,13 +14,14 @@ import dist_helpers as h
 import pytest
 import torch
 
-from minirl import assembly, spmd
 from minirl.batch import RolloutBatch, response_mask
 from minirl.critic import resolved
 from minirl.critic import update as critic_lib
 from minirl.critic.model import add_value_head
-from minirl.dist import DistContext
-from minirl.launchers import spawn
+from minirl.dist import spmd
+from minirl.dist.context import DistContext
+from minirl.dist.launchers import spawn
+from minirl.models import assembly
 from minirl.plugins import PluginManager
 
 pytestmark = pytest.mark.distributed

@@ -15,13 +15,14 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from minirl import actor as actor_lib
-from minirl import assembly, spmd
 from minirl.batch import RolloutBatch, response_mask, select_micro, split_micro
-from minirl.dist import DistContext
-from minirl.forward import response_logprobs
-from minirl.launchers import spawn
+from minirl.dist import spmd
+from minirl.dist.context import DistContext
+from minirl.dist.launchers import spawn
+from minirl.forward.packed import response_logprobs
+from minirl.models import assembly
 from minirl.plugins import PluginManager
+from minirl.update import actor as actor_lib
 
 pytestmark = pytest.mark.distributed
 

@@ -29,9 +29,10 @@ import dist_helpers as h
 import pytest
 import torch
 
-from minirl import assembly, spmd
-from minirl.forward import response_logprobs
-from minirl.launchers import spawn
+from minirl.dist import spmd
+from minirl.dist.launchers import spawn
+from minirl.forward.packed import response_logprobs
+from minirl.models import assembly
 from minirl.plugins import PluginManager
 
 pytestmark = [
@@ -107,8 +108,8 @@ def _bf16_results(model, loss: float, ref, ref_loss: float, p0: torch.Tensor) ->
 def _sync_results(actor, dist) -> dict:
     """full_weights gives this rank's own shard at this rank's rows (every rank checks its own),
     and a bf16 model loaded from it (the native engine's load) checksums like the actor."""
-    from minirl_plugins.native import weights_checksum
-    from minirl_plugins.native.weights import load_weights
+    from minirl_plugins.engines.native import weights_checksum
+    from minirl_plugins.engines.native.weights import load_weights
 
     params = {assembly.hf_name(n): p for n, p in actor.named_parameters()}
     own = True

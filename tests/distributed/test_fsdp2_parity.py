@@ -13,9 +13,11 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from minirl import assembly, spmd
-from minirl.forward import response_logprobs
-from minirl.launchers import spawn
+from minirl.dist import spmd
+from minirl.dist.launchers import spawn
+from minirl.forward.packed import response_logprobs
+from minirl.models import assembly
+from minirl.models.loading import load_model_for_rank
 from minirl.plugins import PluginManager
 
 pytestmark = pytest.mark.distributed
@@ -63,7 +65,7 @@ def h_sum(x: torch.Tensor) -> torch.Tensor:
 
 def _weight_sync(actor, plain, engine, results):
     """The sync path of the trainer: engine.load_weights(assembly.full_weights(actor))."""
-    from minirl_plugins.native import weights_checksum
+    from minirl_plugins.engines.native import weights_checksum
 
     stale = engine.checksum(torch.float32)
     weights = assembly.full_weights(actor)
@@ -85,7 +87,7 @@ def _reference(pm, cfg, dist, rank, results):
         want, _ = response_logprobs(plain, [prompts[i] for i in mine], [responses[i] for i in mine], 0.7, CPU)
         got, _ = response_logprobs(ref, [prompts[i] for i in mine], [responses[i] for i in mine], 0.7, CPU)
     results["ref_logprob_err"] = float(h_max(torch.tensor(h.max_err(got, want))))
-    # stored in the compute dtype (plugins/fsdp2.py freeze): sharded in bf16, equal to the actor
+    # stored in the compute dtype (plugins/parallel/fsdp2.py freeze): sharded in bf16, equal to the actor
     # that computes in bf16 from float32 master weights
     bf16 = h.config(
         "trainer.world_size=2", "actor.fsdp_config.param_dtype=bfloat16", "ref.fsdp_config.param_dtype=bfloat16"
@@ -109,17 +111,17 @@ def h_max(x: torch.Tensor) -> torch.Tensor:
 
 def _rank0_loading(pm, cfg, dist, rank, ckpt_dir, results):
     """A checkpoint directory is read by rank 0 only; rank 1 builds the model on the meta device
-    (spmd.load_model_for_rank) and FSDP2 fills its shards from rank 0's weights."""
-    from minirl.config_schema import ModelConfig
+    (load_model_for_rank) and FSDP2 fills its shards from rank 0's weights."""
+    from minirl.config.schema import ModelConfig
     from minirl.models.tokenizers import byte_tokenizer
-    from minirl_plugins.native import weights_checksum
+    from minirl_plugins.engines.native import weights_checksum
 
     want = h.tiny_model(seed=7)
     if rank == 0:
         want.save_pretrained(ckpt_dir)
         byte_tokenizer().save_pretrained(ckpt_dir)
     tdist.barrier()
-    model, _ = spmd.load_model_for_rank(ModelConfig(path=ckpt_dir), dist, torch.float32)
+    model, _ = load_model_for_rank(ModelConfig(path=ckpt_dir), dist, torch.float32)
     results["rank1_model_was_meta"] = bool(
         h_max(torch.tensor(float(all(p.is_meta for p in model.parameters()) if rank == 1 else 0.0))).item()
     )
@@ -139,7 +141,7 @@ def _rank0_loading(pm, cfg, dist, rank, ckpt_dir, results):
 
 def _worker(rank: int, out_path: str, ckpt_dir: str) -> None:
     from minirl.protocols import EngineContext
-    from minirl_plugins.native import build_native_engine
+    from minirl_plugins.engines.native import build_native_engine
 
     # Adam's first step is lr·g/(|g| + eps): near-zero gradients turn float noise into large
     # relative differences; a larger eps keeps the comparison about sharding, not about that
@@ -240,8 +242,8 @@ def test_weight_sync_gives_the_engine_the_actor_weights(results):
     ],
 )
 def test_mixed_precision_policy(device, param_dtype, model_dtype, want):
-    from minirl.config_schema import FSDPConfig
-    from minirl_plugins import fsdp2
+    from minirl.config.schema import FSDPConfig
+    from minirl_plugins.parallel import fsdp2
 
     model = torch.nn.Linear(2, 2).to(model_dtype)
     mp = fsdp2.mixed_precision(FSDPConfig(param_dtype=param_dtype), device, model)
@@ -249,9 +251,9 @@ def test_mixed_precision_policy(device, param_dtype, model_dtype, want):
 
 
 def test_unknown_fsdp_dtype_is_a_user_error():
-    from minirl.config_schema import FSDPConfig
+    from minirl.config.schema import FSDPConfig
     from minirl.errors import UserError
-    from minirl_plugins import fsdp2
+    from minirl_plugins.parallel import fsdp2
 
     with pytest.raises(UserError, match=r"fsdp_config\.param_dtype = 'fp8'"):
         fsdp2.mixed_precision(FSDPConfig(param_dtype="fp8"), "cuda", torch.nn.Linear(2, 2))
@@ -275,7 +277,7 @@ def test_one_process_keeps_a_frozen_reference_plain_in_its_compute_dtype(one_ran
     that computes in that dtype from float32 master weights (KL 0 at identical weights)."""
     from torch.distributed.fsdp import FSDPModule
 
-    from minirl_plugins import fsdp2
+    from minirl_plugins.parallel import fsdp2
 
     cfg = h.config("actor.fsdp_config.param_dtype=bfloat16", "ref.fsdp_config.param_dtype=bfloat16")
     ref = h.tiny_model().eval().requires_grad_(False)
@@ -296,7 +298,7 @@ def test_freeze_asks_for_cpu_offload_of_an_offloaded_reference_on_cuda(one_rank_
     """ref.offload (or ref.fsdp_config.param_offload): `freeze` returns an FSDP config with CPU
     offload for the one-process reference on CUDA (parallelize then shards it, as the actor's
     offload tests show); on CPU there is nothing to offload and it stays plain."""
-    from minirl_plugins import fsdp2
+    from minirl_plugins.parallel import fsdp2
 
     cfg = h.config(*keys)
     assert fsdp2.freeze(h.tiny_model(), cfg.ref, "cuda").param_offload
@@ -309,7 +311,7 @@ def test_freeze_asks_for_cpu_offload_of_an_offloaded_reference_on_cuda(one_rank_
 def test_optimizer_offload_hooks_the_built_optimizer():
     """optimizer_offload: the optimizer the optim plugin builds gets step hooks that keep its
     state on the CPU between steps (FSDP2 marks the actor; here the mark is set by hand)."""
-    from minirl_plugins import fsdp2
+    from minirl_plugins.parallel import fsdp2
 
     model = torch.nn.Linear(4, 4)
     setattr(model, fsdp2._OPTIMIZER_OFFLOAD, True)

@@ -26,7 +26,7 @@ import ray_jobs
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
 
-from minirl import launchers
+from minirl.dist import launchers
 from minirl.errors import UserError
 from minirl.plugins import PluginManager
 

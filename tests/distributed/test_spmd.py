@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from minirl import assembly, spmd
-from minirl.config import load_config
+from minirl.config.load import load_config
+from minirl.dist import spmd
+from minirl.dist.launchers import spawn
 from minirl.errors import UserError
-from minirl.forward import response_logprobs
-from minirl.launchers import spawn
+from minirl.forward.packed import response_logprobs
+from minirl.models import assembly
 from minirl.plugins import PluginManager
 
 pytestmark = pytest.mark.distributed

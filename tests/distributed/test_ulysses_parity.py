@@ -10,14 +10,15 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from minirl import assembly, spmd
 from minirl.batch import RolloutBatch, response_mask, split_micro
+from minirl.dist import spmd
+from minirl.dist.launchers import spawn
 from minirl.errors import UserError
-from minirl.forward import response_logprobs
-from minirl.launchers import spawn
+from minirl.forward.packed import response_logprobs
+from minirl.models import assembly
 from minirl.models.presets import preset_config
 from minirl.plugins import PluginManager
-from minirl_plugins import ulysses
+from minirl_plugins.parallel import ulysses
 
 pytestmark = pytest.mark.distributed
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from minirl.config import load_config
-from minirl.dist import DistContext
+from minirl.config.load import load_config
+from minirl.dist.context import DistContext
 from minirl.plugins import PluginManager
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -533,9 +533,9 @@ def test_batch_custom_function_needs_list_parameters(capsys, tmp_path, base):
 
 def test_custom_reward_function_scores_unregistered_data_sources(tmp_path, base):
     """With a custom function, a data_source without a registered function is fine (it scores all)."""
-    from minirl.config import load_config
+    from minirl.config.load import load_config
     from minirl.plugins import PluginManager
-    from minirl.validate import find_problems
+    from minirl.validate.core import find_problems
 
     (tmp_path / "r.py").write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1\n"

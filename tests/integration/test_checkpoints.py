@@ -11,7 +11,7 @@ import pytest
 
 from minirl.checkpoint.resume import check_config, config_differences
 from minirl.cli import main
-from minirl.config import load_config, to_toml
+from minirl.config.load import load_config, to_toml
 from tests.integration.conftest import _make_data_module, cli_args
 
 
@@ -155,8 +155,8 @@ def test_the_checkpoint_hook_fires_with_the_complete_directory(tmp_path, small_d
 def test_metrics_jsonl_is_strict_json_and_a_resume_drops_lines_past_the_checkpoint(tmp_path):
     """NaN is not JSON (null is); a crashed run's lines past the checkpoint, and a line cut short,
     are dropped on resume, so every step appears exactly once."""
-    from minirl.config_schema import TrainerConfig
-    from minirl_plugins.loggers import JsonlLogger
+    from minirl.config.schema import TrainerConfig
+    from minirl_plugins.observe.loggers import JsonlLogger
 
     logger = JsonlLogger(TrainerConfig(), str(tmp_path))
     for step in (1, 2, 3):
@@ -181,8 +181,8 @@ def test_tensorboard_continues_the_same_run_after_a_resume(tmp_path):
     each step has one value: the resumed one."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from minirl.config_schema import TrainerConfig
-    from minirl_plugins.loggers import TensorboardLogger
+    from minirl.config.schema import TrainerConfig
+    from minirl_plugins.observe.loggers import TensorboardLogger
 
     first = TensorboardLogger(TrainerConfig(), str(tmp_path))
     for step in (1, 2, 3, 4):
@@ -208,7 +208,7 @@ def test_a_second_signal_stops_at_once(tmp_path):
 
     script = (
         "import os, signal, sys, time\n"
-        "from minirl.signals import StopRequest\n"
+        "from minirl.dist.signals import StopRequest\n"
         "with StopRequest() as stop:\n"
         "    print('ready', flush=True)\n"
         "    deadline = time.monotonic() + 30\n"

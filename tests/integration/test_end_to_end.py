@@ -74,7 +74,7 @@ def test_two_seeded_runs_are_identical(tmp_path, data_dir, engine):
 
 def test_saved_checkpoint_loads_back_with_the_trained_weights(tmp_path, data_dir):
     """trainer.save_hf_freq writes a Hugging Face directory that `model.path` loads exactly."""
-    from minirl.config import load_config
+    from minirl.config.load import load_config
     from minirl.models.loading import load_model
     from tests.integration.conftest import make_trainer
 

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from minirl import assembly
-from minirl_plugins.native.weights import weights_checksum
+from minirl.models import assembly
+from minirl_plugins.engines.native.weights import weights_checksum
 from tests.fakes import SGLANG_PROFILES, drop_fake_sglang, use_fake_sglang
 from tests.integration.conftest import make_trainer
 from tests.integration.test_learning import ENTROPY_COEFF, RECIPE

@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirl.config_schema import AlgorithmConfig
+from minirl.config.schema import AlgorithmConfig
 from minirl.protocols import AdvantageInputs
-from minirl_plugins.advantage import minirl_advantage_estimators, reverse_linear_scan
+from minirl_plugins.algorithms.advantage import minirl_advantage_estimators, reverse_linear_scan
 
 FAST = settings(max_examples=30, deadline=None)
 ESTIMATORS = minirl_advantage_estimators()

@@ -172,7 +172,7 @@ def test_other_attentions_get_no_stand_in_mask_and_refuse_it():
     """sdpa builds its packed mask from the position_ids, so the packed forward gives it no
     stand-in; handed one anyway, it fails on the empty shape rather than attending across
     sequences."""
-    from minirl.forward import _reads_no_mask
+    from minirl.forward.packed import _reads_no_mask
 
     seq_lens = [6, 3]
     ids = _packed_batch(seq_lens)

@@ -10,8 +10,8 @@ import pytest
 
 from minirl.cli import main
 from minirl.errors import UserError
-from minirl.rundirs.compare import render_csv, render_markdown, render_text
-from minirl.rundirs.read import config_differences, parse_steps, read_run
+from minirl.observe.runs.compare import render_csv, render_markdown, render_text
+from minirl.observe.runs.read import config_differences, parse_steps, read_run
 
 
 def write_run(root, name: str, records: list[dict], config: str | None, tail: str = "") -> str:

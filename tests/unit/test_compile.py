@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minirl.forward import response_logprobs
+from minirl.forward.packed import response_logprobs
 from minirl.models.compile import compile_layers
 from minirl.models.loading import random_model
 from minirl.models.presets import preset_config
@@ -84,8 +84,8 @@ def test_a_run_compiles_the_actor_and_reference_layers_only_when_asked():
     """build.models (what the trainer calls) compiles every decoder layer of the actor and of
     the reference with model.compile_layers = true, and none without it."""
     from minirl import build
-    from minirl.config import load_config
-    from minirl.dist import DistContext
+    from minirl.config.load import load_config
+    from minirl.dist.context import DistContext
     from minirl.plugins import PluginManager
 
     pm, dist = PluginManager(entry_points=False), DistContext(device=torch.device("cpu"))

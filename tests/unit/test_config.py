@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from minirl.config import ConfigError, load_config, parse_overrides, to_toml
+from minirl.config.load import ConfigError, load_config, parse_overrides, to_toml
 
 ROOT = Path(__file__).resolve().parents[2]
 

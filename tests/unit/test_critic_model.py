@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from minirl.config import load_config
+from minirl.config.load import load_config
 from minirl.critic import FROM_ACTOR, resolved
 from minirl.critic.model import add_value_head, backbone_config, response_values
 from minirl.models.loading import random_model
@@ -84,7 +84,7 @@ def test_values_pass_micro_batches_by_the_forward_keys_and_not_the_update_keys(d
     """The values pass splits by the forward keys (the update keeps its own), and the values do
     not depend on the split."""
     from minirl.critic import update as critic_update
-    from minirl.dist import DistContext
+    from minirl.dist.context import DistContext
     from tests.batches import three_groups
 
     batch = three_groups(2, [6, 6, 9, 9, 4, 4], [5, 2, 7, 3, 1, 6])
@@ -115,7 +115,7 @@ def test_critic_model_compile_layers_compiles_the_value_model_and_keeps_its_valu
     without model.compile_layers), and the compiled model's values and gradients are the eager
     model's."""
     from minirl.critic.model import build_value_model
-    from minirl.dist import DistContext
+    from minirl.dist.context import DistContext
     from minirl.plugins import PluginManager
 
     pm, dist, cpu = PluginManager(entry_points=False), DistContext(device=torch.device("cpu")), torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Tests of minirl.data: parquet validation, length handling, batching, sharding, groups."""
+"""Tests of minirl.data.prompts: parquet validation, length handling, batching, sharding, groups."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from minirl.config_schema import DataConfig
-from minirl.data import (
+from minirl.config.schema import DataConfig
+from minirl.data.prompts import (
     DataError,
     PromptLoader,
     PromptRecord,
@@ -209,7 +209,7 @@ def test_bad_truncation_value_names_the_key(tmp_path):
 def test_filter_overlong_counts_and_logs(tmp_path, caplog):
     """Filtering is never silent: the count is returned and logged with the first dropped row."""
     path = write(tmp_path, [row("a" * 5), row("b" * 50), row("c" * 5), row("d" * 60)])
-    with caplog.at_level(logging.WARNING, logger="minirl.data"):
+    with caplog.at_level(logging.WARNING, logger="minirl.data.prompts"):
         recs, stats = load_prompts_with_stats([path], TOK, cfg(max_prompt_length=OVERHEAD + 10))
     assert [r.source for r in recs] == [f"{path}:0", f"{path}:2"]
     assert [r.index for r in recs] == [0, 1]
@@ -242,7 +242,7 @@ def test_truncation_modes_keep_the_right_tokens(tmp_path, mode, caplog):
         TOK.apply_chat_template(row("0123456789")["prompt"], add_generation_prompt=True), add_special_tokens=False
     )
     limit = 9
-    with caplog.at_level(logging.WARNING, logger="minirl.data"):
+    with caplog.at_level(logging.WARNING, logger="minirl.data.prompts"):
         recs, stats = load_prompts_with_stats(
             [path], TOK, cfg(max_prompt_length=limit, filter_overlong_prompts=False, truncation=mode)
         )
@@ -253,7 +253,7 @@ def test_truncation_modes_keep_the_right_tokens(tmp_path, mode, caplog):
 
 def test_truncation_ignored_under_filter_warns(tmp_path, caplog):
     """A configured option without effect gets a warning (house style)."""
-    with caplog.at_level(logging.WARNING, logger="minirl.data"):
+    with caplog.at_level(logging.WARNING, logger="minirl.data.prompts"):
         load_prompts([write(tmp_path, [row()])], TOK, cfg(truncation="left"))
     assert "has no effect" in caplog.text
 

@@ -12,11 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minirl.algo.dynamic_sampling import choose_groups, fill_batch, informative_groups, merge_reward_metrics
 from minirl.batch import RolloutBatch, concat, response_mask
-from minirl.config_schema import FilterGroupsConfig
-from minirl.data import PromptLoader, PromptRecord, expand_groups
-from minirl.dist import DistContext
-from minirl.dynamic_sampling import choose_groups, fill_batch, informative_groups, merge_reward_metrics
+from minirl.config.schema import FilterGroupsConfig
+from minirl.data.prompts import PromptLoader, PromptRecord, expand_groups
+from minirl.dist.context import DistContext
 from minirl.reward import place_scores
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""minirl.forward.pack: one packed row, its lengths, the positions that predict each response
+"""minirl.forward.packed.pack: one packed row, its lengths, the positions that predict each response
 token and those tokens, equal to building them sequence by sequence."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirl.forward import pack, response_logprobs
+from minirl.forward.packed import pack, response_logprobs
 
 tokens = st.lists(st.integers(0, 151_935), max_size=12)
 pairs = st.lists(st.tuples(tokens.filter(len), tokens), min_size=1, max_size=8)  # prompts are never empty

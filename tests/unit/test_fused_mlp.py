@@ -57,7 +57,7 @@ def assert_matches(out, ref, max_differing=0.01):
 @settings(max_examples=6, deadline=None)
 @given(m=st.integers(1, 80), k_blocks=st.integers(1, 3), n_tiles=st.integers(1, 2), seed=st.integers(0, 99))
 def test_kernel_under_the_interpreter(m, k_blocks, n_tiles, seed):
-    from minirl.models.fused_mlp_triton import launch
+    from minirl.kernels.fused_mlp import launch
 
     x, wg, wu = inputs(m, 32 * k_blocks, 64 * n_tiles, seed=seed)
     out = launch(x, wg, wu, bm=32, bn=64, bk=32, group_m=2, warps=4, stages=2)
@@ -87,8 +87,8 @@ def test_fuse_mlps_installs_on_silu_gated_mlps_and_leaves_others(preset, monkeyp
 
 
 def test_without_the_kernel_fuse_mlps_warns_naming_the_key_and_changes_nothing(monkeypatch):
-    from minirl import assembly
-    from minirl.config import load_config
+    from minirl.config.load import load_config
+    from minirl.models import assembly
 
     monkeypatch.setattr(fused_mlp, "kernel_problem", lambda: "there is no CUDA device")
     cfg = load_config(None, ["model.fused_mlp=true", "critic.model.fused_mlp=true"])
@@ -109,8 +109,8 @@ def test_a_run_fuses_the_actor_and_reference_mlps_only_when_asked(monkeypatch):
     """build.models (what the trainer calls) installs the fused forward on every MLP of the actor
     and of the reference with model.fused_mlp = true, and on none without it."""
     from minirl import build
-    from minirl.config import load_config
-    from minirl.dist import DistContext
+    from minirl.config.load import load_config
+    from minirl.dist.context import DistContext
     from minirl.plugins import PluginManager
 
     monkeypatch.setattr(fused_mlp, "kernel_problem", lambda: None)
@@ -167,7 +167,7 @@ def test_fused_forward_through_the_kernel_under_the_interpreter(monkeypatch):
     """The kernel branch of the MLP forward (the [B, N, D] input flattened, the product put back
     in shape, down_proj): a float32 model whose MLPs take the kernel without gradients agrees with
     Hugging Face's to bf16's precision in the MLP."""
-    from minirl.models import fused_mlp_triton
+    from minirl.kernels import fused_mlp as fused_mlp_triton
 
     launches = []
     launch = fused_mlp_triton.launch

@@ -1,4 +1,4 @@
-"""GSPO (plugins/policy_loss.py): the sequence-level ratio, its clip, and how it aggregates.
+"""GSPO (plugins/algorithms/policy_loss.py): the sequence-level ratio, its clip, and how it aggregates.
 
 Checked against a scalar float64 restatement of the paper's objective, by value and gradient,
 and for invariance of the global loss normalisation to the micro-batch split.
@@ -14,10 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirl.config_schema import ActorConfig
+from minirl.algo.loss_agg import LOSS_AGG_MODES, aggregate, mini_batch_norm
+from minirl.config.schema import ActorConfig
 from minirl.errors import UserError
-from minirl.loss_agg import LOSS_AGG_MODES, aggregate, mini_batch_norm
-from minirl_plugins.policy_loss import GSPO_CLIP_HIGH, GSPO_CLIP_LOW, minirl_policy_losses
+from minirl_plugins.algorithms.policy_loss import GSPO_CLIP_HIGH, GSPO_CLIP_LOW, minirl_policy_losses
 
 FAST = settings(max_examples=40, deadline=None)
 GSPO = minirl_policy_losses()["gspo"]

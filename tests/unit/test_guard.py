@@ -11,12 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minirl import actor as actor_lib
-from minirl.batch import RolloutBatch, response_mask
-from minirl.config import load_config
-from minirl.dist import DistContext
-from minirl.errors import UserError
-from minirl.guard import (
+from minirl.algo.guard import (
     CRITIC_STEPS_METRIC,
     PHASE_METRIC,
     STEPS_METRIC,
@@ -25,9 +20,14 @@ from minirl.guard import (
     phase_code,
     phase_name,
 )
+from minirl.batch import RolloutBatch, response_mask
+from minirl.config.load import load_config
+from minirl.dist.context import DistContext
+from minirl.errors import UserError
 from minirl.models.loading import random_model
 from minirl.models.presets import preset_config
 from minirl.plugins import PluginManager
+from minirl.update import actor as actor_lib
 
 CPU = DistContext(device=torch.device("cpu"))
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirl_plugins.kl import FullKL, minirl_kl_estimators
+from minirl_plugins.algorithms.kl import FullKL, minirl_kl_estimators
 
 FAST = settings(max_examples=30, deadline=None)
 KL = minirl_kl_estimators()

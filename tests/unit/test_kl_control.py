@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirl.config_schema import KLCtrlConfig
-from minirl.kl_control import apply_kl_in_reward, build_kl_controller
-from minirl_plugins.kl import kl_k1
+from minirl.algo.kl_control import apply_kl_in_reward, build_kl_controller
+from minirl.config.schema import KLCtrlConfig
+from minirl_plugins.algorithms.kl import kl_k1
 
 FAST = settings(max_examples=40, deadline=None)
 ADAPTIVE = KLCtrlConfig(type="adaptive", kl_coef=0.01, target_kl=0.1, horizon=10000)

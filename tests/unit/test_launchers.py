@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from minirl import launchers
-from minirl.config import load_config
+from minirl.config.load import load_config
+from minirl.dist import launchers
 from minirl.errors import UserError
 from minirl.plugins import PluginManager
 
@@ -53,7 +53,7 @@ def test_launchers_register_like_any_plugin():
     launcher registers the same way; `python -m minirl plugins` lists them."""
     pm = PluginManager(entry_points=False)
     assert {"local", "torchrun", "ray"} <= set(pm["launchers"].items)
-    assert "minirl_plugins.ray_launcher" in pm["launchers"].providers["ray"]
+    assert "minirl_plugins.launchers.ray" in pm["launchers"].providers["ray"]
     assert "launchers:" in pm.describe()
 
 
@@ -69,7 +69,7 @@ def test_without_ray_the_error_names_the_extra(bare_env):
 
 def test_a_ray_address_nobody_answers_on_fails_at_once(bare_env):
     """ray.init retries an unreachable address for minutes; the launcher checks it first."""
-    from minirl_plugins.ray_launcher import cluster
+    from minirl_plugins.launchers.ray import cluster
 
     with pytest.raises(UserError, match=r"'127.0.0.1:1': nothing answers there.*ray_cluster.sh head"):
         cluster.connect("127.0.0.1:1")
@@ -80,7 +80,7 @@ def test_the_ray_driver_counts_a_repeated_signal_once(monkeypatch):
     same signal delivered twice within a second is still that request; a later one kills."""
     import signal
 
-    from minirl_plugins.ray_launcher import driver
+    from minirl_plugins.launchers.ray import driver
 
     now = [100.0]
     monkeypatch.setattr(driver.time, "monotonic", lambda: now[0])

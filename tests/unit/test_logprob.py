@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirl.logprob import chunked_logprobs, entropy_from_logits, logprobs_from_logits
+from minirl.forward.logprob import chunked_logprobs, entropy_from_logits, logprobs_from_logits
 
 FAST = settings(max_examples=25, deadline=None)
 

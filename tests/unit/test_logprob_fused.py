@@ -1,4 +1,4 @@
-"""The fused Triton log-prob/entropy path (minirl/logprob_triton.py) equals the float64 computation.
+"""The fused Triton log-prob/entropy path (minirl/kernels/logprob.py) equals the float64 computation.
 
 Values (log-probs, entropies) and gradients (to the logits; through chunked_logprobs, to the
 hidden states and the head weight) for random upstream gradients on both outputs. Without a GPU
@@ -27,9 +27,9 @@ if not CUDA and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") !
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # Triton reads it when it defines its kernels
 
-from minirl import logprob  # noqa: E402
-from minirl import logprob_triton as lt  # noqa: E402
-from minirl.logprob import chunked_logprobs  # noqa: E402
+from minirl.forward import logprob  # noqa: E402
+from minirl.forward.logprob import chunked_logprobs  # noqa: E402
+from minirl.kernels import logprob as lt  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirl.loss_agg import LOSS_AGG_MODES, AggNorm, aggregate, mini_batch_norm
+from minirl.algo.loss_agg import LOSS_AGG_MODES, AggNorm, aggregate, mini_batch_norm
 
 FAST = settings(max_examples=30, deadline=None)
 MODES = sorted(LOSS_AGG_MODES)

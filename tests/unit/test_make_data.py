@@ -7,8 +7,8 @@ import re
 import pyarrow.parquet as pq
 import pytest
 
-from minirl.config_schema import DataConfig
-from minirl.data import load_prompts
+from minirl.config.schema import DataConfig
+from minirl.data.prompts import load_prompts
 from minirl.plugins import Registry
 from minirl.reward import RewardManager
 from minirl_plugins import rewards

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from minirl.config_schema import ModelConfig
+from minirl.config.schema import ModelConfig
 from minirl.models.loading import load_model, random_model
 from minirl.models.presets import PRESETS, preset_config
 from minirl.models.tokenizers import BYTE_EOS_ID, BYTE_VOCAB_SIZE, byte_tokenizer

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from minirl.protocols import SamplingParams
-from minirl_plugins.native import build_native_engine, weights_checksum
-from minirl_plugins.native.layers.ops_torch import filter_top_k_top_p
-from minirl_plugins.native.testing import engine_context, tiny_config, tiny_hf_model
+from minirl_plugins.engines.native import build_native_engine, weights_checksum
+from minirl_plugins.engines.native.layers.ops_torch import filter_top_k_top_p
+from minirl_plugins.engines.native.testing import engine_context, tiny_config, tiny_hf_model
 
 PROMPTS = [[5, 17, 42], [7] * 16, list(range(100, 131)), [9, 8, 7, 6, 5, 4, 3]]
 
@@ -272,7 +272,7 @@ def test_bad_requests_are_clear_errors(qwen2):
 
 
 def test_registered_as_native():
-    import minirl_plugins.native as native
+    import minirl_plugins.engines.native as native
 
     assert native.minirl_rollout_engines() == {"native": native.build_native_engine}
 
@@ -295,7 +295,7 @@ def test_fp8_kv_cache_rounds_keys_and_values_to_its_precision_and_nothing_else(q
     full-precision recompute must come from rounding alone, so it scales with the format's
     mantissa: a bf16 cache (7 bits) drifts 2^4 times less than e4m3 (3 bits), which drifts half
     as much as e5m2 (2 bits). A wrong cache (zeros) drifts about 30 times more than e4m3 here."""
-    from minirl_plugins.native import config as native_config
+    from minirl_plugins.engines.native import config as native_config
 
     monkeypatch.setitem(native_config.KV_CACHE_DTYPES, "bfloat16", torch.bfloat16)  # the reference rung
     cfg, hf = qwen2

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from minirl.protocols import SamplingParams
-from minirl_plugins.native import build_native_engine
-from minirl_plugins.native.layers.ops import select_ops
-from minirl_plugins.native.testing import engine_context, tiny_config, tiny_hf_model
+from minirl_plugins.engines.native import build_native_engine
+from minirl_plugins.engines.native.layers.ops import select_ops
+from minirl_plugins.engines.native.testing import engine_context, tiny_config, tiny_hf_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -77,7 +77,7 @@ def test_bf16_logits_close_to_transformers():
 
 
 def test_fused_sampler_frequencies():
-    from minirl_plugins.native.layers import ops_triton
+    from minirl_plugins.engines.native.layers import ops_triton
 
     logits = (torch.randn(1, 50, generator=torch.Generator().manual_seed(0)) * 2).cuda().repeat(200_000, 1)
     tokens, logprobs = ops_triton.sample(logits.to(torch.bfloat16), 0.9, 1234)
@@ -92,7 +92,7 @@ def test_fused_sampler_frequencies():
 def test_fused_sampler_frequencies_over_a_full_vocabulary():
     """At Qwen2's vocabulary (30 chunks of 5,120 columns) the draw follows the softmax: counts per
     64th of the vocabulary against their probabilities, over 8,192 rows of one bf16 logit row."""
-    from minirl_plugins.native.layers import ops_triton
+    from minirl_plugins.engines.native.layers import ops_triton
 
     row = torch.randn(151936, generator=torch.Generator().manual_seed(1)) * 3
     row[:20000] -= 2.0  # uneven mass across chunks
@@ -136,7 +136,7 @@ def test_release_memory_is_visible_in_reserved_memory():
 def test_decode_attention_block_follows_the_sweep():
     """64-key blocks for 3 to 6 programs per multiprocessor (batch 256 at 2 KV heads on an H200),
     128-key blocks for fewer or more (docs/benchmarks.md, the decode attention sweep)."""
-    from minirl_plugins.native.layers.ops_triton import decode_block_n
+    from minirl_plugins.engines.native.layers.ops_triton import decode_block_n
 
     sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
     assert [decode_block_n(p, CUDA) for p in (2 * sms, 3 * sms, 6 * sms - 1, 6 * sms)] == [128, 64, 64, 128]

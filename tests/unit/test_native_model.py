@@ -8,8 +8,8 @@ and actor weights load name for name.
 import pytest
 import torch
 
-from minirl_plugins.native import build_native_engine
-from minirl_plugins.native.testing import engine_context, tiny_config, tiny_hf_model
+from minirl_plugins.engines.native import build_native_engine
+from minirl_plugins.engines.native.testing import engine_context, tiny_config, tiny_hf_model
 
 FAMILIES = [
     ("qwen2", {}),
@@ -72,7 +72,7 @@ def test_unknown_weight_name_is_an_error():
 def test_unsupported_rope_type_is_a_user_error_naming_the_fix():
     """A checkpoint with a rope scaling the engine lacks must say so and point to rollout.name = 'hf'."""
     from minirl.errors import UserError
-    from minirl_plugins.native.layers.rotary import inv_frequencies
+    from minirl_plugins.engines.native.layers.rotary import inv_frequencies
 
     with pytest.raises(UserError, match=r"rope_type = 'yarn'.*rollout.name = 'hf'"):
         inv_frequencies({"rope_theta": 10000.0, "rope_type": "yarn"}, 64)

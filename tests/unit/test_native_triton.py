@@ -25,7 +25,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import triton  # noqa: E402, F401  (a missing triton fails here instead of testing the torch fallbacks)
 
 from minirl.protocols import SamplingParams  # noqa: E402
-from minirl_plugins.native.layers import ops as ops_mod  # noqa: E402
+from minirl_plugins.engines.native.layers import ops as ops_mod  # noqa: E402
 
 
 def _fix_interpreter_loop_bounds():
@@ -68,7 +68,7 @@ def _fix_interpreter_fp8_rounding():
 def kernels():
     _fix_interpreter_loop_bounds()
     _fix_interpreter_fp8_rounding()
-    from minirl_plugins.native.layers import ops_triton
+    from minirl_plugins.engines.native.layers import ops_triton
 
     return importlib.reload(ops_triton)
 
@@ -168,9 +168,9 @@ def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch, kv):
     tokens, with the KV cache in the model's dtype and in fp8 (rollout.kv_cache_dtype)."""
     import types
 
-    from minirl_plugins.native import build_native_engine
-    from minirl_plugins.native.engine import engine as engine_mod
-    from minirl_plugins.native.testing import engine_context, tiny_config, tiny_hf_model
+    from minirl_plugins.engines.native import build_native_engine
+    from minirl_plugins.engines.native.engine import engine as engine_mod
+    from minirl_plugins.engines.native.testing import engine_context, tiny_config, tiny_hf_model
 
     cfg = tiny_config("qwen3", num_attention_heads=4, num_key_value_heads=1, head_dim=16)
     hf = tiny_hf_model(cfg, seed=4, std=0.2)

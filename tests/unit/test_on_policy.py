@@ -10,13 +10,13 @@ import copy
 import pytest
 import torch
 
-from minirl import actor as actor_lib
 from minirl.batch import RolloutBatch
-from minirl.config import load_config
-from minirl.dist import DistContext
+from minirl.config.load import load_config
+from minirl.dist.context import DistContext
 from minirl.models.loading import random_model
 from minirl.models.presets import preset_config
 from minirl.plugins import PluginManager
+from minirl.update import actor as actor_lib
 from tests.batches import three_groups
 
 CPU = torch.device("cpu")

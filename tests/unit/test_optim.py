@@ -1,4 +1,4 @@
-"""The AdamW plugin (minirl_plugins.optim): torch's fused kernel on the CPU as on CUDA, its step
+"""The AdamW plugin (minirl_plugins.algorithms.optim): torch's fused kernel on the CPU as on CUDA, its step
 equal to a float64 AdamW written out here; and the warm-up/cosine schedule."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from minirl.config import load_config
-from minirl_plugins.optim import build_adamw, lr_factor
+from minirl.config.load import load_config
+from minirl_plugins.algorithms.optim import build_adamw, lr_factor
 
 
 def _adamw_float64(p, grads, lr, betas, eps, wd):

@@ -55,7 +55,7 @@ def test_duplicate_name_names_both_providers(module_dir):
             return {"grpo": lambda inputs, cfg: None}
     """,
     )
-    with pytest.raises(PluginError, match=r"'grpo' is registered twice.*minirl_plugins.advantage.*tmp_plugin_dup"):
+    with pytest.raises(PluginError, match=r"'grpo' is registered twice.*advantage.*tmp_plugin_dup"):
         PluginManager(["tmp_plugin_dup"], entry_points=False)
 
 

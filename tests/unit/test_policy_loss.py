@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirl.config_schema import ActorConfig
-from minirl_plugins.policy_loss import minirl_policy_losses
+from minirl.config.schema import ActorConfig
+from minirl_plugins.algorithms.policy_loss import minirl_policy_losses
 
 FAST = settings(max_examples=40, deadline=None)
 PPO = minirl_policy_losses()["vanilla"]

@@ -13,8 +13,8 @@ import pytest
 
 from minirl.cli import main
 from minirl.errors import UserError
-from minirl.rundirs.read import read_run
-from minirl.rundirs.report import LINE_FIGURES, build_figures, figure_class
+from minirl.observe.runs.read import read_run
+from minirl.observe.runs.report import LINE_FIGURES, build_figures, figure_class
 from tests.unit.test_compare import write_run
 
 AXES = {"score": 2, "response_length": 3, "kl_entropy": 2, "grad_lr": 2, "throughput": 3}

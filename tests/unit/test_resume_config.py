@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from minirl.checkpoint.resume import check_config, config_differences
-from minirl.config import load_config, to_toml
+from minirl.config.load import load_config, to_toml
 from minirl.errors import UserError
 
 

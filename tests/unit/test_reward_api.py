@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirl.data import PromptRecord
-from minirl.dist import DistContext
+from minirl.data.prompts import PromptRecord
+from minirl.dist.context import DistContext
 from minirl.errors import UserError
 from minirl.reward import build_reward_manager, overlong_penalty, reward_metrics
 from minirl.reward.custom import CustomRewardError, load_custom_function

@@ -11,13 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirl.data import PromptRecord
+from minirl.data.prompts import PromptRecord
 from minirl.plugins import Registry
 from minirl.reward import RewardManager, place_scores
-from minirl_plugins import reward_countdown, rewards
-from minirl_plugins.reward_countdown import countdown_reward, evaluate, literals, parse_equation
-from minirl_plugins.reward_math import math_reward, normalize
+from minirl_plugins import rewards
 from minirl_plugins.rewards import copy_reward, gsm8k_reward
+from minirl_plugins.rewards import countdown as reward_countdown
+from minirl_plugins.rewards.countdown import countdown_reward, evaluate, literals, parse_equation
+from minirl_plugins.rewards.math import math_reward, normalize
 
 # ---------------------------------------------------------------------------------------------
 # gsm8k

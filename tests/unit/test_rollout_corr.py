@@ -1,4 +1,4 @@
-"""Rollout / training mismatch metrics and truncated importance sampling (minirl.rollout_corr).
+"""Rollout / training mismatch metrics and truncated importance sampling (minirl.algo.rollout_corr).
 
 Golden values by hand, the exact cross-rank reduction, TIS off bit for bit, the error without
 rollout log-probs, and TIS composed with GSPO and the global normalisation in a real update."""
@@ -11,23 +11,23 @@ import math
 import pytest
 import torch
 
-from minirl import actor as actor_lib
-from minirl.batch import RolloutBatch, response_mask
-from minirl.config import load_config
-from minirl.dist import DistContext
-from minirl.errors import UserError
-from minirl.loss_agg import mini_batch_norm
-from minirl.models.loading import random_model
-from minirl.models.presets import preset_config
-from minirl.plugins import PluginManager
-from minirl.protocols import Completion
-from minirl.rollout_corr import (
+from minirl.algo.loss_agg import mini_batch_norm
+from minirl.algo.rollout_corr import (
     ROLLOUT_LOG_PROBS,
     MismatchStats,
     require_rollout_log_probs,
     rollout_log_probs_BT,
     tis_weights,
 )
+from minirl.batch import RolloutBatch, response_mask
+from minirl.config.load import load_config
+from minirl.dist.context import DistContext
+from minirl.errors import UserError
+from minirl.models.loading import random_model
+from minirl.models.presets import preset_config
+from minirl.plugins import PluginManager
+from minirl.protocols import Completion
+from minirl.update import actor as actor_lib
 from tests.batches import three_groups
 
 CPU = torch.device("cpu")

@@ -14,8 +14,8 @@ import torch
 
 from minirl.errors import UserError
 from minirl.protocols import SamplingParams
-from minirl_plugins.native.testing import engine_context, tiny_config, tiny_hf_model
-from minirl_plugins.native.weights import weights_checksum
+from minirl_plugins.engines.native.testing import engine_context, tiny_config, tiny_hf_model
+from minirl_plugins.engines.native.weights import weights_checksum
 from tests.fakes import SGLANG_PROFILES, drop_fake_sglang, use_fake_sglang
 
 PROMPTS = [[5, 17, 42], [7] * 9, [9, 8, 7, 6, 5, 4, 3]]
@@ -47,7 +47,7 @@ def qwen2():
 
 
 def _engine(qwen2, eos=(), **rollout):
-    from minirl_plugins.sglang import build_sglang_engine
+    from minirl_plugins.engines.sglang import build_sglang_engine
 
     cfg, hf = qwen2
     return build_sglang_engine(_Rollout(**rollout), engine_context(cfg, actor=hf, eos=eos))
@@ -112,7 +112,7 @@ def test_eos_and_stop_ids_follow_our_protocol(fake, qwen2):
 
 def test_disabled_top_k_is_sent_as_minus_one(fake, qwen2):
     """Our top_k <= 0 means "off"; SGLang rejects 0, so the plugin must send -1."""
-    from minirl_plugins.sglang.sampling import sampling_dict
+    from minirl_plugins.engines.sglang.sampling import sampling_dict
 
     assert sampling_dict(SamplingParams(top_k=0), ())["top_k"] == -1
     eng = _engine(qwen2)
@@ -209,8 +209,8 @@ def test_engine_arguments(fake, qwen2):
     memory fraction is gpu_memory_utilization; the model directory has no eos_token_id."""
     from transformers import AutoConfig
 
-    from minirl_plugins.sglang.api import detect
-    from minirl_plugins.sglang.engine import server_kwargs, write_model_dir
+    from minirl_plugins.engines.sglang.api import detect
+    from minirl_plugins.engines.sglang.engine import server_kwargs, write_model_dir
 
     ctx = engine_context(qwen2[0], device="cuda:3", dtype=torch.bfloat16, eos=(4,))
     path = write_model_dir(ctx.model_config)
@@ -239,7 +239,7 @@ def test_producer_patches_torch_reductions(fake, qwen2):
 def test_missing_sglang_names_the_extra(monkeypatch, qwen2):
     import sys
 
-    from minirl_plugins.sglang import build_sglang_engine
+    from minirl_plugins.engines.sglang import build_sglang_engine
 
     monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang -> ImportError
     with pytest.raises(UserError, match=r"pip install 'minirl\[sglang\]'"):
@@ -262,7 +262,7 @@ def test_registered_as_a_builtin():
 
 
 def test_buckets_respect_the_budget_and_dtypes():
-    from minirl_plugins.sglang.weights import buckets
+    from minirl_plugins.engines.sglang.weights import buckets
 
     named = [(f"w{i}", torch.zeros(100, dtype=torch.float32 if i < 3 else torch.bfloat16)) for i in range(5)]
     sizes = [[n for n, _ in b] for b in buckets(named, budget_bytes=800, split_dtypes=False)]
@@ -275,7 +275,7 @@ def test_buckets_respect_the_budget_and_dtypes():
 
 def test_every_engine_call_is_in_the_checked_api(fake, qwen2):
     """scripts/check_sglang_api.py checks what api.py lists; a call the plugin makes must be listed."""
-    from minirl_plugins.sglang.api import USED_METHODS
+    from minirl_plugins.engines.sglang.api import USED_METHODS
 
     eng = _engine(qwen2)
     eng.generate(PROMPTS, SamplingParams(max_new_tokens=2))
@@ -290,7 +290,7 @@ def test_every_engine_call_is_in_the_checked_api(fake, qwen2):
 
 def test_replies_that_do_not_say_success_raise():
     """A refused or unreadable reply is an error, never a silent pass."""
-    from minirl_plugins.sglang.weights import check
+    from minirl_plugins.engines.sglang.weights import check
 
     check((True, "Success"), "x")
     for reply in [(False, "refused"), None, "ok", type("Out", (), {"success": False})()]:

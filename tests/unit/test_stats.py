@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirl.stats import DeviceSums, masked_mean, masked_sum, masked_var, masked_whiten
+from minirl.algo.stats import DeviceSums, masked_mean, masked_sum, masked_var, masked_whiten
 
 FAST = settings(max_examples=30, deadline=None)
 
@@ -160,8 +160,8 @@ def test_engine_metrics_split_seconds_from_counts():
     an engine without last_stats adds nothing."""
     import types
 
-    from minirl.dist import DistContext
-    from minirl.step_metrics import engine_metrics
+    from minirl.dist.context import DistContext
+    from minirl.observe.step_metrics import engine_metrics
 
     dist = DistContext(device=torch.device("cpu"))
     stats = {"kv_resume_s": 0.25, "graph_captures": 3, "preemptions": 0, "note": "not a number"}

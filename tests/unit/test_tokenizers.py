@@ -9,14 +9,14 @@ import pytest
 from transformers import AutoTokenizer
 
 import minirl.models.tokenizers as toks
-from minirl.config_schema import ModelConfig
+from minirl.config.schema import ModelConfig
+from minirl.models.loading import load_tokenizer
 from minirl.models.tokenizers import (
     BYTE_EOS_ID,
     BYTE_VOCAB_SIZE,
     R1_DISTILL_ADDED_TOKENS,
     byte_tokenizer,
     load_tiktoken_ranks,
-    load_tokenizer,
     qwen2_tokenizer,
 )
 

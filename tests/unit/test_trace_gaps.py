@@ -19,7 +19,7 @@ def _x(cat, name, ts, dur, tid=1, **args):
 
 
 def _trace():
-    frame = "minirl/actor.py(45): compute_logprobs"
+    frame = "minirl/update/actor.py(45): compute_logprobs"
     return [
         {"ph": "M", "name": "process_name", "ts": 0, "args": {"name": "python"}},
         _x("user_annotation", "minirl/log_probs", 0, 1000),
@@ -54,7 +54,7 @@ def test_idle_is_split_into_lead_gaps_and_tail(trace_gaps):
 def test_gaps_are_blamed_on_a_blocking_call_the_launching_frame_or_the_queue(trace_gaps):
     report = trace_gaps.analyse(_trace(), "minirl/log_probs")
     assert report.blame_us == {
-        "aten::copy_ in minirl/actor.py(45): compute_logprobs": 100,
+        "aten::copy_ in minirl/update/actor.py(45): compute_logprobs": 100,
         "cudaStreamSynchronize (blocking)": 100,
         "launched before: queue ordering": 5,
     }
@@ -63,7 +63,7 @@ def test_gaps_are_blamed_on_a_blocking_call_the_launching_frame_or_the_queue(tra
 
 
 def test_a_triton_kernel_launched_through_the_driver_is_blamed_on_its_frame(trace_gaps):
-    frame = "minirl/forward.py(90): _packed_logprobs"
+    frame = "minirl/forward/packed.py(90): _packed_logprobs"
     events = [
         _x("user_annotation", "p", 0, 100),
         _x("kernel", "gemm", 0, 10, correlation=1),

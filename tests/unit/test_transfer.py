@@ -1,9 +1,9 @@
-"""minirl.transfer: host-to-device copies through pinned memory arrive intact."""
+"""minirl.dist.transfer: host-to-device copies through pinned memory arrive intact."""
 
 import pytest
 import torch
 
-from minirl.transfer import tensor_to, to_device
+from minirl.dist.transfer import tensor_to, to_device
 
 
 def test_cpu_targets_and_none_are_plain_copies():

@@ -2,7 +2,7 @@
 
 Properties issue 12 asks for: ½·MSE when the clip is inactive; no gradient through the clipped
 branch where it binds; the micro-batch split does not change the aggregated value or gradient
-(the global normalisation of minirl.loss_agg, as for the policy loss). Plus a float64 reference
+(the global normalisation of minirl.algo.loss_agg, as for the policy loss). Plus a float64 reference
 of the whole formula and of the explained variance.
 """
 
@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minirl.algo.loss_agg import LOSS_AGG_MODES, aggregate, mini_batch_norm
 from minirl.critic.value_loss import EXPLAINED_VAR_EPS, clipped_value_loss, explained_variance
-from minirl.loss_agg import LOSS_AGG_MODES, aggregate, mini_batch_norm
 
 FAST = settings(max_examples=40, deadline=None)
 

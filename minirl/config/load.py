@@ -1,0 +1,273 @@
+"""TOML configuration -> frozen dataclasses, one per section.
+
+Precedence: dataclass defaults < the file's sections < the file's ``[profiles.<name>]`` tables
+< command-line overrides ``section.key=value`` (the value parsed as TOML, bare words as strings).
+Every layer is checked on its own, so an error names the layer it came from, the key, what is
+wrong, and the closest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from minirl.config.schema import CORE_SECTIONS
+from minirl.errors import UserError
+
+
+class ConfigError(UserError):
+    """A user mistake in a config file or an override; the message says where and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """The resolved configuration: ``cfg.actor``, ``cfg.rollout``, … and plugin sections."""
+
+    sections: dict[str, Any]
+    profile: str | None = None
+    source: str = "(defaults)"
+    origins: dict[str, str] = dataclasses.field(default_factory=dict)  # "actor.optim.lr" -> its layer
+
+    def origin(self, key: str) -> str:
+        """Where `key` (dotted) got its value: a file, a profile table, the command line, or default."""
+        return self.origins.get(key, "default")
+
+    def __getattr__(self, name: str) -> Any:
+        sections = self.__dict__.get("sections", {})
+        if name in sections:
+            return sections[name]
+        raise AttributeError(f"config has no section {name!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: dataclasses.asdict(section) for name, section in self.sections.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------------
+
+
+def load_config(
+    path: str | None,
+    overrides: list[str] = (),
+    profile: str | None = None,
+    extra_sections: dict[str, type] | None = None,
+) -> Config:
+    """Read `path` (or nothing), apply its profile table and the overrides, validate every key."""
+    schema = {**CORE_SECTIONS, **(extra_sections or {})}
+    file_data = _read_toml(path) if path else {}
+    profiles = file_data.pop("profiles", {})
+    layers = [(f"{path}", file_data)]
+    if profile is not None:
+        if profile not in profiles:
+            raise ConfigError(
+                f"--profile {profile!r}: {path} has no [profiles.{profile}] table; "
+                f"available: {', '.join(sorted(profiles)) or '(none)'}"
+            )
+        layers.append((f"{path} [profiles.{profile}]", profiles[profile]))
+    layers.append(("command line", parse_overrides(overrides)))
+    merged: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for source, data in layers:
+        _check_layer(data, schema, source)
+        _deep_merge(merged, data)
+        origins.update(dict.fromkeys(_dotted_keys(data), source))
+    sections = {name: _build(cls, merged.get(name, {}), name, "merged config") for name, cls in schema.items()}
+    return Config(sections=sections, profile=profile, source=path or "(defaults)", origins=origins)
+
+
+def _dotted_keys(data: dict, prefix: str = "") -> list[str]:
+    """{"actor": {"optim": {"lr": 1}}} -> ["actor.optim.lr"]."""
+    keys = []
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        keys += _dotted_keys(value, full + ".") if isinstance(value, dict) else [full]
+    return keys
+
+
+def profiles_in(path: str) -> list[str]:
+    return sorted(_read_toml(path).get("profiles", {}))
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path}: is a directory; name a TOML file such as bench.toml") from None
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {path}: not valid TOML: {exc}") from None
+
+
+def parse_overrides(items: typing.Iterable[str]) -> dict[str, Any]:
+    """`actor.optim.lr=1e-5` -> {"actor": {"optim": {"lr": 1e-5}}}; values are TOML, else strings."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"command line: {item!r} is not an override; write section.key=value")
+        node = out
+        *parents, leaf = key.strip().split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = _parse_value(raw.strip())
+    return out
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # a bare word such as grpo or low_var_kl
+
+
+def _deep_merge(dst: dict, src: dict) -> None:
+    for key, value in src.items():
+        if isinstance(value, dict) and isinstance(dst.get(key), dict):
+            _deep_merge(dst[key], value)
+        else:
+            dst[key] = value
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_layer(data: dict, schema: dict[str, type], source: str) -> None:
+    for name, value in data.items():
+        if name not in schema:
+            raise ConfigError(f"{source}: unknown section [{name}]{_suggest(name, schema)}")
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: [{name}] must be a table, got {_tname(value)}")
+        _build(schema[name], value, name, source)
+
+
+def _build(cls: type, data: dict, where: str, source: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(f"{source}: unknown key {where}.{key}{_suggest_key(cls, key, where)}")
+        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}", source)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key} must be a table, got {_tname(value)}")
+        return _build(hint, value, key, source)
+    if origin is typing.Union:  # Optional[X]
+        inner = [a for a in args if a is not type(None)]
+        return None if value is None else _coerce(value, inner[0], key, source)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: {key} must be a list, got {_tname(value)} {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]", source) for i, v in enumerate(value)]
+    return _scalar(value, hint, key, source)
+
+
+def _scalar(value: Any, hint: type, key: str, source: str) -> Any:
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    is_bool_as_int = hint is int and isinstance(value, bool)  # TOML true is not 1
+    if not isinstance(value, hint) or is_bool_as_int:
+        raise ConfigError(
+            f"{source}: {key} must be {hint.__name__}, got {_tname(value)} {value!r}"
+            f"{' (write true or false)' if hint is bool else ''}"
+        )
+    return value
+
+
+def _suggest_key(cls: type, key: str, where: str) -> str:
+    """Suggest the closest key, also inside nested tables (actor.lr -> actor.optim.lr); never a
+    wall of every key: without a close one, point at --print-config."""
+    flat = _flat_keys(cls, where)
+    by_leaf = {full.rsplit(".", 1)[1]: full for full in reversed(flat)}
+    close = difflib.get_close_matches(key, list(by_leaf), n=1, cutoff=0.5)
+    if close:
+        return f"; did you mean {by_leaf[close[0]]!r}?"
+    return f"; [{where}] has no key like it (python -m minirl --print-config shows every key)"
+
+
+def _flat_keys(cls: type, prefix: str) -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        full = f"{prefix}.{f.name}"
+        keys += _flat_keys(hint, full) if dataclasses.is_dataclass(hint) else [full]
+    return keys
+
+
+def _suggest(name: str, choices: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(sorted(choices))}"
+
+
+def _tname(value: Any) -> str:
+    return type(value).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# printing
+# ---------------------------------------------------------------------------------------------
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (unset optional keys appear as comments)."""
+    lines: list[str] = []
+    for name, section in cfg.to_dict().items():
+        _emit_table(lines, name, section)
+    return "\n".join(lines).strip() + "\n"
+
+
+def _emit_table(lines: list[str], name: str, table: dict) -> None:
+    lines.append(f"[{name}]")
+    nested = {k: v for k, v in table.items() if isinstance(v, dict)}
+    for key, value in table.items():
+        if key in nested:
+            continue
+        lines.append(f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}")
+    lines.append("")
+    for key, value in nested.items():
+        _emit_table(lines, f"{name}.{key}", value)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def flatten(table: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        elif value is not None:  # unset optional keys are absent from the TOML
+            out[f"{prefix}{key}"] = value
+    return out

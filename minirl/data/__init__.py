@@ -1,0 +1,2 @@
+"""Training prompts: reading parquet files in verl's schema, tokenising, filtering and the
+resumable, per-rank loader. May import `config`, `errors`."""

@@ -1,0 +1,364 @@
+"""Prompt data: verl-schema parquet files -> tokenized prompts -> batches of prompt groups.
+
+A row has the columns data_source (str, picks the reward function), prompt (a list of chat
+messages {role, content}; the column is named by data.prompt_key), ability (str, optional),
+reward_model (struct {style, ground_truth}) and extra_info (struct, optional). Every malformed
+row is a DataError that names the file, the row, the field and the fix: a bad data file should
+never surface as a bare traceback from deep inside the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from minirl.config.schema import DataConfig
+from minirl.errors import UserError
+
+log = logging.getLogger(__name__)
+
+TRUNCATIONS = ("error", "left", "right", "middle")
+REQUIRED_COLUMNS = ("data_source", "reward_model")
+
+
+class DataError(UserError):
+    """A data file or one of its rows is unusable; the message names file, row, field and fix."""
+
+
+@dataclass
+class PromptRecord:
+    """One prompt, ready for rollout. source is "file:row" (for error messages); index is the
+    record's position in the loaded list (stable across epochs)."""
+
+    prompt_ids: list[int]
+    data_source: str
+    ground_truth: Any
+    extra_info: dict
+    source: str
+    index: int
+    ability: str = ""
+
+
+@dataclass
+class LoadStats:
+    """What load_prompts did to the rows: how many were read, dropped as overlong, truncated."""
+
+    n_rows: int = 0
+    n_filtered: int = 0
+    n_truncated: int = 0
+    filtered_sources: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading and validating rows
+# ---------------------------------------------------------------------------------------------
+
+
+def _read_columns(path: str, prompt_key: str) -> dict[str, list]:
+    """Read one parquet file into column -> python list; a missing required column is an error."""
+    import pyarrow.parquet as pq  # deferred: only data loading needs pyarrow
+
+    try:
+        table = pq.read_table(path)
+    except FileNotFoundError as exc:
+        raise DataError(f"{path}: no such file; fix data.train_files / data.val_files") from exc
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for non-parquet input
+        raise DataError(
+            f"{path}: cannot read as parquet ({type(exc).__name__}: {exc}); the data files must "
+            f"be parquet in verl's schema (see scripts/make_data.py)"
+        ) from exc
+    for name in (*REQUIRED_COLUMNS, prompt_key):
+        if name not in table.column_names:
+            hint = " (set data.prompt_key to the prompt column)" if name == prompt_key else ""
+            raise DataError(f"{path}: missing column {name!r}{hint}; columns present: {table.column_names}")
+    cols = {c: _column(table, c, path) for c in (*REQUIRED_COLUMNS, prompt_key)}
+    for optional in ("ability", "extra_info"):
+        present = optional in table.column_names
+        cols[optional] = _column(table, optional, path) if present else [None] * table.num_rows
+    return cols
+
+
+def _column(table, name: str, path: str) -> list:
+    """One column as python values; bytes that are not UTF-8 in a string column name the row."""
+    try:
+        return table.column(name).to_pylist()
+    except UnicodeDecodeError:
+        pass
+    for row, chunk_value in enumerate(table.column(name)):
+        try:
+            chunk_value.as_py()
+        except UnicodeDecodeError as exc:
+            raise DataError(
+                f"{path}:{row}: field {name!r} holds bytes that are not UTF-8 ({exc.reason} at byte "
+                f"{exc.start}); re-encode the text as UTF-8 when writing the file"
+            ) from None
+    raise DataError(f"{path}: column {name!r} holds bytes that are not UTF-8; re-encode it as UTF-8")
+
+
+def _check_messages(messages: Any, where: str, key: str) -> list[dict]:
+    """The prompt must be a non-empty list of {role: str, content: str} dicts."""
+    if not isinstance(messages, list):
+        raise DataError(
+            f"{where}: field {key!r} must be a list of chat messages {{role, content}}, got "
+            f"{type(messages).__name__} {str(messages)[:60]!r}; rewrite the column as "
+            f"[{{'role': 'user', 'content': ...}}]"
+        )
+    if not messages:
+        raise DataError(f"{where}: field {key!r} is an empty list; every prompt needs a message")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
+            raise DataError(
+                f"{where}: field {key!r} message {i} must have string 'role' and 'content', got {str(msg)[:80]!r}"
+            )
+    return messages
+
+
+def _check_row(cols: dict[str, list], row: int, where: str, key: str) -> tuple[list, str, Any, dict, str]:
+    """Validate one row; returns (messages, data_source, ground_truth, extra_info, ability)."""
+    source = cols["data_source"][row]
+    if not isinstance(source, str) or not source:
+        raise DataError(
+            f"{where}: field 'data_source' must be a non-empty string (it picks the reward function), got {source!r}"
+        )
+    messages = _check_messages(cols[key][row], where, key)
+    reward_model = cols["reward_model"][row]
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+        raise DataError(
+            f"{where}: field 'reward_model.ground_truth' is missing (reward_model = "
+            f"{str(reward_model)[:80]!r}); every row needs reward_model = {{style, ground_truth}}"
+        )
+    extra = cols["extra_info"][row]
+    if extra is not None and not isinstance(extra, dict):
+        raise DataError(f"{where}: field 'extra_info' must be a struct/dict or null, got {type(extra).__name__}")
+    ability = cols["ability"][row]
+    if ability is not None and not isinstance(ability, str):
+        raise DataError(f"{where}: field 'ability' must be a string, got {type(ability).__name__}")
+    return messages, source, reward_model["ground_truth"], extra or {}, ability or ""
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizing and length handling
+# ---------------------------------------------------------------------------------------------
+
+
+def render_prompt(tokenizer: Any, messages: list[dict], where: str) -> list[int]:
+    """Chat template -> text -> ids. Rendering to text first sidesteps transformers 5, whose
+    apply_chat_template(tokenize=True) returns a BatchEncoding instead of a list of ids; the
+    template already holds the special tokens, so encode() must not add them again."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:
+        raise DataError(
+            f"{where}: the tokenizer's chat template failed ({type(exc).__name__}: {exc}); use a "
+            f"tokenizer with a chat template (model.tokenizer)"
+        ) from exc
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _fit_length(ids: list[int], limit: int, mode: str, where: str) -> list[int]:
+    """Truncate an overlong prompt as data.truncation says (verl's meanings)."""
+    if mode == "left":  # keep the end, where the question usually is
+        return ids[-limit:]
+    if mode == "right":
+        return ids[:limit]
+    if mode == "middle":
+        head = limit // 2
+        return ids[:head] + ids[len(ids) - (limit - head) :]
+    raise DataError(
+        f"{where}: the prompt is {len(ids)} tokens, longer than data.max_prompt_length = {limit}; "
+        f"raise data.max_prompt_length, or set data.filter_overlong_prompts = true to drop such "
+        f"prompts (or data.truncation = 'left' | 'right' | 'middle' to cut them)"
+    )
+
+
+def _check_config(cfg: DataConfig) -> None:
+    if cfg.truncation not in TRUNCATIONS:
+        raise DataError(f"data.truncation = {cfg.truncation!r}: not one of {', '.join(TRUNCATIONS)}")
+    if cfg.max_prompt_length < 1:
+        raise DataError(f"data.max_prompt_length = {cfg.max_prompt_length}: must be at least 1")
+    if cfg.filter_overlong_prompts and cfg.truncation != "error":
+        log.warning(
+            "data.truncation = %r has no effect: data.filter_overlong_prompts = true drops "
+            "overlong prompts before any truncation",
+            cfg.truncation,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# public entry points
+# ---------------------------------------------------------------------------------------------
+
+
+def load_prompts_with_stats(
+    files: list[str], tokenizer: Any, cfg: DataConfig, prompt_key: str | None = None
+) -> tuple[list[PromptRecord], LoadStats]:
+    """Like load_prompts, and also return what was filtered and truncated (for metrics)."""
+    key = prompt_key or cfg.prompt_key
+    if isinstance(files, str):
+        files = [files]  # one path given as a string would otherwise iterate its characters
+    if not files:
+        raise DataError("no data files given; set data.train_files (and data.val_files) to parquet paths")
+    _check_config(cfg)
+    records: list[PromptRecord] = []
+    stats = LoadStats()
+    for path in files:
+        cols = _read_columns(str(path), key)
+        for row in range(len(cols["data_source"])):
+            where = f"{path}:{row}"
+            messages, source, truth, extra, ability = _check_row(cols, row, where, key)
+            ids = render_prompt(tokenizer, messages, where)
+            if not ids:
+                raise DataError(f"{where}: field {key!r} renders to zero tokens; check the messages")
+            stats.n_rows += 1
+            if len(ids) > cfg.max_prompt_length:
+                if cfg.filter_overlong_prompts:
+                    stats.n_filtered += 1
+                    stats.filtered_sources.append(where)
+                    continue
+                ids = _fit_length(ids, cfg.max_prompt_length, cfg.truncation, where)
+                stats.n_truncated += 1
+            records.append(PromptRecord(ids, source, truth, extra, where, len(records), ability))
+    _report(stats, files, cfg)
+    return records, stats
+
+
+def _report(stats: LoadStats, files: list[str], cfg: DataConfig) -> None:
+    """Never drop or cut prompts silently: say how many, and fail when nothing is left."""
+    if stats.n_filtered:
+        log.warning(
+            "dropped %d of %d prompts longer than data.max_prompt_length = %d "
+            "(data.filter_overlong_prompts = true); first: %s",
+            stats.n_filtered,
+            stats.n_rows,
+            cfg.max_prompt_length,
+            stats.filtered_sources[0],
+        )
+    if stats.n_truncated:
+        log.warning(
+            "truncated %d of %d prompts to data.max_prompt_length = %d (data.truncation = %r)",
+            stats.n_truncated,
+            stats.n_rows,
+            cfg.max_prompt_length,
+            cfg.truncation,
+        )
+    names = ", ".join(map(str, files))
+    if stats.n_rows == 0:
+        raise DataError(f"{names}: the files hold no rows; point data.train_files at real data")
+    if stats.n_rows == stats.n_filtered:
+        raise DataError(
+            f"{names}: no prompts left: all {stats.n_rows} rows are longer than "
+            f"data.max_prompt_length = {cfg.max_prompt_length}; raise data.max_prompt_length"
+        )
+
+
+def load_prompts(
+    files: list[str], tokenizer: Any, cfg: DataConfig, prompt_key: str | None = None
+) -> list[PromptRecord]:
+    """Read verl-schema parquet files into tokenized prompts, in file and row order.
+
+    Each prompt is rendered with the tokenizer's chat template (add_generation_prompt=True).
+    Prompts longer than cfg.max_prompt_length are dropped when cfg.filter_overlong_prompts
+    (counted and logged; see load_prompts_with_stats), else handled by cfg.truncation:
+    error (default) | left (keep the last tokens) | right (keep the first) | middle (keep
+    both ends). prompt_key defaults to cfg.prompt_key. Raises DataError on malformed input.
+    """
+    return load_prompts_with_stats(files, tokenizer, cfg, prompt_key)[0]
+
+
+class PromptLoader:
+    """Batches of prompts, epoch after epoch.
+
+    Each epoch visits the records in an order drawn from a torch Generator seeded with
+    seed + epoch (so any epoch can be replayed, e.g. after resuming) and yields batches of
+    exactly batch_size prompts; the last partial batch of an epoch is dropped, so every step
+    sees the same number of prompts. A shard (rank, world) yields only its contiguous slice of
+    each global batch: all ranks walk the same global order without communicating.
+
+    `next_batch()` hands the batches out one after another, epoch after epoch; `drawn` counts
+    them (the data position a checkpoint saves). A step draws one batch, or more with dynamic
+    sampling (minirl.algo.dynamic_sampling), so the position is not derived from the step.
+    """
+
+    def __init__(
+        self,
+        records: list[PromptRecord],
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        *,
+        rank: int = 0,
+        world: int = 1,
+    ):
+        if batch_size < 1:
+            raise DataError(f"data.train_batch_size = {batch_size}: must be at least 1")
+        if len(records) < batch_size:
+            raise DataError(
+                f"data.train_batch_size = {batch_size} is larger than the {len(records)} prompts "
+                f"loaded, so an epoch would have no step; lower data.train_batch_size or add data"
+            )
+        if world < 1 or not 0 <= rank < world:
+            raise DataError(f"rank {rank} is not in a world of size {world}")
+        if batch_size % world:
+            raise DataError(
+                f"data.train_batch_size = {batch_size} does not divide over trainer world size "
+                f"{world} (data-parallel ranks take whole prompts); use a multiple of {world}"
+            )
+        self.records, self.batch_size, self.shuffle, self.seed = records, batch_size, shuffle, seed
+        self.rank, self.world = rank, world
+        self.drawn = 0  # batches handed out by next_batch, over all epochs
+        self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its order), drawn once per epoch
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.records) // self.batch_size
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def shard(self, rank: int, world: int) -> "PromptLoader":
+        """The same loader, yielding only rank's contiguous batch_size / world prompts of each batch."""
+        return PromptLoader(self.records, self.batch_size, self.shuffle, self.seed, rank=rank, world=world)
+
+    def order(self, epoch: int) -> list[int]:
+        """The record indices of one epoch, in visiting order (the same on every rank)."""
+        if not self.shuffle:
+            return list(range(len(self.records)))
+        gen = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.records), generator=gen).tolist()
+
+    def epoch_batches(self, epoch: int) -> Iterator[list[PromptRecord]]:
+        order = self.order(epoch)
+        for step in range(self.steps_per_epoch):
+            yield self._batch(order, step)
+
+    def _batch(self, order: list[int], i: int) -> list[PromptRecord]:
+        """This shard's prompts of batch i of an epoch visited in `order`."""
+        per_rank = self.batch_size // self.world
+        start = i * self.batch_size + self.rank * per_rank
+        return [self.records[j] for j in order[start : start + per_rank]]
+
+    @property
+    def epoch(self) -> float:
+        """Epochs drawn so far, fractional: drawn / steps_per_epoch."""
+        return self.drawn / self.steps_per_epoch
+
+    def next_batch(self) -> list[PromptRecord]:
+        """The batch after the last one handed out (into the next epoch after an epoch's last)."""
+        epoch, i = divmod(self.drawn, self.steps_per_epoch)
+        if self._order[0] != epoch:
+            self._order = (epoch, self.order(epoch))
+        self.drawn += 1
+        return self._batch(self._order[1], i)
+
+
+def expand_groups(records: list[PromptRecord], n: int, first_uid: int) -> tuple[list[PromptRecord], list[int]]:
+    """Repeat each prompt n times under one group uid, prompt-major: the n samples of prompt i
+    are at [i*n, (i+1)*n) with uid first_uid + i, matching the rollout engines' output order."""
+    if n < 1:
+        raise UserError(f"rollout.n = {n}: must be at least 1")
+    repeated = [rec for rec in records for _ in range(n)]
+    uids = [first_uid + i for i in range(len(records)) for _ in range(n)]
+    return repeated, uids

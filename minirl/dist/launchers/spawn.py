@@ -1,0 +1,152 @@
+"""The supervisor of the local launcher: one fresh process per rank on this machine.
+
+The first worker that fails makes the supervisor stop all others (they may sit in a collective
+with it) and print its report once. Reports travel through files, not pipes, so a long
+traceback cannot block a dying worker. SIGTERM/SIGINT are forwarded to the workers, and a
+worker whose supervisor died (kill -9) exits within a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from minirl.dist.launchers.report import Report, print_report, report_of
+from minirl.dist.signals import SignalHandler
+from minirl.dist.spmd import free_port
+
+_STOP_GRACE_S = 5.0  # how long a stopped worker may take to exit before it is killed
+
+
+def spawn(fn: Callable[..., Any], world: int, args: tuple = (), env: dict[str, str] | None = None) -> int:
+    """Run fn(rank, *args) in `world` fresh processes that form one process group's environment.
+
+    Returns 0 when all succeed. When one fails, the others are stopped, its error is printed
+    (a UserError as one line, anything else with its traceback) and the status is 2 or 1.
+    fn and args must pickle (a module-level function; a frozen config does).
+    """
+    ctx = multiprocessing.get_context("spawn")  # fork would copy CUDA and thread state
+    error_dir = tempfile.mkdtemp(prefix="minirl-errors-")
+    base_env = dict(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        NODE_RANK="0",
+        **(env or {}),
+    )
+    procs = [
+        ctx.Process(
+            target=_worker_main, args=(fn, rank, args, base_env, error_dir, os.getpid()), name=f"minirl-rank{rank}"
+        )
+        for rank in range(world)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        with _ForwardSignals(procs):
+            failed = _wait_first_failure(procs)
+        _stop(procs)  # the others may be blocked in a collective with the failed rank
+        return 0 if failed is None else _report(procs.index(failed), failed.exitcode, error_dir)
+    finally:
+        _stop(procs)
+        shutil.rmtree(error_dir, ignore_errors=True)
+
+
+def _worker_main(fn, rank: int, args: tuple, env: dict[str, str], error_dir: str, parent_pid: int) -> None:
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        fn(rank, *args)
+    except BaseException as exc:  # noqa: BLE001 - report everything, the parent decides what to show
+        report = report_of(exc)
+        _write_error(error_dir, rank, report)
+        sys.exit(report.exit_code)
+
+
+def _write_error(error_dir: str, rank: int, report: Report) -> None:
+    path = os.path.join(error_dir, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({**dataclasses.asdict(report), "time": time.time()}, f)
+    os.replace(path + ".tmp", path)  # the supervisor never reads half a report
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker whose supervisor died (kill -9) must not live on holding a GPU."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+class _ForwardSignals(SignalHandler):
+    """The supervisor passes SIGTERM/SIGINT on: the first as SIGTERM (workers finish the step and
+    checkpoint), a second as SIGKILL. Kubernetes signals only the container's first process, so
+    the workers would otherwise never hear of it."""
+
+    def __init__(self, procs: list):
+        self.procs, self.count = procs, 0
+
+    def _handle(self, signum, frame) -> None:
+        self.count += 1
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM if self.count == 1 else signal.SIGKILL)
+
+
+_STOP_CODES = (128 + signal.SIGTERM, 128 + signal.SIGINT)
+
+
+def _wait_first_failure(procs: list):
+    """Wait until every worker exits 0 (returns None) or one fails (returns it). A worker that
+    stopped on a signal after checkpointing (exit 128 + signal) is not a failure: the others are
+    finishing the same checkpoint, so they are waited for, and the first such worker is returned."""
+    running, stopped = {p.sentinel: p for p in procs}, None
+    while running:
+        for sentinel in multiprocessing.connection.wait(list(running)):
+            p = running.pop(sentinel)
+            p.join()
+            if p.exitcode in _STOP_CODES:
+                stopped = stopped or p
+            elif p.exitcode != 0:
+                return p
+    return stopped
+
+
+def _report(rank: int, exitcode: int, error_dir: str) -> int:
+    """Print the failed worker's error (or the earliest report, if it left none) once."""
+    reports = {}
+    for name in os.listdir(error_dir):
+        if name.endswith(".json"):
+            with open(os.path.join(error_dir, name)) as f:
+                reports[int(name[4:-5])] = json.load(f)
+    if rank not in reports and reports:
+        rank = min(reports, key=lambda r: reports[r]["time"])
+    if rank not in reports:  # killed by a signal (the OOM killer, say): nothing was written
+        print(f"minirl: worker rank {rank} died with exit code {exitcode}; all workers stopped", file=sys.stderr)
+        return 1
+    found = reports[rank]
+    return print_report(rank, Report(found["kind"], found["text"], found.get("exit_code", exitcode)))
+
+
+def _stop(procs: list) -> None:
+    procs = [p for p in procs if p.pid is not None]  # started ones only
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()

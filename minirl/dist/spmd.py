@@ -1,0 +1,144 @@
+"""The process group and the (dp, sp) mesh of one rank; starting the ranks is minirl.dist.launchers'.
+
+Every launcher (local, torchrun, ray) tells each rank what torchrun tells its workers
+(MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK), so from
+`init_from_env` on every start runs the same code. A job of one process needs no launcher's
+workers: `single_process` gives it no process group on CPU and a one-rank group and mesh on CUDA,
+so one GPU runs the same FSDP2 mixed-precision path as eight.
+
+Every collective times out after trainer.collective_timeout_s, so a rank that dies or hangs
+turns into an error on the others instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as tdist
+
+from minirl.dist.context import DistContext, resolve_device
+from minirl.errors import UserError
+
+# ---------------------------------------------------------------------------------------------
+# the job's layout
+# ---------------------------------------------------------------------------------------------
+
+
+def check_layout(cfg, world: int) -> None:
+    """The user errors of a (dp, sp) layout, each naming the key and the fix."""
+    sp = cfg.actor.ulysses_sequence_parallel_size
+    if sp < 1 or world % sp:
+        raise UserError(
+            f"actor.ulysses_sequence_parallel_size = {sp} does not divide the world size {world}; "
+            f"use a divisor of {world}"
+        )
+    dp = world // sp
+    for key, value in (
+        ("data.train_batch_size", cfg.data.train_batch_size),
+        ("actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size),
+    ):
+        if value % dp:
+            raise UserError(
+                f"{key} = {value} does not divide over {dp} data-parallel ranks (world {world} / "
+                f"sp {sp}); data-parallel ranks take whole prompts, so use a multiple of {dp}"
+            )
+    ref_sp = cfg.ref.ulysses_sequence_parallel_size
+    if ref_sp not in (1, sp):
+        raise UserError(
+            f"ref.ulysses_sequence_parallel_size = {ref_sp}: the reference runs on the actor's "
+            f"mesh, so use 1 or the actor's {sp}"
+        )
+
+
+def build_mesh(device_type: str, world: int, sp: int):
+    """The 2-D mesh (dp, sp): rank = dp_rank * sp + sp_rank, so an sp group is adjacent ranks
+    (on one node: GPUs that share the fastest links carry the all-to-alls)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
+
+
+# ---------------------------------------------------------------------------------------------
+# inside a worker
+# ---------------------------------------------------------------------------------------------
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_from_env(cfg, device_index: int | None = None) -> DistContext:
+    """Join the process group that the environment describes (torchrun's variables) and build
+    the mesh. One code path for every launcher. The CUDA device is cuda:LOCAL_RANK unless
+    `device_index` says otherwise (Ray shows each rank only its own GPU, as cuda:0)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return init_rank(cfg, rank, world, local_rank, local_world, "env://", device_index)
+
+
+def init_rank(
+    cfg,
+    rank: int,
+    world: int,
+    local_rank: int,
+    local_world: int,
+    init_method: str,
+    device_index: int | None = None,
+) -> DistContext:
+    device = resolve_device(cfg.trainer.device, local_rank if device_index is None else device_index)
+    check_layout(cfg, world)
+    init_process_group(device, cfg.trainer.collective_timeout_s, local_world, init_method, rank, world)
+    sp = cfg.actor.ulysses_sequence_parallel_size
+    mesh = build_mesh(device.type, world, sp)
+    return DistContext(device=device, rank=rank, world_size=world, local_rank=local_rank, mesh=mesh, sp_size=sp)
+
+
+def init_process_group(
+    device: torch.device,
+    timeout_s: float,
+    local_world: int = 1,
+    init_method: str = "env://",
+    rank: int = -1,
+    world: int = -1,
+) -> None:
+    """gloo on CPU, NCCL on CUDA (one device per local rank); collectives time out."""
+    kwargs = {
+        "timeout": datetime.timedelta(seconds=timeout_s),
+        "init_method": init_method,
+        "rank": rank,
+        "world_size": world,
+    }
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # a timed-out NCCL collective tears the process down instead of blocking it forever
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        # gloo next to NCCL for collectives on CPU tensors: FSDP2 with CPU offload (gradient
+        # norms of CPU shards) and small host-side reductions
+        tdist.init_process_group("cuda:nccl,cpu:gloo", device_id=device, **kwargs)
+    else:
+        # 2 processes on 2 cores: one intra-op thread each, or they fight over the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        tdist.init_process_group("gloo", **kwargs)
+
+
+def single_process(cfg) -> DistContext:
+    """One process: no process group on CPU; a one-rank group and mesh on CUDA (see module doc)."""
+    device = resolve_device(cfg.trainer.device)
+    if device.type != "cuda":
+        return DistContext(device=device)
+    return init_rank(cfg, 0, 1, 0, 1, f"tcp://127.0.0.1:{free_port()}")
+
+
+def shutdown() -> None:
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,202 @@
+"""Per-token log-probabilities and entropies from the language-model head, memory-bounded.
+
+The float32 logits of a whole batch are what runs a GPU out of memory in RL training: 16k packed
+tokens × 151,936 vocabulary × 4 bytes = 9.7 GB, several times over once autograd keeps the
+softmax for backward. `chunked_logprobs` applies the head to a chunk of positions at a time and,
+with `recompute=True`, wraps each chunk in activation checkpointing so backward recomputes that
+chunk's logits instead of keeping them: the peak is a few chunk × V float32 tensors.
+
+All log-probs are of temperature-scaled logits (logits / rollout temperature, ALGORITHMS.md),
+computed in float32 whatever the model dtype.
+
+Two implementations of a chunk's statistics: the plain PyTorch one below (the reference, and the
+CPU path) and a fused Triton one (`minirl/kernels/logprob.py`: one streaming kernel forward, one
+backward, no float32 [n, V] tensor), chosen on CUDA when its kernels compile and pass a check
+against the plain path (else a warning and the plain path). MINIRL_LOGPROB_IMPL =
+auto | fused | plain (read at import; or set `logprob.IMPL`, or pass impl=) forces either.
+
+Shape legend: N packed token positions, V vocabulary, H hidden size.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# Positions per output-projection chunk (chunk_size=None). With gradients each chunk's logits are
+# recomputed in the backward, so the chunk bounds the memory the loss holds; the plain path keeps
+# float32 copies of a chunk (2,048 × 151,936 × 4 B = 1.2 GB each). Without gradients on the fused
+# kernels a chunk's logits live only in the head's dtype while its statistics are taken, and
+# longer chunks run the head's GEMM a little faster (8,192 × 151,936 bf16 = 2.5 GB;
+# docs/benchmarks.md).
+CHUNK, CHUNK_FUSED_NO_GRAD = 2048, 8192
+IMPLS = ("auto", "fused", "plain")
+IMPL = os.environ.get("MINIRL_LOGPROB_IMPL", "auto")  # auto: fused on CUDA when its kernels check out
+
+
+@functools.cache
+def fused_works(device: str) -> bool:
+    """The fused kernels import, compile and agree with the plain path on a small problem on
+    `device` (checked once per device): a broken triton costs speed, never correctness."""
+    try:
+        # the same check whatever mode the first caller is in (no_grad, inference, autocast)
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.split(":")[0], enabled=False):
+            ok = _fused_agrees(device)
+        problem = "disagree with the plain path"
+    except Exception as exc:  # triton missing or broken, no compiler for this device
+        ok, problem = False, f"failed ({type(exc).__name__}: {str(exc)[:200]})"
+    if not ok:
+        warnings.warn(f"fused log-prob kernels on {device} {problem}; using the plain torch path")
+    return ok
+
+
+def _fused_agrees(device: str) -> bool:
+    from minirl.kernels.logprob import fused_logprob_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    z_nV = (4 * torch.randn(5, 9000, generator=gen)).to(device)  # rows of several blocks
+    labels_n = torch.tensor([0, 8999, 3, 4500, 77], device=device)
+    got, ref = [], []
+    for fn, out in ((fused_logprob_entropy, got), (_chunk_stats_of_logits, ref)):
+        z = z_nV.clone().requires_grad_()
+        logp_n, ent_n = fn(z, labels_n, 0.7, True)
+        out += [logp_n, ent_n, *torch.autograd.grad(logp_n.sum() - 0.5 * ent_n.sum(), [z])]
+    return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got, ref, strict=True))
+
+
+def _chunk_stats_of_logits(z_nV, labels_n, temperature, with_entropy):
+    return _chunk_stats(z_nV, labels_n, _identity, temperature, with_entropy)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def use_fused(device: torch.device, impl: str | None = None) -> bool:
+    """Whether chunked_logprobs takes the fused Triton path for tensors on `device`."""
+    impl = IMPL if impl is None else impl
+    if impl not in IMPLS:
+        raise ValueError(f"logprob impl = {impl!r} (MINIRL_LOGPROB_IMPL): must be one of {', '.join(IMPLS)}")
+    if impl == "auto":
+        return device.type == "cuda" and fused_works(str(device))
+    return impl == "fused"
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(
+            f"temperature = {temperature!r}: log-probs are of logits / temperature, so it must be "
+            "> 0; for greedy rollouts (rollout.temperature = 0) score the tokens at temperature 1"
+        )
+
+
+def logprobs_from_logits(logits_NV: torch.Tensor, labels_N: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / T)[label], in float32: the reference implementation (materialises
+    the full float32 log-softmax; use chunked_logprobs on the hot path)."""
+    _check_temperature(temperature)
+    logp_NV = torch.log_softmax(logits_NV.float() / temperature, dim=-1)
+    return logp_NV.gather(-1, labels_N.long().unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits_NV: torch.Tensor) -> torch.Tensor:
+    """H = logsumexp(z) − Σ softmax(z)·z per position, in float32 (ALGORITHMS.md §5).
+
+    This form needs no log of a probability, so it stays finite where softmax underflows to 0.
+    Pass temperature-scaled logits.
+    """
+    z_NV = _shift_max(logits_NV.float())
+    lse_N = torch.logsumexp(z_NV, dim=-1)
+    p_NV = torch.exp(z_NV - lse_N.unsqueeze(-1))
+    return lse_N - (p_NV * z_NV).sum(-1)
+
+
+def _shift_max(z_NV: torch.Tensor) -> torch.Tensor:
+    # Both results are invariant to z − c; subtracting the row max keeps logsumexp and Σ p·z
+    # small, so their difference (a small entropy) does not cancel catastrophically in float32.
+    # Detached: the invariance makes the gradient through the max exactly 0.
+    return z_NV - z_NV.amax(dim=-1, keepdim=True).detach()
+
+
+def _chunk_stats(
+    hidden_nH: torch.Tensor,
+    labels_n: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    z_nV = _shift_max(head(hidden_nH).float() / temperature)
+    lse_n = torch.logsumexp(z_nV, dim=-1)
+    # z[label] − logsumexp(z) equals log_softmax(z)[label] without allocating the log-softmax.
+    logp_n = z_nV.gather(-1, labels_n.long().unsqueeze(-1)).squeeze(-1) - lse_n
+    if not with_entropy:
+        return logp_n, torch.zeros_like(logp_n)
+    p_nV = torch.exp(z_nV - lse_n.unsqueeze(-1))
+    return logp_n, lse_n - (p_nV * z_nV).sum(-1)
+
+
+def _chunk_stats_fused(
+    hidden_nH: torch.Tensor,
+    labels_n: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """_chunk_stats with the softmax math in two Triton kernels; the head's GEMM stays cuBLAS."""
+    from minirl.kernels.logprob import fused_logprob_entropy
+
+    return fused_logprob_entropy(head(hidden_nH), labels_n, temperature, with_entropy)
+
+
+def chunked_logprobs(
+    hidden_NH: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    labels_N: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+    recompute: bool = True,
+    impl: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and optionally entropies) of labels_N under head(hidden_NH) / temperature.
+
+    head: hidden_chunk [n, H] -> logits_chunk [n, V] (an nn.Linear lm_head or a lambda); its
+    parameters receive gradients through the closure.
+    recompute=True: each chunk runs under torch.utils.checkpoint (use_reentrant=False), so
+    backward recomputes its logits; only the hidden chunk is kept. recompute=False keeps every
+    chunk's float32 intermediates for backward (as much memory as the unchunked form: use it
+    only for small vocabularies; the fused path keeps each chunk's logits in the head's dtype).
+    Under torch.no_grad checkpointing is skipped, it saves nothing.
+    chunk_size: positions per chunk; None: CHUNK_FUSED_NO_GRAD on the fused path without
+    gradients, else CHUNK.
+    impl: "auto" (fused Triton kernels on CUDA when they check out, else plain torch), "fused",
+    "plain"; None reads the module's IMPL (env MINIRL_LOGPROB_IMPL).
+    Returns (logp_N, entropy_N or None), float32.
+    """
+    _check_temperature(temperature)
+    fused = use_fused(hidden_NH.device, impl)
+    if chunk_size is None:
+        chunk_size = CHUNK_FUSED_NO_GRAD if fused and not torch.is_grad_enabled() else CHUNK
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size = {chunk_size}: must be >= 1 positions")
+    use_checkpoint = recompute and torch.is_grad_enabled()
+    stats = _chunk_stats_fused if fused else _chunk_stats
+    logps, entropies = [], []
+    for start in range(0, hidden_NH.shape[0], chunk_size):
+        h_nH = hidden_NH[start : start + chunk_size]
+        y_n = labels_N[start : start + chunk_size]
+        args = (h_nH, y_n, head, temperature, with_entropy)
+        if use_checkpoint:
+            logp_n, ent_n = checkpoint(stats, *args, use_reentrant=False)
+        else:
+            logp_n, ent_n = stats(*args)
+        logps.append(logp_n)
+        entropies.append(ent_n)
+    if not logps:  # zero positions: keep the dtype/device contract
+        empty_N = hidden_NH.new_zeros(0, dtype=torch.float32)
+        return empty_N, (empty_N if with_entropy else None)
+    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)

@@ -1,0 +1,92 @@
+"""Turning a plain model into the actor, the reference and the critic, in the order the core fixes:
+sequence parallel -> activation checkpointing -> regional compile (model.compile_layers) and the
+fused MLP (model.fused_mlp) -> data-parallel sharding -> optimizer.
+
+Plugins do the work through the assembly hooks; this module only calls them in order.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from minirl.dist.context import DistContext
+from minirl.models.compile import compile_layers
+from minirl.models.fused_mlp import fuse_mlps
+
+# prefixes that wrappers add to parameter names; the engines want Hugging Face names
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.", "module.")
+
+
+def assemble_actor(pm, model: torch.nn.Module, cfg, dist: DistContext) -> torch.nn.Module:
+    """cfg is the whole config: the hooks get their own sections (actor, model)."""
+    pm.hook.minirl_apply_sequence_parallel(model=model, cfg=cfg.actor, mesh=dist.mesh)
+    pm.hook.minirl_apply_activation_checkpointing(model=model, cfg=cfg.model)
+    speed_up(model, cfg.model)
+    wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=cfg.actor, mesh=dist.mesh)
+    return model if wrapped is None else wrapped
+
+
+def assemble_critic(pm, model: torch.nn.Module, critic_cfg, dist: DistContext) -> torch.nn.Module:
+    """The value model through the actor's recipe; the hooks get the critic's sections (critic,
+    critic.model), which carry the same key names as the actor's."""
+    pm.hook.minirl_apply_sequence_parallel(model=model, cfg=critic_cfg, mesh=dist.mesh)
+    pm.hook.minirl_apply_activation_checkpointing(model=model, cfg=critic_cfg.model)
+    speed_up(model, critic_cfg.model, "critic.model")
+    wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=critic_cfg, mesh=dist.mesh)
+    return model if wrapped is None else wrapped
+
+
+def assemble_reference(pm, model: torch.nn.Module, ref_cfg, dist: DistContext, model_cfg=None) -> torch.nn.Module:
+    """model_cfg: the [model] section (the reference is the actor's model, sped up as it is);
+    None leaves the reference as it is, neither compiled nor fused (tests that build one)."""
+    pm.hook.minirl_apply_sequence_parallel(model=model, cfg=ref_cfg, mesh=dist.mesh)
+    if model_cfg is not None:
+        speed_up(model, model_cfg)
+    wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=ref_cfg, mesh=dist.mesh)
+    return model if wrapped is None else wrapped
+
+
+def speed_up(model: torch.nn.Module, model_cfg, section: str = "model") -> None:
+    """model_cfg: [model] or [critic.model] (compile_layers, fused_mlp), named by `section`."""
+    compile_layers(model, model_cfg.compile_layers)
+    fuse_mlps(model, model_cfg.fused_mlp, f"{section}.fused_mlp")
+
+
+def build_optimizer(pm, model: torch.nn.Module, optim_cfg, total_steps: int):
+    result = pm.hook.minirl_build_optimizer(model=model, cfg=optim_cfg, total_steps=total_steps)
+    if result is None:
+        raise RuntimeError("no plugin built an optimizer (minirl_plugins.algorithms.optim should have)")
+    return result
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the gathered parameters a forward without backward leaves behind (a log-prob or
+    values pass): FSDP2 keeps the root, and a trained model's last layer, gathered for a
+    backward that never comes. Every sharded module, not just the root: a layer left gathered
+    kept its pre-update copy in the next update's forward passes, so mini-batches after the
+    first trained on stale weights (tests/distributed/test_dp_update_parity.py)."""
+    for module in model.modules():
+        if hasattr(module, "reshard"):
+            module.reshard()
+
+
+def hf_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, full tensor) one parameter at a time, never the whole model at once.
+
+    A sharded parameter (DTensor) is gathered just for the moment its copy is made.
+    """
+    for name, param in model.named_parameters():
+        tensor = param.detach()
+        if hasattr(tensor, "full_tensor"):
+            if tensor.device.type != tensor.device_mesh.device_type:  # a CPU-offloaded shard:
+                tensor = tensor.to(tensor.device_mesh.device_type)  # NCCL gathers device memory
+            tensor = tensor.full_tensor()
+        yield hf_name(name), tensor

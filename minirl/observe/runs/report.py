@@ -1,0 +1,145 @@
+"""`python -m minirl report RUN [RUN ...] [--out DIR]`: PNG figures of runs' curves against step.
+
+One file per topic; several runs share each axes, one line per run, with a legend. Phase times are
+a stacked area per step, one axes per run (stacks do not overlay). A metric no run logged leaves
+its axes saying so, so every figure keeps the same layout whatever the runs logged.
+
+matplotlib is an optional extra (`pip install 'minirl[plot]'`), imported only here, and only the
+object-oriented API (Figure, no pyplot): no global state and no display backend.
+"""
+
+from __future__ import annotations
+
+import os
+
+from minirl.errors import UserError
+from minirl.observe.runs.read import Run
+
+# file name -> (axes title, metric key) per axes
+LINE_FIGURES = {
+    "score": (("train score (mean)", "score/mean"), ("validation score (greedy)", "val/score/mean")),
+    "response_length": (
+        ("response length, mean (tokens)", "response_length/mean"),
+        ("response length, max (tokens)", "response_length/max"),
+        ("clip ratio (hit max_response_length)", "response_length/clip_ratio"),
+    ),
+    "kl_entropy": (("KL loss", "actor/kl_loss"), ("entropy", "actor/entropy")),
+    "grad_lr": (("grad norm (before clipping)", "actor/grad_norm"), ("learning rate", "actor/lr")),
+    "throughput": (
+        ("gen throughput (response tok/s/GPU)", "perf/gen_throughput_per_gpu"),
+        ("prev logprob throughput (tok/s/GPU)", "perf/old_log_prob_throughput_per_gpu"),
+        ("step throughput (tok/s, all GPUs)", "perf/throughput"),
+    ),
+}
+# the step's phases in the order they run (Trainer.train_step); other timing_s/* keys follow
+PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
+AXES_INCHES = (4.2, 3.0)
+DPI = 90
+MARKERS_BELOW = 30  # points per line under which each point gets a marker (validation curves)
+
+
+def figure_class():
+    """matplotlib's Figure, or a UserError naming the extra to install."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise UserError("minirl report needs matplotlib: pip install 'minirl[plot]'") from exc
+    return Figure
+
+
+def build_figures(runs: list[Run]) -> dict:
+    """name -> matplotlib Figure, one per LINE_FIGURES entry plus 'phases'."""
+    figures = {name: line_figure(runs, panels) for name, panels in LINE_FIGURES.items()}
+    figures["phases"] = phases_figure(runs)
+    return figures
+
+
+def write_report(runs: list[Run], out_dir: str) -> list[str]:
+    """Writes <out_dir>/<name>.png for every figure; returns the paths."""
+    figures = build_figures(runs)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--out {out_dir}: cannot create it ({exc}); choose a writable directory") from None
+    paths = []
+    for name, fig in figures.items():
+        path = os.path.join(out_dir, f"{name}.png")
+        fig.savefig(path, dpi=DPI)
+        paths.append(path)
+    return paths
+
+
+def new_figure(n_axes: int):
+    width, height = AXES_INCHES
+    fig = figure_class()(figsize=(width * n_axes, height), layout="constrained")
+    return fig, fig.subplots(1, n_axes, squeeze=False)[0]
+
+
+def line_figure(runs: list[Run], panels: tuple[tuple[str, str], ...]):
+    fig, axes = new_figure(len(panels))
+    for ax, (title, key) in zip(axes, panels):
+        _style(ax, title)
+        drawn = [_plot_run(ax, run, key) for run in runs]
+        if any(drawn):
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, f"{key}\nnot logged", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+    return fig
+
+
+def _style(ax, title: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+
+
+def _plot_run(ax, run: Run, key: str) -> bool:
+    steps, values = run.series(key)
+    if not steps:
+        return False
+    marker = "o" if len(steps) < MARKERS_BELOW else None
+    ax.plot(steps, values, label=run.name, marker=marker, markersize=3, linewidth=1.2)
+    return True
+
+
+def phase_names(runs: list[Run]) -> list[str]:
+    """PHASES, then any other timing_s/* key a run logged (a plugin's phase), in a fixed order;
+    not the parts of a phase (timing_s/gen.kv_resume: inside gen already)."""
+    seen = {k[len("timing_s/") :] for run in runs for r in run.records for k in r if k.startswith("timing_s/")}
+    seen = {name for name in seen if "." not in name}
+    extra = sorted(seen - set(PHASES) - {"step"})
+    return [p for p in PHASES if p in seen] + extra
+
+
+def phase_stack(run: Run, names: list[str]) -> tuple[list[int], list[list[float]]]:
+    """(steps, one series per phase plus 'other': the step's time outside the named phases)."""
+    records = [r for r in run.records if r.get("timing_s/step") is not None]
+    series = [[float(r.get(f"timing_s/{n}") or 0.0) for r in records] for n in names]
+    other = [max(0.0, float(r["timing_s/step"]) - sum(s[i] for s in series)) for i, r in enumerate(records)]
+    return [r["step"] for r in records], series + [other]
+
+
+def phases_figure(runs: list[Run]):
+    """Seconds per step, stacked by phase; one axes per run, same y scale."""
+    names = phase_names(runs)
+    fig, axes = new_figure(len(runs))
+    for ax in axes[1:]:
+        ax.sharey(axes[0])
+    colors = [f"C{i}" for i in range(len(names) + 1)]
+    for ax, run in zip(axes, runs):
+        _style(ax, f"{run.name}: phase time per step (s)")
+        steps, stack = phase_stack(run, names)
+        if steps:
+            ax.stackplot(steps, *stack, labels=names + ["other"], colors=colors)
+        else:
+            ax.text(0.5, 0.5, "timing_s/step\nnot logged", ha="center", va="center", transform=ax.transAxes)
+    if any(ax.collections for ax in axes):  # one legend beside the axes, not over the stacks
+        fig.legend(
+            *next(ax for ax in axes if ax.collections).get_legend_handles_labels(),
+            loc="outside right upper",
+            fontsize=7,
+        )
+    return fig

@@ -1,0 +1,127 @@
+"""Per-step data statistics and performance figures, reduced over all data-parallel ranks.
+
+Names follow verl's (score/mean, response_length/clip_ratio, perf/throughput, …); the
+definitions are ALGORITHMS.md §7's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minirl.batch import RolloutBatch
+from minirl.critic.value_loss import explained_variance
+from minirl.dist.context import DistContext
+from minirl.observe.metrics import flops_params, peak_flops, train_flops
+
+
+def reduced_stats(prefix: str, x: torch.Tensor, dist: DistContext) -> dict[str, float]:
+    """mean/max/min of the values of x on all ranks (exact: sums and counts are reduced)."""
+    x = x.detach().double().flatten()
+    sums = dist.all_reduce(torch.stack([x.sum(), torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)]))
+    big = torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
+    hi = dist.all_reduce(x.max() if x.numel() else -big, "max")
+    lo = dist.all_reduce(x.min() if x.numel() else big, "min")
+    return {
+        f"{prefix}/mean": float(sums[0] / sums[1].clamp(min=1)),
+        f"{prefix}/max": float(hi),
+        f"{prefix}/min": float(lo),
+    }
+
+
+def share(name: str, flags: torch.Tensor, dist: DistContext) -> dict[str, float]:
+    t = dist.all_reduce(
+        torch.stack(
+            [flags.double().sum(), torch.tensor(float(flags.numel()), dtype=torch.float64, device=flags.device)]
+        )
+    )
+    return {name: float(t[0] / t[1].clamp(min=1))}
+
+
+def data_metrics(batch: RolloutBatch, dist: DistContext) -> dict[str, float]:
+    dev = dist.device
+    mask = batch.mask_BT.bool()
+    resp_len = batch.mask_BT.sum(-1)
+    prompt_len = torch.tensor([float(len(p)) for p in batch.prompts], device=dev)
+    out = {}
+    out.update(reduced_stats("score", batch.tensors["scores"], dist))
+    out.update(reduced_stats("reward", batch.tensors["rewards"].sum(-1), dist))
+    out.update(reduced_stats("advantages", batch.tensors["advantages"][mask], dist))
+    out.update(reduced_stats("returns", batch.tensors["returns"][mask], dist))
+    out.update(reduced_stats("response_length", resp_len, dist))
+    out.update(reduced_stats("prompt_length", prompt_len, dist))
+    truncated = torch.tensor([r == "length" for r in batch.finish_reasons], device=dev)
+    out.update(share("response_length/clip_ratio", truncated, dist))
+    out.update(share("batch/solve_none_or_all_share", equal_score_groups(batch), dist))
+    return out
+
+
+def equal_score_groups(batch: RolloutBatch) -> torch.Tensor:
+    """One flag per group: all its scores are equal (such a group gives zero GRPO advantage)."""
+    scores, groups = batch.tensors["scores"].cpu(), batch.group_B.cpu()
+    uniq, inv = torch.unique(groups, return_inverse=True)
+    hi = torch.full((len(uniq),), -float("inf")).scatter_reduce(0, inv, scores, "amax")
+    lo = torch.full((len(uniq),), float("inf")).scatter_reduce(0, inv, scores, "amin")
+    return (hi == lo).to(batch.mask_BT.device)
+
+
+def perf_metrics(
+    batch: RolloutBatch, seconds: dict[str, float], actor, cfg, dist: DistContext, generated: float | None = None
+) -> dict[str, float]:
+    """Throughputs (which tokens each counts is in its name/table) and the actor's MFU.
+
+    generated: this rank's response tokens generated in the step, over every prompt batch drawn
+    (dynamic sampling drops some); None = the trained batch's. Generation throughput counts them.
+    """
+    resp_tokens = float(batch.mask_BT.sum())
+    all_tokens = resp_tokens + sum(len(p) for p in batch.prompts)
+    gen_tokens = resp_tokens if generated is None else float(generated)
+    totals = dist.all_reduce(
+        torch.tensor([resp_tokens, all_tokens, gen_tokens], dtype=torch.float64, device=dist.device)
+    )
+    resp, total, gen = (float(t) for t in totals)
+    world = dist.world_size
+    out = {
+        "perf/total_response_tokens": resp,
+        "perf/total_tokens": total,
+        "perf/generated_response_tokens": gen,
+        "perf/gen_throughput_per_gpu": gen / (seconds["gen"] * world),
+        "perf/throughput": total / seconds["step"],
+    }
+    for phase in ("old_log_prob", "ref", "values"):  # each may be skipped (on-policy; no KL; no critic)
+        if phase in seconds:
+            out[f"perf/{phase}_throughput_per_gpu"] = total / (seconds[phase] * world)
+    peak = peak_flops(dist.device, cfg.trainer.peak_flops)
+    if peak > 0 and "update_actor" in seconds:  # skipped during trainer.critic_warmup
+        flops = cfg.actor.ppo_epochs * train_flops(actor.config, flops_params(actor), batch.seq_lens(), backward=True)
+        flops = float(dist.all_reduce(torch.tensor(flops, dtype=torch.float64, device=dist.device)))
+        out["perf/mfu/actor"] = flops / (seconds["update_actor"] * world * peak)
+    if torch.cuda.is_available() and dist.device.type == "cuda":
+        out["perf/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(dist.device) / 2**30
+    return out
+
+
+def engine_metrics(engine, dist: DistContext) -> dict[str, float]:
+    """The rollout engine's own account of its last generate, where it keeps one (`last_stats`;
+    numbers only), the largest over the ranks. Seconds (keys ending in _s: the native engine's
+    KV-cache resume and release, CUDA-graph captures, host wait) are parts of the gen phase,
+    logged as timing_s/gen.<part>; counts (preemptions, graph captures) as rollout/<name>."""
+    stats = getattr(engine, "last_stats", None) or {}
+    keys = sorted(k for k, v in stats.items() if isinstance(v, (int, float)))
+    if not keys:
+        return {}
+    values = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=dist.device)
+    out = {}
+    for key, value in zip(keys, dist.all_reduce(values, "max").tolist()):
+        out[f"timing_s/gen.{key[:-2]}" if key.endswith("_s") else f"rollout/{key}"] = value
+    return out
+
+
+def value_metrics(batch: RolloutBatch, dist: DistContext) -> dict[str, float]:
+    """critic/values/mean|max|min, critic/returns/mean and critic/vf_explained_var over the valid
+    tokens of every data-parallel rank (values from the values pass, returns from the estimator)."""
+    mask = batch.mask_BT.bool()
+    values_BT, returns_BT = batch.tensors["values"], batch.tensors["returns"]
+    out = reduced_stats("critic/values", values_BT[mask], dist)
+    out["critic/returns/mean"] = reduced_stats("critic/returns", returns_BT[mask], dist)["critic/returns/mean"]
+    out["critic/vf_explained_var"] = explained_variance(returns_BT, values_BT, batch.mask_BT, dist.reduce_sum)
+    return out

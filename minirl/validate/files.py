@@ -1,0 +1,276 @@
+"""The files a config names, checked before anything loads (part of minirl.validate.core).
+
+Cheap checks only: directory listings, config.json, the safetensors headers against the file
+sizes, parquet metadata and the data_source column. What needs the real load (weight shapes,
+the tokenizer's vocabulary against the model's) is checked where the model loads
+(minirl.models.loading), as a UserError that names the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+from minirl.validate.core import Problem
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+MODEL_DIR_FIX = "point it at a local Hugging Face model directory, or leave it empty to use model.preset"
+
+
+def file_problems(cfg, pm) -> list[Problem]:
+    return [*_model(cfg.model), *_data(cfg, pm), *_custom_reward(cfg), *_output(cfg.trainer)]
+
+
+# ---------------------------------------------------------------------------------------------
+# the model directory
+# ---------------------------------------------------------------------------------------------
+
+
+def _model(m) -> list[Problem]:
+    if not m.path:
+        from minirl.models.presets import PRESETS
+
+        if m.preset not in PRESETS:
+            return [
+                Problem(
+                    "model.preset",
+                    m.preset,
+                    "not a preset",
+                    f"choose one of {', '.join(PRESETS)}, or set model.path to a local Hugging Face directory",
+                )
+            ]
+        return _tokenizer_dir("model.tokenizer", m.tokenizer) if m.tokenizer else []
+    problems = model_dir_problems(m.path)
+    if m.tokenizer:
+        problems += _tokenizer_dir("model.tokenizer", m.tokenizer)
+    elif not problems:
+        problems += _tokenizer_dir("model.path", m.path)
+    return problems
+
+
+def model_dir_problems(path: str) -> list[Problem]:
+    """model.path: a directory with a readable config.json of a known model_type and whole weights."""
+    p, key = Path(path).expanduser(), "model.path"
+    if not p.exists():
+        return [Problem(key, path, "no such directory", MODEL_DIR_FIX)]
+    if not p.is_dir():
+        return [Problem(key, path, "is a file, not a directory", MODEL_DIR_FIX)]
+    if not (p / "config.json").is_file():
+        return [Problem(key, path, "has no config.json", "point it at the directory that holds config.json")]
+    problems = _config_json(p / "config.json")
+    weights = sorted(p.glob("*.safetensors"))
+    if not weights and not any(p.glob("pytorch_model*.bin")):
+        problems.append(Problem(key, path, "has no weights (*.safetensors)", "copy the checkpoint's weight files in"))
+    for f in weights:
+        problems += _safetensors(f)
+    return problems
+
+
+def _config_json(f: Path) -> list[Problem]:
+    key = "model.path"
+    try:
+        config = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return [
+            Problem(key, str(f.parent), f"{f.name} is not valid JSON ({exc})", "restore the checkpoint's config.json")
+        ]
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not model_type:
+        return [Problem(key, str(f.parent), f"{f.name} has no model_type", "restore the checkpoint's config.json")]
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return [
+            Problem(
+                key,
+                str(f.parent),
+                f"{f.name}: model_type {model_type!r} is unknown to transformers",
+                "fix model_type, or upgrade transformers if the model is newer",
+            )
+        ]
+    return []
+
+
+def _safetensors(f: Path) -> list[Problem]:
+    """The header says how many bytes the tensors take; a shorter file was cut off mid-copy."""
+    try:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError) as exc:
+        return [
+            Problem(
+                "model.path", str(f.parent), f"{f.name} is not a safetensors file ({exc})", "copy the weight file again"
+            )
+        ]
+    size = f.stat().st_size
+    if size < 8 + n + end:
+        return [
+            Problem(
+                "model.path",
+                str(f.parent),
+                f"{f.name} is truncated ({size} of {8 + n + end} bytes)",
+                "copy the weight file again",
+            )
+        ]
+    return []
+
+
+def _tokenizer_dir(key: str, path: str) -> list[Problem]:
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        return [Problem(key, path, "is not a directory", "point it at a local tokenizer or model directory")]
+    if not any((p / name).is_file() for name in TOKENIZER_FILES):
+        return [
+            Problem(
+                key,
+                path,
+                f"has no tokenizer files ({', '.join(TOKENIZER_FILES)})",
+                "set model.tokenizer to a directory that has them (README: a tokenizer offline)",
+            )
+        ]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------
+# the data
+# ---------------------------------------------------------------------------------------------
+
+
+def _data(cfg, pm) -> list[Problem]:
+    d, t = cfg.data, cfg.trainer
+    rows, problems = 0, []
+    registered = None if cfg.custom_reward_function.path else pm["reward_functions"]  # None: one function for all
+    for path in d.train_files:
+        n, p = _parquet(path, "data.train_files", registered)
+        rows, problems = rows + n, problems + p
+    if not problems and d.train_files and rows < d.train_batch_size:
+        problems.append(
+            Problem(
+                "data.train_batch_size",
+                d.train_batch_size,
+                f"larger than the {rows} rows of data.train_files (an epoch would have no step)",
+                f"use at most {rows}, or add data",
+            )
+        )
+    if t.test_freq > 0 or t.val_before_train:
+        for path in d.val_files:
+            problems += _parquet(path, "data.val_files", registered)[1]
+    return problems
+
+
+def _parquet(path: str, key: str, rewards) -> tuple[int, list[Problem]]:
+    """(rows, problems) of one data file; every data_source must have a reward function."""
+    if not os.path.isfile(path):
+        rule = "is a directory, not a parquet file" if os.path.isdir(path) else "no such file"
+        return 0, [Problem(key, path, rule, "list parquet files in verl's schema (make data writes data/*)")]
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path, columns=["data_source"])
+        sources = table.column("data_source").to_pylist()
+    except UnicodeDecodeError as exc:
+        return 0, [
+            Problem(
+                key,
+                path,
+                f"the data_source column holds bytes that are not UTF-8 ({exc.reason})",
+                "re-encode the text as UTF-8 when writing the file",
+            )
+        ]
+    except Exception as exc:  # noqa: BLE001 - ArrowInvalid, OSError, UnicodeDecodeError, KeyError...
+        return 0, [
+            Problem(
+                key,
+                path,
+                f"cannot read as parquet with a data_source column ({_short(exc)})",
+                "write it in verl's schema (see scripts/make_data.py)",
+            )
+        ]
+    if not sources:
+        return 0, [Problem(key, path, "holds no rows", "point it at a file with data")]
+    return len(sources), _unrewarded(sources, path, key, rewards)
+
+
+def _unrewarded(sources: list[Any], path: str, key: str, rewards) -> list[Problem]:
+    if rewards is None:
+        return []
+    out, seen = [], set()
+    for row, src in enumerate(sources):
+        if not isinstance(src, str) or src in seen:
+            continue  # a non-string data_source is the loader's error, with its row
+        seen.add(src)
+        if src not in rewards:
+            out.append(
+                Problem(
+                    key,
+                    path,
+                    f"data_source {src!r} (row {row}) has no reward function",
+                    f"registered: {', '.join(sorted(rewards.items))}; fix the column, or register "
+                    "a function with the minirl_reward_functions hook",
+                )
+            )
+    return out
+
+
+def _short(exc: BaseException) -> str:
+    from minirl.errors import describe
+
+    return describe(exc)
+
+
+# ---------------------------------------------------------------------------------------------
+# the custom reward function
+# ---------------------------------------------------------------------------------------------
+
+
+def _custom_reward(cfg) -> list[Problem]:
+    """custom_reward_function: the file imports and defines the function with verl's parameters
+    (loading runs the file's top level, as the trainer will)."""
+    custom = cfg.custom_reward_function
+    if not custom.path:
+        return []
+    from minirl.reward.custom import CustomRewardError, load_custom_function
+
+    try:
+        load_custom_function(custom.path, custom.name, batch=cfg.reward.reward_manager == "batch")
+    except CustomRewardError as exc:
+        return [Problem(exc.key, exc.value, exc.rule, exc.fix)]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------
+# the output directory
+# ---------------------------------------------------------------------------------------------
+
+
+def _output(t) -> list[Problem]:
+    """The run directory must be creatable: no regular file on its path, a writable parent."""
+    run_dir = Path(t.default_local_dir).expanduser() / t.experiment_name
+    for parent in (run_dir, *run_dir.parents):
+        if not parent.exists():
+            continue
+        if not parent.is_dir():
+            return [
+                Problem(
+                    "trainer.default_local_dir",
+                    t.default_local_dir,
+                    f"{parent} is a file, not a directory",
+                    "choose another directory",
+                )
+            ]
+        if not os.access(parent, os.W_OK):
+            return [
+                Problem(
+                    "trainer.default_local_dir",
+                    t.default_local_dir,
+                    f"{parent} is not writable",
+                    "choose a directory you can write to",
+                )
+            ]
+        return []
+    return []

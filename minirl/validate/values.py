@@ -1,0 +1,199 @@
+"""The rules of one key at a time (part of minirl.validate.core): finite floats, ranges, choices,
+and names that must be registered by a plugin. Each table row is (key, test, rule, fix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from typing import Any, Callable
+
+from minirl.algo.dynamic_sampling import SEQUENCE_METRICS
+from minirl.algo.loss_agg import LOSS_AGG_MODES
+from minirl.config.load import Config
+from minirl.config.schema import CORE_SECTIONS
+from minirl.validate.core import Problem, value
+
+
+def value_problems(cfg: Config, pm) -> list[Problem]:
+    return [*_non_finite(cfg, pm), *_ranges(cfg, pm), *_choices(cfg, pm), *_registries(cfg, pm)]
+
+
+# ---------------------------------------------------------------------------------------------
+# one key at a time
+# ---------------------------------------------------------------------------------------------
+
+
+def _non_finite(cfg: Config, pm) -> list[Problem]:
+    """NaN or inf in any float of a core section poisons every update it touches."""
+    out = []
+    for name in CORE_SECTIONS:
+        for key, v in _floats(getattr(cfg, name), name):
+            if not math.isfinite(v):
+                out.append(Problem(key, v, "must be a finite number", "set a real value (see bench.toml)"))
+    return out
+
+
+def _floats(section: Any, prefix: str):
+    for f in dataclasses.fields(section):
+        v = getattr(section, f.name)
+        if dataclasses.is_dataclass(v):
+            yield from _floats(v, f"{prefix}.{f.name}")
+        elif isinstance(v, float):
+            yield f"{prefix}.{f.name}", v
+        elif isinstance(v, list):
+            yield from ((f"{prefix}.{f.name}", x) for x in v if isinstance(x, float))
+
+
+def at_least(lo: float) -> Callable[[Any], bool]:
+    return lambda v: v >= lo
+
+
+def optional(test: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or test(v)
+
+
+def between(lo: float, hi: float, open_lo: bool = False) -> Callable[[Any], bool]:
+    return lambda v: (lo < v if open_lo else lo <= v) and v <= hi
+
+
+# (key, test, rule, fix)
+RANGES: list[tuple[str, Callable[[Any], bool], str, str]] = [
+    ("data.train_batch_size", at_least(1), "must be at least 1 (prompts per step)", "use e.g. 16"),
+    ("data.max_prompt_length", at_least(1), "must be at least 1 token", "use e.g. 512"),
+    ("data.max_response_length", at_least(1), "must be at least 1 token", "use e.g. 512"),
+    ("data.prompt_key", bool, "must name the prompt column", "use 'prompt'"),
+    ("actor.ppo_mini_batch_size", at_least(1), "must be at least 1 (prompts per optimizer step)", "use e.g. 8"),
+    ("actor.ppo_micro_batch_size_per_gpu", at_least(1), "must be at least 1 sequence", "use e.g. 4"),
+    ("actor.ppo_max_token_len_per_gpu", at_least(1), "must be at least 1 token", "use e.g. 16384"),
+    ("actor.ppo_epochs", at_least(1), "must be at least 1 (0 never updates the model)", "use 1"),
+    ("actor.clip_ratio", at_least(0), "a clip range must be >= 0", "use 0.2"),
+    ("actor.clip_ratio_low", optional(at_least(0)), "a clip range must be >= 0", "use 0.2, or leave it unset"),
+    ("actor.clip_ratio_high", optional(at_least(0)), "a clip range must be >= 0", "use 0.28, or leave it unset"),
+    ("actor.clip_ratio_c", lambda v: v > 1, "the dual-clip bound must be > 1", "use 3.0"),
+    ("actor.loss_scale_factor", optional(lambda v: v > 0), "must be > 0", "leave it unset"),
+    ("actor.kl_loss_coef", at_least(0), "a negative coefficient rewards drifting away", "use a value >= 0"),
+    ("actor.grad_clip", lambda v: v > 0, "must be > 0", "use 1.0"),
+    (
+        "actor.tis_imp_ratio_cap",
+        lambda v: v > 0 or v == -1,
+        "the truncated importance weight's cap must be > 0 (on) or -1 (off)",
+        "use -1, or e.g. 2.0",
+    ),
+    ("actor.ulysses_sequence_parallel_size", at_least(1), "must be at least 1", "use 1 (no sequence parallelism)"),
+    ("actor.optim.lr", at_least(0), "a learning rate must be >= 0", "use e.g. 1e-6"),
+    ("actor.optim.weight_decay", at_least(0), "must be >= 0", "use 0.01"),
+    (
+        "actor.optim.betas",
+        lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
+        "needs two values in [0, 1)",
+        "use [0.9, 0.999]",
+    ),
+    ("actor.optim.eps", lambda v: v > 0, "must be > 0", "use 1e-8"),
+    ("actor.optim.lr_warmup_steps", at_least(-1), "must be >= 0, or -1 for lr_warmup_steps_ratio", "use -1"),
+    ("actor.optim.lr_warmup_steps_ratio", between(0, 1), "must lie in [0, 1]", "use 0.0"),
+    ("actor.optim.min_lr_ratio", between(0, 1), "must lie in [0, 1]", "use 0.0"),
+    ("rollout.n", at_least(1), "must be at least 1 sample per prompt", "use e.g. 8"),
+    ("rollout.temperature", at_least(0), "must be >= 0 (0 is greedy)", "use 1.0"),
+    ("rollout.top_p", between(0, 1, open_lo=True), "must lie in (0, 1]", "use 1.0 (no nucleus filter)"),
+    ("rollout.gpu_memory_utilization", between(0, 1, open_lo=True), "must lie in (0, 1]", "use 0.5"),
+    ("rollout.max_num_seqs", at_least(1), "must be at least 1", "use 1024"),
+    ("rollout.update_weights_bucket_megabytes", at_least(1), "must be at least 1 MiB", "use 512"),
+    ("rollout.log_prob_micro_batch_size_per_gpu", at_least(1), "must be at least 1 sequence", "use e.g. 8"),
+    ("rollout.log_prob_max_token_len_per_gpu", at_least(1), "must be at least 1 token", "use e.g. 16384"),
+    ("ref.log_prob_micro_batch_size_per_gpu", at_least(1), "must be at least 1 sequence", "use e.g. 8"),
+    ("ref.log_prob_max_token_len_per_gpu", at_least(1), "must be at least 1 token", "use e.g. 16384"),
+    ("ref.ulysses_sequence_parallel_size", at_least(1), "must be at least 1", "use 1 or the actor's"),
+    ("algorithm.gamma", between(0, 1), "a discount must lie in [0, 1]", "use 1.0"),
+    ("algorithm.lam", between(0, 1), "must lie in [0, 1]", "use 1.0"),
+    ("algorithm.kl_ctrl.kl_coef", at_least(0), "a negative β rewards drifting away", "use a value >= 0"),
+    (
+        "trainer.total_training_steps",
+        at_least(0),
+        "must be >= 0 (0 derives it from total_epochs and the data)",
+        "use a positive number of steps, or 0",
+    ),
+    ("trainer.total_epochs", at_least(0), "must be >= 0", "use 1"),
+    ("trainer.n_gpus_per_node", at_least(1), "must be at least 1", "use the number of GPUs to train on"),
+    ("trainer.nnodes", at_least(1), "must be at least 1 node", "use 1, or the number of nodes of the Ray cluster"),
+    ("trainer.world_size", at_least(1), "must be at least 1 process", "use 1 (or 2 for a CPU data-parallel test)"),
+    ("trainer.collective_timeout_s", at_least(1), "must be at least 1 second", "use 300"),
+    ("trainer.ray_placement_timeout_s", at_least(1), "must be at least 1 second", "use 120"),
+    ("trainer.peak_flops", at_least(0), "must be >= 0 (0: from the device name)", "use 0"),
+    ("trainer.max_nonfinite_steps", at_least(1), "must be at least 1 step", "use 3"),
+    ("trainer.max_ckpt_to_keep", at_least(0), "must be >= 0 (0 keeps all)", "use 0"),
+    ("reward.num_workers", at_least(0), "must be >= 0 (0 scores in the training process)", "use 0, or e.g. 4"),
+    ("reward.timeout_s", lambda v: v > 0, "must be > 0 seconds", "use e.g. 60"),
+    ("reward.overlong_buffer.penalty_factor", at_least(0), "a negative factor rewards overlong answers", "use 1.0"),
+    ("trainer.experiment_name", bool, "must not be empty (it names the run directory)", "use e.g. 'run'"),
+]
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+CHOICES: list[tuple[str, tuple[str, ...]]] = [
+    ("model.dtype", DTYPES),
+    ("data.truncation", ("error", "left", "right", "middle")),
+    ("actor.loss_agg_mode", tuple(LOSS_AGG_MODES)),
+    ("actor.optim.warmup_style", ("constant", "cosine")),
+    ("actor.fsdp_config.param_dtype", ("auto", *DTYPES)),
+    ("actor.fsdp_config.reduce_dtype", DTYPES),
+    ("ref.fsdp_config.param_dtype", ("auto", *DTYPES)),
+    ("ref.fsdp_config.reduce_dtype", DTYPES),
+    ("rollout.dtype", ("auto", *DTYPES)),
+    ("rollout.kv_cache_dtype", ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")),
+    ("algorithm.kl_ctrl.type", ("fixed", "adaptive")),
+    ("trainer.device", ("auto", "cpu", "cuda")),
+    ("trainer.resume_mode", ("auto", "disable", "resume_path")),
+    ("reward.reward_manager", ("naive", "batch")),
+    ("algorithm.filter_groups.metric", tuple(SEQUENCE_METRICS)),
+]
+
+
+def _ranges(cfg: Config, pm) -> list[Problem]:
+    out = []
+    for key, test, rule, fix in RANGES:
+        if _has(cfg, key) and not test(value(cfg, key)):
+            out.append(Problem(key, value(cfg, key), rule, fix))
+    return out
+
+
+def _has(cfg: Config, key: str) -> bool:
+    try:
+        value(cfg, key)
+    except AttributeError:  # a key the lead's schema does not have (yet)
+        return False
+    return True
+
+
+def _choices(cfg: Config, pm) -> list[Problem]:
+    out = []
+    for key, allowed in CHOICES:
+        v = value(cfg, key) if _has(cfg, key) else allowed[0]
+        if v not in allowed:
+            out.append(Problem(key, v, "unknown value", f"choose one of {', '.join(allowed)}{_close(v, allowed)}"))
+    return out
+
+
+def _close(v: Any, allowed) -> str:
+    hint = difflib.get_close_matches(str(v), list(allowed), n=1)
+    return f" (did you mean {hint[0]!r}?)" if hint else ""
+
+
+def _registries(cfg: Config, pm) -> list[Problem]:
+    """Names that select a plugin component must be registered."""
+    a, alg = cfg.actor, cfg.algorithm
+    wanted = [
+        ("algorithm.adv_estimator", "advantage_estimators", alg.adv_estimator, True),
+        ("actor.policy_loss", "policy_losses", a.policy_loss, True),
+        ("actor.kl_loss_type", "kl_estimators", a.kl_loss_type, a.use_kl_loss),
+        ("algorithm.kl_penalty", "kl_estimators", alg.kl_penalty, alg.use_kl_in_reward),
+        ("rollout.name", "rollout_engines", cfg.rollout.name, True),
+    ]
+    wanted += [(f"trainer.logger[{i}]", "loggers", name, True) for i, name in enumerate(cfg.trainer.logger)]
+    out = []
+    for key, kind, name, used in wanted:
+        if used and name not in pm[kind]:
+            rule, _, fix = pm[kind].unknown(name).partition(": ")[2].partition("; ")
+            out.append(Problem(key, name, rule, fix))
+    return out

@@ -1,0 +1,1 @@
+"""Built-in algorithm components: advantage estimators, KL estimators, policy losses, optimizers."""

@@ -1,0 +1,220 @@
+"""Built-in advantage estimators (ALGORITHMS.md §2), selected by algorithm.adv_estimator.
+
+Each is fn(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> (advantages_BT, returns_BT).
+
+Conventions shared by all of them:
+1. The score of sequence i is s_i = Σ_t token_rewards[i, t]·m[i, t] (the outcome score, minus
+   β·Σ kl with KL in the reward).
+2. Groups come from inputs.group_B (uid), never from batch position: groups may be interleaved.
+   Group statistics are vectorised (torch.unique + index_add / scatter_reduce), no Python loop
+   over groups.
+3. A group of one has no baseline: its advantage is its score (grpo: mean 0, std 1). So the
+   shift invariance of ALGORITHMS.md holds for groups of two or more only.
+4. A group of two or more equal scores carries no signal and gets exactly 0, not the rounding
+   residue of s − mean(s) divided by 1e-6 (which can be O(1) for non-dyadic scores).
+5. Token-level recursions (reinforce_plus_plus, gae) run over valid tokens only: a masked hole
+   inside a response (e.g. a tool output) is skipped, not a reset, and discounting counts valid
+   tokens. With the usual prefix mask this is exactly verl's recursion. They use a log-depth
+   parallel scan instead of a Python loop over T.
+6. Batch-wide whitening uses inputs.reduce, so it is exact over all data-parallel ranks.
+Masked positions of every output are exactly 0.
+
+Shape legend: B sequences, T response positions, G groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from minirl import hookimpl
+from minirl.algo.stats import masked_whiten
+from minirl.errors import UserError
+from minirl.protocols import AdvantageInputs
+
+GRPO_EPS = 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# group statistics
+# ---------------------------------------------------------------------------------------------
+
+
+def _scores_B(inputs: AdvantageInputs) -> torch.Tensor:
+    return (inputs.token_rewards_BT * inputs.mask_BT).sum(-1)
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """Dense group index of each sequence (0..n−1), from the uid whatever its values or order."""
+
+    idx_B: torch.Tensor
+    n: int
+
+    @classmethod
+    def of(cls, group_B: torch.Tensor) -> "_Groups":
+        uids_G, idx_B = torch.unique(group_B, return_inverse=True)
+        return cls(idx_B=idx_B, n=uids_G.numel())
+
+    def sum_B(self, x_B: torch.Tensor) -> torch.Tensor:
+        """Σ of x over the sequence's group, gathered back to every sequence."""
+        return x_B.new_zeros(self.n).index_add_(0, self.idx_B, x_B)[self.idx_B]
+
+    def extreme_B(self, x_B: torch.Tensor, reduce: str) -> torch.Tensor:
+        out_G = x_B.new_zeros(self.n).scatter_reduce_(0, self.idx_B, x_B, reduce, include_self=False)
+        return out_G[self.idx_B]
+
+
+def _group_stats(s_B: torch.Tensor, groups: _Groups) -> dict[str, torch.Tensor]:
+    """Per-sequence view of its group's size, mean, unbiased std and all-equal flag."""
+    count_B = groups.sum_B(torch.ones_like(s_B))
+    mean_B = groups.sum_B(s_B) / count_B
+    # Two-pass variance: Σ(s − mean)² is exact for equal scores, unlike Σs² − n·mean².
+    var_B = groups.sum_B((s_B - mean_B) ** 2) / (count_B - 1.0).clamp(min=1.0)
+    equal_B = (groups.extreme_B(s_B, "amax") == groups.extreme_B(s_B, "amin")) & (count_B > 1)
+    return {"count": count_B, "mean": mean_B, "std": var_B.sqrt(), "equal": equal_B}
+
+
+def _zero_equal_groups(adv_B: torch.Tensor, stats: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Exactly 0 for every member of a group of >= 2 equal scores (convention 4)."""
+    return torch.where(stats["equal"], torch.zeros_like(adv_B), adv_B)
+
+
+def _tile(adv_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    return adv_B.unsqueeze(-1) * mask_BT
+
+
+# ---------------------------------------------------------------------------------------------
+# outcome estimators
+# ---------------------------------------------------------------------------------------------
+
+
+def grpo(inputs: AdvantageInputs, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_i = (s_i − mean_g) / (std_g + 1e-6), std unbiased; group of one: mean 0, std 1.
+
+    cfg.norm_adv_by_std_in_grpo = False (Dr.GRPO): A_i = s_i − mean_g. Returns = advantages.
+    """
+    s_B = _scores_B(inputs)
+    st = _group_stats(s_B, _Groups.of(inputs.group_B))
+    single_B = st["count"] == 1
+    mean_B = torch.where(single_B, torch.zeros_like(s_B), st["mean"])
+    adv_B = s_B - mean_B
+    if cfg.norm_adv_by_std_in_grpo:
+        std_B = torch.where(single_B, torch.ones_like(s_B), st["std"])
+        adv_B = adv_B / (std_B + GRPO_EPS)
+    adv_BT = _tile(_zero_equal_groups(adv_B, st), inputs.mask_BT)
+    return adv_BT, adv_BT
+
+
+def rloo(inputs: AdvantageInputs, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_i = s_i − mean of the other n−1 scores = n/(n−1)·(s_i − mean_g); group of one: s_i."""
+    s_B = _scores_B(inputs)
+    st = _group_stats(s_B, _Groups.of(inputs.group_B))
+    n_B = st["count"]
+    loo_B = n_B / (n_B - 1.0).clamp(min=1.0) * (s_B - st["mean"])
+    adv_B = torch.where(n_B == 1, s_B, loo_B)
+    adv_BT = _tile(_zero_equal_groups(adv_B, st), inputs.mask_BT)
+    return adv_BT, adv_BT
+
+
+def opo(inputs: AdvantageInputs, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO: A_i = s_i − b_g, b_g = Σ_j len_j·s_j / Σ_j len_j (length-weighted group baseline).
+
+    len_j = Σ_t m[j, t]. Choice: a group of one gets baseline 0, so A_i = s_i (as verl's OPO, and
+    as grpo/rloo treat a group of one); a group whose lengths are all 0 gets baseline 0 (its
+    advantages are masked to 0 anyway). Returns = advantages.
+    """
+    s_B = _scores_B(inputs)
+    groups = _Groups.of(inputs.group_B)
+    st = _group_stats(s_B, groups)
+    len_B = inputs.mask_BT.sum(-1).to(s_B.dtype)
+    baseline_B = groups.sum_B(len_B * s_B) / groups.sum_B(len_B).clamp(min=1.0)
+    baseline_B = torch.where(st["count"] == 1, torch.zeros_like(s_B), baseline_B)
+    adv_BT = _tile(_zero_equal_groups(s_B - baseline_B, st), inputs.mask_BT)
+    return adv_BT, adv_BT
+
+
+def reinforce_plus_plus_baseline(inputs: AdvantageInputs, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """a_i = s_i − mean_g (group of one: s_i), tiled over valid tokens, then masked_whiten over
+    the whole (global) batch. Returns = advantages."""
+    s_B = _scores_B(inputs)
+    st = _group_stats(s_B, _Groups.of(inputs.group_B))
+    a_B = torch.where(st["count"] == 1, s_B, s_B - st["mean"])
+    a_BT = _tile(_zero_equal_groups(a_B, st), inputs.mask_BT)
+    adv_BT = masked_whiten(a_BT, inputs.mask_BT, inputs.reduce)
+    return adv_BT, adv_BT
+
+
+# ---------------------------------------------------------------------------------------------
+# token-level estimators
+# ---------------------------------------------------------------------------------------------
+
+
+def reverse_linear_scan(a_BT: torch.Tensor, b_BT: torch.Tensor) -> torch.Tensor:
+    """x[t] = b[t] + a[t]·x[t+1] with x[T] = 0, in ceil(log2 T) vectorised doubling steps.
+
+    After the step with span s, x[t] holds the recursion unrolled over [t, t+s) and a[t] the
+    product of a over that span (0 once the span passes T, where x is 0).
+    """
+    a, x = a_BT, b_BT
+    span = 1
+    while span < x.shape[-1]:
+        x = torch.cat([x[:, :-span] + a[:, :-span] * x[:, span:], x[:, -span:]], dim=-1)
+        a = torch.cat([a[:, :-span] * a[:, span:], torch.zeros_like(a[:, -span:])], dim=-1)
+        span *= 2
+    return x
+
+
+def _next_valid(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """x at the next valid position after t (0 if none): the bootstrap target of GAE."""
+    m_next_BT = torch.nn.functional.pad(mask_BT[:, 1:], (0, 1))
+    x_next_BT = torch.nn.functional.pad(x_BT[:, 1:], (0, 1))
+    # y[t] = m[t+1]·x[t+1] + (1 − m[t+1])·y[t+1]
+    return reverse_linear_scan(1.0 - m_next_BT, m_next_BT * x_next_BT)
+
+
+def reinforce_plus_plus(inputs: AdvantageInputs, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """G[t] = r[t] + γ·G[next valid t], 0 after the last valid token; A = masked_whiten(G).
+
+    Returns = G (unwhitened). No groups: every token of the batch is whitened together.
+    """
+    m_BT = inputs.mask_BT.to(inputs.token_rewards_BT.dtype)
+    discount_BT = torch.where(m_BT > 0, torch.full_like(m_BT, cfg.gamma), torch.ones_like(m_BT))
+    returns_BT = reverse_linear_scan(discount_BT, inputs.token_rewards_BT * m_BT) * m_BT
+    return masked_whiten(returns_BT, m_BT, inputs.reduce), returns_BT
+
+
+def gae(inputs: AdvantageInputs, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """δ_t = r_t + γ·V_next − V_t, A_t = δ_t + γλ·A_next over valid tokens, bootstrap 0 after
+    the last; returns = A + V (before whitening); A = masked_whiten(A, m)."""
+    if inputs.values_BT is None:
+        raise UserError(
+            "gae needs a critic: AdvantageInputs.values_BT is None (algorithm.adv_estimator = "
+            "'gae'; the trainer builds one for it, so this is a caller's bug); pass values, or choose a "
+            "critic-free estimator (grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo)"
+        )
+    r_BT = inputs.token_rewards_BT
+    m_BT = inputs.mask_BT.to(r_BT.dtype)
+    v_BT = inputs.values_BT.to(r_BT.dtype) * m_BT
+    delta_BT = (r_BT + cfg.gamma * _next_valid(v_BT, m_BT) - v_BT) * m_BT
+    decay_BT = torch.where(m_BT > 0, torch.full_like(m_BT, cfg.gamma * cfg.lam), torch.ones_like(m_BT))
+    adv_BT = reverse_linear_scan(decay_BT, delta_BT) * m_BT
+    returns_BT = (adv_BT + v_BT) * m_BT
+    return masked_whiten(adv_BT, m_BT, inputs.reduce), returns_BT
+
+
+gae.needs_values = True  # the trainer builds a critic for it (minirl.critic.needs_values)
+
+
+@hookimpl
+def minirl_advantage_estimators() -> dict:
+    return {
+        "grpo": grpo,
+        "rloo": rloo,
+        "reinforce_plus_plus": reinforce_plus_plus,
+        "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,
+        "opo": opo,
+        "gae": gae,
+    }

@@ -1,0 +1,32 @@
+"""minirl's native rollout engine (DESIGN.md §6), registered as rollout engine `native`.
+
+Pure PyTorch, with Triton kernels on GPU: paged KV cache sized from a memory fraction,
+continuous batching, varlen prefill shared by the n samples of a prompt, CUDA-graph decode,
+device-side sampling with log-probs, in-place weight loads. Layout after nano-vllm:
+
+    engine/   sequence, block_manager (pages), scheduler, sampler, model_runner (graphs), engine
+    layers/   rotary, ops_torch (reference ops), ops_triton (kernels), ops (selection + self-check)
+    models/   spec (family switches), decoder (Qwen2 / Llama 3 / Qwen3)
+    weights   in-place loads by Hugging Face name, weights_checksum
+"""
+
+from __future__ import annotations
+
+from minirl import hookimpl
+from minirl.protocols import EngineContext
+from minirl_plugins.engines.native.weights import weights_checksum
+
+__all__ = ["build_native_engine", "weights_checksum"]
+
+
+def build_native_engine(rollout_cfg, ctx: EngineContext):
+    """factory(rollout_cfg, ctx) -> NativeEngine; see config.py for what it reads."""
+    from minirl_plugins.engines.native.config import EngineConfig
+    from minirl_plugins.engines.native.engine.engine import NativeEngine
+
+    return NativeEngine(EngineConfig.resolve(rollout_cfg, ctx), ctx)
+
+
+@hookimpl
+def minirl_rollout_engines():
+    return {"native": build_native_engine}

@@ -1,0 +1,46 @@
+"""Per-generate sampling state: the parameters, the seed, and which kernel samples."""
+
+from __future__ import annotations
+
+import torch
+
+from minirl.protocols import SamplingParams
+from minirl_plugins.engines.native.layers import ops_torch
+
+
+class SamplerState:
+    """Samples one token per logits row on the device, reproducibly from `seed`.
+
+    Plain temperature sampling goes to the fused sampler (`fused`, a Triton kernel) when there is
+    one: it reads its parameters and seed from device buffers, so it runs inside the decode
+    step's CUDA graph. Top-k/top-p (which need a sort) and CPU runs use the torch sampler with a
+    seeded generator, outside the graph.
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        seed: int,
+        device: torch.device,
+        fused=None,
+        buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        self.temperature, self.top_k, self.top_p = params.temperature, params.top_k, params.top_p
+        self.steps = 0
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        filtered = self.top_k > 0 or self.top_p < 1.0
+        self.fused = None if filtered or buffers is None else fused
+        if self.fused is not None:
+            self.params, self.seed = buffers
+            sampling = self.temperature > 0
+            host = torch.tensor([1.0 / self.temperature if sampling else 1.0, float(sampling)])
+            self.params.copy_(host)
+            self.seed.copy_(torch.tensor([seed, 0], dtype=torch.int64))
+
+    def sample(self, logits_MV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens_M int64, logprobs_M float32) of one step, outside any graph."""
+        self.steps += 1
+        if self.fused is not None:
+            return self.fused(logits_MV, self.params, self.seed)
+        return ops_torch.sample(logits_MV, self.temperature, self.top_k, self.top_p, self.generator)

@@ -1,0 +1,1 @@
+"""Part of the native rollout engine; see minirl_plugins.engines.native."""

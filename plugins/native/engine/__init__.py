@@ -1,1 +1,0 @@
-"""Part of the native rollout engine; see minirl_plugins.native."""

@@ -1,0 +1,1 @@
+"""Built-in loggers: console, jsonl, tensorboard, wandb."""

@@ -1,0 +1,2 @@
+"""Built-in parallelism: FSDP2 data parallelism, Ulysses sequence parallelism, activation
+checkpointing."""

@@ -1,0 +1,271 @@
+"""FSDP2 (`fully_shard`) data parallelism of the actor and the reference: the assembly step after
+activation checkpointing (DESIGN.md §4), active whenever there is a mesh (world size > 1, or CUDA).
+
+The recipe, in torchtitan's order: every decoder layer is its own FSDP unit, then the root takes
+what is left (embeddings, final norm, lm_head), so a forward holds one gathered layer at a time.
+
+Five choices that the rest of minirl relies on:
+1. Gradients are SUMMED over ranks, never averaged. minirl divides every loss by counts of the
+   whole global mini-batch (ALGORITHMS.md §6), so the gradient it wants is the sum of the ranks'
+   gradients. FSDP would divide by the world size; `sum_gradients` sets its divide factor to 1
+   with plain SUM reductions (every backend has them, gloo included), so DistContext.loss_scale
+   stays 1 and no rescaling happens anywhere else. With Ulysses the FSDP group is the whole
+   world (dp x sp): each sp rank's gradient is that of its slice of the tokens, and the sum over
+   the world is again the global gradient.
+2. minirl.forward.packed calls the decoder and the lm_head directly (it never computes the logits of a
+   whole batch), not model.forward, so the root's FSDP hooks would never fire. The plugin installs
+   `model.minirl_forward(fn, *args)` and registers it as an FSDP forward method: minirl.forward.packed
+   runs its whole packed computation through it, between the root's all-gather and its
+   post-backward reduce-scatter.
+3. Mixed precision on CUDA: bf16 compute copies of the parameters, fp32 gradient reduction, fp32
+   master weights in the optimizer (fsdp_config.param_dtype / reduce_dtype). On CPU the model
+   computes in its own dtype, so one process and many processes give the same numbers.
+4. Offload: fsdp_config.param_offload keeps the shards (and so gradients and optimizer state)
+   on the CPU, with FSDP2's CPUOffloadPolicy; optimizer_offload alone moves only the optimizer
+   state to the CPU between optimizer steps.
+5. A frozen model (the reference) is stored in its compute dtype, and at world 1 is not wrapped
+   at all (`freeze`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import warnings
+
+import torch
+import torch.distributed as tdist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+
+from minirl import hookimpl
+from minirl.errors import UserError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_OPTIMIZER_OFFLOAD = "_minirl_optimizer_offload"  # marks an actor whose optimizer state lives on the CPU
+
+
+@hookimpl
+def minirl_apply_data_parallel(model, cfg, mesh):
+    if mesh is None:
+        return None
+    fsdp_cfg = cfg.fsdp_config
+    if not any(p.requires_grad for p in model.parameters()):
+        fsdp_cfg = freeze(model, cfg, mesh.device_type)
+        if fsdp_cfg is None:
+            return model
+    parallelize(model, world_mesh(mesh), fsdp_cfg)
+    return model
+
+
+def freeze(model: torch.nn.Module, cfg, device_type: str):
+    """A frozen model (the reference) is stored in its compute dtype, as verl stores its reference
+    in bf16: it has no optimizer, so no fp32 master weights to keep, and FSDP2 need not cast them
+    again for every micro-batch. The values are those the actor computes with at the same
+    weights (the same cast), so the KL at step 1 stays exactly 0. Floating buffers (RoPE's
+    inv_freq) keep their dtype, as FSDP2's mixed precision keeps them.
+
+    Returns the FSDP config to shard it with, or None when one process has nothing to shard and
+    nothing to offload: the model then stays a plain module, with no all-gather copies and no
+    hooks around each layer. `ref.offload` keeps the reference's weights in CPU memory, the
+    same as its fsdp_config.param_offload."""
+    fsdp_cfg = cfg.fsdp_config
+    offload = fsdp_cfg.param_offload or getattr(cfg, "offload", False)
+    dtype = compute_dtype(fsdp_cfg, device_type)
+    if dtype is not None:
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
+    if tdist.get_world_size() == 1 and not (offload and device_type == "cuda"):
+        return None
+    return dataclasses.replace(fsdp_cfg, param_offload=offload)
+
+
+def parallelize(model: torch.nn.Module, mesh: DeviceMesh, fsdp_cfg) -> None:
+    """Shard `model` in place over the 1-D `mesh`; weights of a meta-device model come from rank 0."""
+    from_rank0 = _needs_rank0_weights(model, mesh)
+    full_state = model.state_dict() if from_rank0 and mesh.get_rank() == 0 else {}
+    apply_fsdp(
+        model,
+        mesh,
+        mixed_precision(fsdp_cfg, mesh.device_type, model),
+        offload_policy(fsdp_cfg, mesh.device_type),
+        fsdp_cfg.reshard_after_forward,
+    )
+    sum_gradients(model)
+    install_packed_forward(model)
+    if from_rank0:
+        load_from_rank0(model, full_state, mesh)
+    if fsdp_cfg.optimizer_offload and not fsdp_cfg.param_offload:  # param_offload moves it already
+        if mesh.device_type != "cuda":
+            warnings.warn("fsdp_config.optimizer_offload = true has no effect on CPU: the state is already there")
+        setattr(model, _OPTIMIZER_OFFLOAD, mesh.device_type == "cuda")
+
+
+def world_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D FSDP mesh: every rank of the (dp, sp) mesh (sp ranks shard the weights too)."""
+    if mesh.ndim == 1:
+        return mesh
+    if mesh.size() != tdist.get_world_size():
+        raise RuntimeError(f"the FSDP2 plugin expects the mesh to cover the world; mesh {mesh}")
+    return DeviceMesh.from_group(tdist.group.WORLD, mesh.device_type, mesh_dim_names=("fsdp",))
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(
+            f"the FSDP2 plugin shards `model.get_decoder().layers`, which {type(model).__name__} does not have"
+        )
+    return list(layers)
+
+
+def apply_fsdp(model, mesh, mp: MixedPrecisionPolicy, offload: OffloadPolicy, reshard: bool) -> None:
+    """fully_shard per decoder layer, then the root. A trained model's last layer is not
+    resharded after forward: backward starts with it and would gather it again at once."""
+    layers = decoder_layers(model)
+    trained = any(p.requires_grad for p in model.parameters())
+    for i, layer in enumerate(layers):
+        fully_shard(
+            layer,
+            mesh=mesh,
+            mp_policy=mp,
+            offload_policy=offload,
+            reshard_after_forward=reshard and (i < len(layers) - 1 or not trained),
+        )
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+
+
+def mixed_precision(fsdp_cfg, device_type: str, model) -> MixedPrecisionPolicy:
+    """bf16 compute on CUDA by default; on CPU the model's own dtype (no cast)."""
+    param_dtype = compute_dtype(fsdp_cfg, device_type)
+    reduce_dtype = _dtype(fsdp_cfg.reduce_dtype, "reduce_dtype")
+    if param_dtype is None and reduce_dtype == next(model.parameters()).dtype:
+        return MixedPrecisionPolicy()  # nothing to cast
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def compute_dtype(fsdp_cfg, device_type: str) -> torch.dtype | None:
+    """fsdp_config.param_dtype: "auto" is bf16 on CUDA and, elsewhere, None (the model's own)."""
+    name = fsdp_cfg.param_dtype
+    if name == "auto":
+        name = "bfloat16" if device_type == "cuda" else None
+    return _dtype(name, "param_dtype") if name else None
+
+
+def _dtype(name: str, key: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise UserError(f"fsdp_config.{key} = {name!r}: choose one of {sorted(_DTYPES)} (or 'auto' for param_dtype)")
+    return _DTYPES[name]
+
+
+def offload_policy(fsdp_cfg, device_type: str) -> OffloadPolicy:
+    if not fsdp_cfg.param_offload:
+        return OffloadPolicy()
+    if device_type != "cuda":
+        warnings.warn("fsdp_config.param_offload = true has no effect on CPU: the parameters are already there")
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=True)
+
+
+def sum_gradients(model: torch.nn.Module) -> None:
+    """Reduce-scatter gradients as a SUM over ranks (see the module docstring, point 1).
+
+    Parameters without a gradient on one rank join the reduce-scatter with zeros: a Ulysses
+    slice that predicts no response token never calls the lm_head, and a reduce-scatter
+    without it would not match the other ranks' (a collective mismatch).
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    if hasattr(model, "set_reduce_scatter_unused_params"):  # torch >= 2.12; 2.11 lacks it
+        model.set_reduce_scatter_unused_params(True)
+
+
+def install_packed_forward(model: torch.nn.Module) -> None:
+    """`model.minirl_forward(fn, *args)` = fn(model, *args) inside the root's FSDP forward hooks
+    (the module docstring, point 2). The root stays gathered after it, as after any FSDP root
+    forward; minirl.update.actor reshards it after a log-prob pass, which no backward follows."""
+    model.minirl_forward = types.MethodType(_call_packed, model)
+    register_fsdp_forward_method(model, "minirl_forward")
+
+
+def _call_packed(model, fn, *args, **kwargs):
+    return fn(model, *args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading a full checkpoint without materialising it on every rank
+# ---------------------------------------------------------------------------------------------
+
+
+def _needs_rank0_weights(model, mesh: DeviceMesh) -> bool:
+    """True when some rank holds the model on the meta device (built without weights)."""
+    meta = any(p.is_meta for p in model.parameters())
+    flags = torch.tensor([float(meta)], device=_comm_device(mesh))
+    tdist.all_reduce(flags, op=tdist.ReduceOp.MAX)
+    if meta and mesh.get_rank() == 0:
+        raise ValueError("rank 0 must hold the real weights: the other ranks' shards are copied from it")
+    return bool(flags.item())
+
+
+def load_from_rank0(model, full_state: dict, mesh: DeviceMesh) -> None:
+    """Fill every rank's shards from rank 0's full state dict, one tensor at a time
+    (broadcast_from_rank0), then copy the buffers, which FSDP does not shard and which are not
+    all in the state dict (RoPE's inv_freq is non-persistent)."""
+    device = _comm_device(mesh)
+    if mesh.get_rank() != 0:
+        model.to_empty(device=device)
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buf in model.buffers():
+        tdist.broadcast(buf, src=0)
+
+
+def _comm_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer-state offload (fsdp_config.optimizer_offload without param_offload)
+# ---------------------------------------------------------------------------------------------
+
+
+@hookimpl(wrapper=True)
+def minirl_build_optimizer(model, cfg, total_steps):
+    result = yield
+    if result is not None and getattr(model, _OPTIMIZER_OFFLOAD, False):
+        offload_optimizer_state(result[0])
+    return result
+
+
+def offload_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Keep the optimizer state on the CPU except during `step()` (verl's optimizer_offload)."""
+
+    def to_device(opt, args, kwargs):
+        _move_state(opt, lambda p: p.device)
+
+    def to_cpu(opt, args, kwargs):
+        _move_state(opt, lambda p: torch.device("cpu"))
+
+    optimizer.register_step_pre_hook(to_device)
+    optimizer.register_step_post_hook(to_cpu)
+
+
+def _move_state(optimizer: torch.optim.Optimizer, where) -> None:
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                state[key] = value.to(where(param), non_blocking=True)
