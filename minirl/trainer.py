@@ -1,5 +1,5 @@
 """The training loop: one step is rollout → reward → old log-probs → ref log-probs → values
-→ advantages → critic update → actor update → weight sync, each phase timed (DESIGN.md §2);
+→ advantages → critic update → actor update → weight sync, each phase timed;
 values and the critic update run only for an estimator of values (gae, minirl.critic).
 
 The same code runs on one process and on every rank of an SPMD job: each rank takes whole
@@ -398,7 +398,7 @@ def section_name(cfg: Config, section) -> str:
 
 
 def effective_batch_line(cfg: Config, dist: DistContext, steps_per_epoch: int, total_steps: int) -> str:
-    """The one line that spells out the effective batch (DESIGN.md §7)."""
+    """The one line that spells out the effective batch."""
     d, a, n = cfg.data, cfg.actor, cfg.rollout.n
     minis = d.train_batch_size // a.ppo_mini_batch_size
     micro = (

@@ -1,4 +1,4 @@
-"""KL in the reward and its coefficient controllers (ALGORITHMS.md §4, algorithm.kl_ctrl).
+"""KL in the reward and its coefficient controllers (docs/algorithms.md §4, algorithm.kl_ctrl).
 
 With algorithm.use_kl_in_reward the per-token reward is r = score − β·kl(lp_old, lp_ref). β is
 fixed, or adapted once per step towards a target KL:

@@ -1,4 +1,4 @@
-"""Loss aggregation (actor.loss_agg_mode), exact over the global mini-batch (ALGORITHMS.md §6).
+"""Loss aggregation (actor.loss_agg_mode), exact over the global mini-batch (docs/algorithms.md §6).
 
 A mini-batch is split into micro-batches (gradient accumulation) and over data-parallel ranks.
 Averaging each micro-batch's own mean and then averaging those (what many frameworks do) weights

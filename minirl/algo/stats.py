@@ -1,4 +1,4 @@
-"""Masked batch statistics that stay exact across data-parallel ranks (ALGORITHMS.md §1).
+"""Masked batch statistics that stay exact across data-parallel ranks (docs/algorithms.md §1).
 
 Every batch-wide statistic takes a `reduce` (minirl.protocols.Reducer) that sums a tensor over
 the data-parallel ranks. The functions reduce *sums* (Σx·m, Σm, then Σ(x−mean)²·m in a second
@@ -14,7 +14,7 @@ import torch
 
 from minirl.protocols import Reducer, no_reduce
 
-EPS = 1e-8  # the epsilon of ALGORITHMS.md §1, in masked_mean and in the whitening denominator
+EPS = 1e-8  # the epsilon of docs/algorithms.md §1, in masked_mean and in the whitening denominator
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, reduce: Reducer = no_reduce) -> torch.Tensor:
@@ -39,7 +39,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, reduce: Reducer = no_reduce)
     """Unbiased variance Σ(x−mean)²·m / (N−1) over the global batch, N = Σ m.
 
     Two passes (mean first, then squared deviations) rather than Σx² − N·mean², which cancels
-    catastrophically for large offsets. Choices (ALGORITHMS.md leaves them open): with N ≤ 1 the
+    catastrophically for large offsets. Choices (docs/algorithms.md leaves them open): with N ≤ 1 the
     variance is 0 instead of an error or NaN (no host sync to check N); the mean used here and in
     masked_whiten is the exact Σx·m / N (N ≥ 1), not masked_mean's Σx·m / (N + 1e-8), so
     constant data (a single valid token, equal advantages) whitens to exactly 0 rather than to

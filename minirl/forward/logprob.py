@@ -6,7 +6,7 @@ softmax for backward. `chunked_logprobs` applies the head to a chunk of position
 with `recompute=True`, wraps each chunk in activation checkpointing so backward recomputes that
 chunk's logits instead of keeping them: the peak is a few chunk × V float32 tensors.
 
-All log-probs are of temperature-scaled logits (logits / rollout temperature, ALGORITHMS.md),
+All log-probs are of temperature-scaled logits (logits / rollout temperature, docs/algorithms.md),
 computed in float32 whatever the model dtype.
 
 Two implementations of a chunk's statistics: the plain PyTorch one below (the reference, and the
@@ -104,7 +104,7 @@ def logprobs_from_logits(logits_NV: torch.Tensor, labels_N: torch.Tensor, temper
 
 
 def entropy_from_logits(logits_NV: torch.Tensor) -> torch.Tensor:
-    """H = logsumexp(z) − Σ softmax(z)·z per position, in float32 (ALGORITHMS.md §5).
+    """H = logsumexp(z) − Σ softmax(z)·z per position, in float32 (docs/algorithms.md §5).
 
     This form needs no log of a probability, so it stays finite where softmax underflows to 0.
     Pass temperature-scaled logits.

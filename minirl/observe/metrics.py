@@ -1,6 +1,6 @@
 """Phase timers, throughput and MFU, data statistics, and the end-of-run table.
 
-Definitions follow ALGORITHMS.md §7. Every throughput says which tokens it counts.
+Definitions follow docs/algorithms.md §7. Every throughput says which tokens it counts.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def peak_flops(device: torch.device, configured: float) -> float:
 def train_flops(model_config, n_params: int, seq_lens: list[int], backward: bool) -> float:
     """6·N·tokens (2·N forward only) plus causal attention: 2·2·L·h·d·Σ s²/2 per forward pass.
 
-    N is the non-embedding parameter count plus the output projection (ALGORITHMS.md §7).
+    N is the non-embedding parameter count plus the output projection (docs/algorithms.md §7).
     """
     tokens = sum(seq_lens)
     layers = model_config.num_hidden_layers

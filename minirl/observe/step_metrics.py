@@ -1,7 +1,7 @@
 """Per-step data statistics and performance figures, reduced over all data-parallel ranks.
 
 Names follow verl's (score/mean, response_length/clip_ratio, perf/throughput, …); the
-definitions are ALGORITHMS.md §7's.
+definitions are docs/algorithms.md §7's.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Built-in advantage estimators (ALGORITHMS.md §2), selected by algorithm.adv_estimator.
+"""Built-in advantage estimators (docs/algorithms.md §2), selected by algorithm.adv_estimator.
 
 Each is fn(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> (advantages_BT, returns_BT).
 
@@ -9,7 +9,7 @@ Conventions shared by all of them:
    Group statistics are vectorised (torch.unique + index_add / scatter_reduce), no Python loop
    over groups.
 3. A group of one has no baseline: its advantage is its score (grpo: mean 0, std 1). So the
-   shift invariance of ALGORITHMS.md holds for groups of two or more only.
+   shift invariance of docs/algorithms.md holds for groups of two or more only.
 4. A group of two or more equal scores carries no signal and gets exactly 0, not the rounding
    residue of s − mean(s) divided by 1e-6 (which can be O(1) for non-dyadic scores).
 5. Token-level recursions (reinforce_plus_plus, gae) run over valid tokens only: a masked hole

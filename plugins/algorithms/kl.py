@@ -1,4 +1,4 @@
-"""Built-in KL estimators (ALGORITHMS.md §3), selected by actor.kl_loss_type and
+"""Built-in KL estimators (docs/algorithms.md §3), selected by actor.kl_loss_type and
 algorithm.kl_penalty.
 
 Per-token estimators take (logp, ref_logp) of the sampled tokens, d = logp − ref_logp:

@@ -1,4 +1,4 @@
-"""Built-in policy losses (ALGORITHMS.md §5), selected by actor.policy_loss.
+"""Built-in policy losses (docs/algorithms.md §5), selected by actor.policy_loss.
 
 vanilla: PPO clip with clip-higher (separate ε_low / ε_high) and dual clip. Per token:
     ratio = exp(clamp(lp − lp_old, −20, 20))

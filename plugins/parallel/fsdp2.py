@@ -1,12 +1,12 @@
 """FSDP2 (`fully_shard`) data parallelism of the actor and the reference: the assembly step after
-activation checkpointing (DESIGN.md §4), active whenever there is a mesh (world size > 1, or CUDA).
+activation checkpointing, active whenever there is a mesh (world size > 1, or CUDA).
 
 The recipe, in torchtitan's order: every decoder layer is its own FSDP unit, then the root takes
 what is left (embeddings, final norm, lm_head), so a forward holds one gathered layer at a time.
 
 Five choices that the rest of minirl relies on:
 1. Gradients are SUMMED over ranks, never averaged. minirl divides every loss by counts of the
-   whole global mini-batch (ALGORITHMS.md §6), so the gradient it wants is the sum of the ranks'
+   whole global mini-batch (docs/algorithms.md §6), so the gradient it wants is the sum of the ranks'
    gradients. FSDP would divide by the world size; `sum_gradients` sets its divide factor to 1
    with plain SUM reductions (every backend has them, gloo included), so DistContext.loss_scale
    stays 1 and no rescaling happens anywhere else. With Ulysses the FSDP group is the whole

@@ -1,5 +1,5 @@
 """Ulysses sequence parallelism (actor.ulysses_sequence_parallel_size = sp > 1): the first assembly
-step (DESIGN.md §4), for the actor and the reference.
+step, for the actor and the reference.
 
 The sp ranks of a group hold the same micro-batch. minirl.forward.packed asks the model for this rank's
 share of a packed row (`model.minirl_sequence_parallel.split`): the row [1, N], padded to a

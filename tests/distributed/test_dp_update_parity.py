@@ -1,6 +1,6 @@
 """Data-parallel actor update at dp = 2 against one process: the same update (parameters and
 loss metrics) although the ranks split their mini-batches into micro-batches differently,
-because every loss is normalised by counts of the whole global mini-batch (ALGORITHMS.md §6);
+because every loss is normalised by counts of the whole global mini-batch (docs/algorithms.md §6);
 and the ranks agree on one number of micro-batches (FSDP needs every rank to run the same
 forward and backward passes).
 

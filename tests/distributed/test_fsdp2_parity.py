@@ -27,7 +27,7 @@ PROMPT_LENS, RESPONSE_LENS = [5, 9, 3, 12], [7, 2, 11, 4]  # rank r owns sequenc
 
 
 def _loss(model, idx, prompts, responses, adv_R, total_tokens):
-    """-Σ logp·adv / (global token count) over the sequences idx (ALGORITHMS.md §6 token-mean)."""
+    """-Σ logp·adv / (global token count) over the sequences idx (docs/algorithms.md §6 token-mean)."""
     logp_R, _ = response_logprobs(model, [prompts[i] for i in idx], [responses[i] for i in idx], 1.0, CPU)
     offsets = [0]
     for n in RESPONSE_LENS:

@@ -1,4 +1,4 @@
-"""Advantage estimators (ALGORITHMS.md §2): the listed properties, loop references, golden values."""
+"""Advantage estimators (docs/algorithms.md §2): the listed properties, loop references, golden values."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def grouped_batches(draw, min_group=1, min_len=1, int_scores=True):
 
 
 # ---------------------------------------------------------------------------------------------
-# properties (ALGORITHMS.md §2, "Properties every estimator must satisfy")
+# properties (docs/algorithms.md §2, "Properties every estimator must satisfy")
 # ---------------------------------------------------------------------------------------------
 
 

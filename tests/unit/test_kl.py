@@ -1,4 +1,4 @@
-"""KL estimators (ALGORITHMS.md §3): signs, zeros, gradients, unbiasedness, and the exact `full`."""
+"""KL estimators (docs/algorithms.md §3): signs, zeros, gradients, unbiasedness, and the exact `full`."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_straight_through_has_named_forward_and_k2_gradient(lp, ref, name):
 def test_sample_means_of_k1_and_k3_approach_the_true_kl(seed, spread):
     """k1 and k3 are unbiased: their mean over tokens sampled from π approaches KL(π‖π_ref).
 
-    k3 is clamped to [-10, 10] (ALGORITHMS.md §3), which biases it where log π_ref − log π
+    k3 is clamped to [-10, 10] (docs/algorithms.md §3), which biases it where log π_ref − log π
     exceeds about 2.6; there its sample mean must approach the exact expectation of the clamped
     estimator, which equals the true KL whenever the clamp is inactive on every token.
     Tolerance: 6 standard errors of the sample mean (plus 1e-3), so a false alarm is negligible."""

@@ -1,4 +1,4 @@
-"""KL controllers and KL in the reward (ALGORITHMS.md §4)."""
+"""KL controllers and KL in the reward (docs/algorithms.md §4)."""
 
 from __future__ import annotations
 

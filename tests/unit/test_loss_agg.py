@@ -1,4 +1,4 @@
-"""loss_agg_mode (ALGORITHMS.md §6): exact over the global mini-batch for any split.
+"""loss_agg_mode (docs/algorithms.md §6): exact over the global mini-batch for any split.
 
 The property the section asks to prove: the summed micro-batch contributions equal the global
 aggregate, value and gradient, however the sequences are split into micro-batches and ranks.
@@ -18,7 +18,7 @@ MODES = sorted(LOSS_AGG_MODES)
 
 
 def reference(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, scale: float) -> torch.Tensor:
-    """The table of ALGORITHMS.md §6 over the whole batch, written independently of the module.
+    """The table of docs/algorithms.md §6 over the whole batch, written independently of the module.
     Rows without a valid token are not sequences (the module's documented choice)."""
     tokens_B = mask_BT.sum(-1)
     seq_sum_B = (loss_BT * mask_BT).sum(-1)[tokens_B > 0]

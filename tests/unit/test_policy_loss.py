@@ -1,4 +1,4 @@
-"""PPO clip with dual clip (ALGORITHMS.md §5)."""
+"""PPO clip with dual clip (docs/algorithms.md §5)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_dual_clip_caps_the_loss_at_minus_a_c_for_negative_advantages(lp, old, a
     mask=st.lists(st.booleans(), min_size=10, max_size=10),
 )
 def test_matches_the_per_token_case_analysis(lp, old, adv, low, high, mask):
-    """Against a scalar, branch-by-branch restatement of ALGORITHMS.md §5 (clip-higher bounds,
+    """Against a scalar, branch-by-branch restatement of docs/algorithms.md §5 (clip-higher bounds,
     strict clip indicator, dual clip for A < 0 only), with masked positions 0 in every output."""
     logp, old_logp, advantages = _tensors(lp, old, adv)
     m = torch.tensor(mask[: len(logp)], dtype=torch.float64)

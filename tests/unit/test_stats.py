@@ -1,4 +1,4 @@
-"""Masked statistics (ALGORITHMS.md §1): numpy float64 references and the cross-rank reducer."""
+"""Masked statistics (docs/algorithms.md §1): numpy float64 references and the cross-rank reducer."""
 
 from __future__ import annotations
 

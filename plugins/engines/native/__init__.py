@@ -1,4 +1,4 @@
-"""minirl's native rollout engine (DESIGN.md §6), registered as rollout engine `native`.
+"""minirl's native rollout engine, registered as rollout engine `native`.
 
 Pure PyTorch, with Triton kernels on GPU: paged KV cache sized from a memory fraction,
 continuous batching, varlen prefill shared by the n samples of a prompt, CUDA-graph decode,
