@@ -6,7 +6,7 @@
 Model: the Qwen2-1.5B shape (DeepSeek-R1-Distill-Qwen-1.5B: 28 layers, hidden 1536, 12 heads,
 2 KV heads, MLP 8960, vocabulary 151936, untied head), random weights, bfloat16, EOS ignored.
 Workloads (prompts x prompt tokens x new tokens): w1 = 128 x 256 x 512, w2 = 512 x 256 x 2048,
-w3 = 256 x 100 x 1024 (the generation of issue 11's training workload).
+w3 = 256 x 100 x 1024 (the generation of the 32 x 8 x 1,024 training workload of docs/benchmarks.md).
 
 Decode roofline: every decode step must read all weights it multiplies with (every parameter
 except the input embedding table, of which it reads one row per sequence) plus the live KV cache
@@ -31,7 +31,8 @@ from minirl.protocols import EngineContext, SamplingParams
 from minirl_plugins.engines.native import build_native_engine, weights_checksum
 
 BANDWIDTH = 4.28e12
-# w3: issue 11's workload (32 prompts x 8 samples, gsm8k prompts of about 100 tokens, 1,024 new)
+# w3: the 32 x 8 x 1,024 training workload's generation (32 prompts x 8 samples, gsm8k prompts of
+# about 100 tokens, 1,024 new)
 WORKLOADS = {"w1": (128, 256, 512), "w2": (512, 256, 2048), "w3": (256, 100, 1024), "smoke": (8, 16, 12)}
 SHAPES = ("qwen2-1.5b", "tiny")  # minirl.models presets (random weights)
 

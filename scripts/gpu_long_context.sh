@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On one H200: the seed's long context scaled to one GPU (bench.toml profile `h200-long`: 4 prompts
+# On one H200: the RLinf-vs-verl comparison's long context scaled to one GPU (profile `h200-long`: 4 prompts
 # x 16 samples x 16,384-token responses, 2 steps). Logs, metrics.jsonl and the end-of-run table
 # go to $OUT (or ./gpu_logs). Usage: bash scripts/gpu_long_context.sh [extra minirl overrides...]
 set -uo pipefail

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# On a CUDA machine: issue 11's workload (32 prompts x 8 samples x 1,024-token budget, one optimizer
+# On a CUDA machine: the 32 x 8 x 1,024 workload (32 prompts x 8 samples x 1,024-token budget, one optimizer
 # step per rollout batch, 3 steps) once per variant, then a table of steps 2..3.
 # Usage: bash scripts/gpu_workload.sh 'name|ENV=x|minirl.override=y ...' ...
 #   e.g. bash scripts/gpu_workload.sh 'eager||model.compile_layers=false' 'compiled'
-# Env: PROFILE (default h200), WORKLOAD (the overrides that make issue 11's workload; empty for the
+# Env: PROFILE (default h200), WORKLOAD (the overrides that make the 32 x 8 x 1,024 workload; empty for the
 # profile's own), RUN_LIMIT (seconds per run, default 240), OUT (logs; default ./gpu_logs), EXTRA_KEYS
 # (more metrics for the table, space-separated).
 set -uo pipefail

@@ -2,7 +2,7 @@
 offload of parameters or of optimizer state against no offload, and the weight sync of an
 offloaded actor. Skipped without 2 CUDA devices.
 
-What each comparison can promise (measured on an H200, scripts/gpu_fsdp2_diag.py; issue 11):
+What each comparison can promise (measured on an H200, dev/gpu_fsdp2_diag.py):
 
 * bf16 compute. The test's step is one AdamW step at lr 0.01, and Adam's first step moves each
   weight by lr * g / (|g| + eps): about lr * sign(g) wherever |g| >> eps. bf16 gradients carry

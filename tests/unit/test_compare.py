@@ -1,4 +1,4 @@
-"""`python -m minirl compare`: the seed's table over run directories, numbers checked by hand."""
+"""`python -m minirl compare`: the end-of-run table over run directories, numbers checked by hand."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The numerical guard: a non-finite loss or gradient never reaches the weights (issue 15).
+"""The numerical guard: a non-finite loss or gradient never reaches the weights.
 
 Before it, an estimator plugin returning NaN advantages (or a NaN hyper-parameter) made every
 update NaN and the run "succeeded". Now the update skips that optimizer step, counts it, names

@@ -1,6 +1,6 @@
 """PPO's clipped value loss (minirl.critic.value_loss) and the explained variance.
 
-Properties issue 12 asks for: ½·MSE when the clip is inactive; no gradient through the clipped
+Properties a PPO value loss must have: ½·MSE when the clip is inactive; no gradient through the clipped
 branch where it binds; the micro-batch split does not change the aggregated value or gradient
 (the global normalisation of minirl.algo.loss_agg, as for the policy loss). Plus a float64 reference
 of the whole formula and of the explained variance.

@@ -8,7 +8,7 @@ import os
 from minirl.errors import UserError
 from minirl.observe.runs.read import Run, parse_steps, read_run
 
-COMPARE_HELP = "the seed's table of several runs side by side, with differences and differing config keys"
+COMPARE_HELP = "the end-of-run table of several runs side by side, with differences and differing config keys"
 REPORT_HELP = "PNG figures of one or more runs' curves (score, length, KL, grad norm, phase times, throughput)"
 
 

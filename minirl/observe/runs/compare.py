@@ -1,4 +1,4 @@
-"""`python -m minirl compare RUN_A RUN_B ...`: the seed's table, one column per run.
+"""`python -m minirl compare RUN_A RUN_B ...`: the end-of-run table, one column per run.
 
 The rows are the end-of-run table's (minirl.observe.metrics.TABLE_ROWS) plus the train score and the last
 validation score; each cell is the run's mean over the chosen steps (by default 2 on: step 1 is

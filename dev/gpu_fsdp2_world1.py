@@ -1,7 +1,8 @@
-"""tests/distributed/test_fsdp2_gpu.py's worker and assertions on ONE GPU (world 1), for machines
-without a second GPU: the same comparisons, bf16 and offload included, minus the 2-rank NCCL part.
+"""Runs tests/distributed/test_fsdp2_gpu.py's comparisons on one GPU (world 1), for a machine without two.
 
-    python3 scripts/gpu_fsdp2_world1.py
+The test's worker and assertions, bf16 and offload included, minus the 2-rank NCCL part.
+
+    python3 dev/gpu_fsdp2_world1.py
 """
 
 import json

@@ -1,7 +1,7 @@
 """Micro-benchmark on CUDA: one chunk of `chunked_logprobs`, fused Triton kernels vs plain torch.
 
-    python3 scripts/bench_fused_logprob.py            # V = 151,936, H = 1536 (Qwen2-1.5B's head)
-    python3 scripts/bench_fused_logprob.py --no-grad  # a whole log-prob pass's head, by chunk size
+    python3 dev/bench_fused_logprob.py            # V = 151,936, H = 1536 (Qwen2-1.5B's head)
+    python3 dev/bench_fused_logprob.py --no-grad  # a whole log-prob pass's head, by chunk size
 
 For n = 1024, 2048, 4096 positions a chunk, as the actor's update runs it (bf16 autocast over an
 fp32 head weight, activation checkpointing, entropy on, upstream gradients on both outputs):
@@ -12,7 +12,7 @@ fp32 head weight, activation checkpointing, entropy on, upstream gradients on bo
   - the two kernels alone on a bf16 z [n, V], ms and effective GB/s (forward reads z once;
     backward reads z and writes grad_z), against the 4.28 TB/s copy ceiling measured on the H200,
     over a small sweep of block size and warps; the chunk passes then run with the best.
---no-grad: the head of a whole log-prob pass (issue 11's 262,144 response positions, a bf16
+--no-grad: the head of a whole log-prob pass (the 32 x 8 x 1,024 workload's 262,144 response positions, a bf16
 head as the reference holds it, no entropy) through `chunked_logprobs` at chunk sizes 2,048 to
 32,768: ms, the head GEMM's share of it, and TFLOP/s against the 768 measured for bf16 matmuls.
 Printed as markdown tables, and written to $OUT/bench_fused_logprob.md when OUT is set.

@@ -1,4 +1,4 @@
-"""What tests/distributed/test_fsdp2_gpu.py measures, taken apart (issue 11, "Correctness").
+"""What tests/distributed/test_fsdp2_gpu.py measures, taken apart: each variant against float64.
 
 On a CUDA machine (world = min(2, GPUs)): the test's one AdamW step (lr 0.01, eps 1e-4) on the
 tiny model, by each variant the test compares, against a float64 CPU reference:
@@ -12,7 +12,7 @@ Adam's first step lr * g / (|g| + eps) makes of the gradient error. Then param_o
 fsdp_bf16 bit by bit, the AdamW implementations on identical inputs, and whether the weight sync
 (assembly.full_weights) of the offloaded actor returns its own shards.
 
-    python3 scripts/gpu_fsdp2_diag.py > diag.json
+    python3 dev/gpu_fsdp2_diag.py > diag.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Time one compiled decoder layer of the 1.5B shape on a packed micro-batch, per variant.
 
-    python3 scripts/bench_layer.py --top 16            # on a CUDA machine
-    python3 scripts/bench_layer.py --seq-len 64 --seqs 3 --iters 2 --variants eager,seq_major   # CPU smoke
+    python3 dev/bench_layer.py --top 16            # on a CUDA machine
+    python3 dev/bench_layer.py --seq-len 64 --seqs 3 --iters 2 --variants eager,seq_major   # CPU smoke
 
 Variants: `eager`; `hf_rotary` / `hf_rotary_32bit` (model.compile_layers as Hugging Face writes the attention: the
 rotary embedding on the [B, H, N, D] view); `seq_major` (what minirl compiles: the rotary on the

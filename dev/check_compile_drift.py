@@ -7,7 +7,7 @@ inference graph) and in grad mode (the update: training graph), each against the
 model (the "truth") and against each other. A low-variance-KL column shows what a reference
 pass vs an update forward at identical weights would report as kl_loss.
 
-    python3 scripts/check_compile_drift.py
+    python3 dev/check_compile_drift.py
 """
 
 from __future__ import annotations

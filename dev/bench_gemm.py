@@ -1,10 +1,10 @@
 """Time the decode step's GEMMs (bf16, y = x W^T) per cuBLAS back end, against their floors.
 
-    python3 scripts/bench_gemm.py                                   # the default back end, both libraries
-    CUBLASLT_WORKSPACE_SIZE=65536 python3 scripts/bench_gemm.py     # a larger cuBLASLt workspace (KiB)
+    python3 dev/bench_gemm.py                                   # the default back end, both libraries
+    CUBLASLT_WORKSPACE_SIZE=65536 python3 dev/bench_gemm.py     # a larger cuBLASLt workspace (KiB)
 
-    python3 scripts/bench_gemm.py --split-k down --batches 256,512  # split-K candidates for one GEMM
-    python3 scripts/bench_gemm.py --shapes hf --batches 27500       # the log-prob pass's GEMMs
+    python3 dev/bench_gemm.py --split-k down --batches 256,512  # split-K candidates for one GEMM
+    python3 dev/bench_gemm.py --shapes hf --batches 27500       # the log-prob pass's GEMMs
 
 Floor of each: max(weight bytes / 4.28 TB/s, FLOPs / 768 TFLOP/s), the H200's measured copy
 bandwidth and bf16 matmul ceiling. Shapes: the Qwen2-1.5B layer at decode batch M.

@@ -1,5 +1,7 @@
-"""Median CUDA-event time of a callable, for the bench_*.py scripts (run from scripts/, so
-`from cuda_timing import cuda_ms` finds this file)."""
+"""Median CUDA-event time of a callable, shared by the bench_*.py scripts of dev/.
+
+Python puts a script's own folder on sys.path, so `from cuda_timing import cuda_ms` finds this file
+when one of them runs as `python3 dev/bench_x.py`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Packed (varlen) causal attention on CUDA: torch's FA2 kernel against cuDNN's, one micro-batch.
 
-    python3 scripts/bench_attention.py                  # issue 11's micro-batch: ~27k tokens
-    python3 scripts/bench_attention.py --tokens 60000 --response 4096
+    python3 dev/bench_attention.py                  # a micro-batch of the 32 x 8 x 1,024 workload: ~27k tokens
+    python3 dev/bench_attention.py --tokens 60000 --response 4096
 
 The micro-batch is sequences of a 60-200-token prompt plus a `--response`-token response packed
 up to `--tokens` tokens, with Qwen2-1.5B's heads (12 query heads, 2 key/value heads, dim 128),

@@ -1,7 +1,9 @@
-"""Would fewer bytes in the decoder layer pay? Times, at a packed micro-batch's M, each fusion that
+"""Times two decoder-layer fusions (SiLU·mul in the gate/up GEMM, residual add in addmm) on CUDA.
+
+Would fewer bytes in the decoder layer pay? Times, at a packed micro-batch's M, each fusion that
 minirl's own decoder layer could make against what the compiled Hugging Face layer runs now.
 
-    python3 scripts/bench_mlp.py [--residual]       # on the H200: M = 28,000 (a ref-pass micro-batch)
+    python3 dev/bench_mlp.py [--residual]       # on the H200: M = 28,000 (a ref-pass micro-batch)
 
 (The kernel's values on the CPU, under Triton's interpreter: tests/unit/test_fused_mlp.py.)
 
