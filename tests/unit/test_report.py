@@ -13,8 +13,8 @@ import pytest
 
 from minirl.cli import main
 from minirl.errors import UserError
-from minirl.observe.runs.read import read_run
-from minirl.observe.runs.report import LINE_FIGURES, build_figures, figure_class
+from minirl.observe.runs.read import Run, read_run
+from minirl.observe.runs.report import LINE_FIGURES, build_figures, figure_class, phase_names
 from tests.unit.test_compare import write_run
 
 AXES = {"score": 2, "response_length": 3, "kl_entropy": 2, "grad_lr": 2, "throughput": 3}
@@ -66,10 +66,17 @@ def test_one_run_figures_have_the_expected_axes(tmp_path):
 
 def test_parts_of_a_phase_are_not_stacked_as_phases(tmp_path):
     """timing_s/gen.kv_resume is inside timing_s/gen (the engine's own account): the phase chart
-    keeps its four areas, and a plugin's own phase (timing_s/values) still gets one."""
-    logged = [dict(r, **{"timing_s/gen.kv_resume": 0.3, "timing_s/values": 0.1}) for r in records(0.1)]
+    keeps its four areas, and a plugin's own phase (timing_s/rerank) still gets one."""
+    logged = [dict(r, **{"timing_s/gen.kv_resume": 0.3, "timing_s/rerank": 0.1}) for r in records(0.1)]
     phases = build_figures([read_run(write_run(tmp_path, "a", logged, None))])["phases"].axes[0]
-    assert len(phases.collections) == 5  # gen, old_log_prob, update_actor, values, other
+    assert len(phases.collections) == 5  # gen, old_log_prob, update_actor, rerank, other
+
+
+def test_a_critic_run_stacks_its_phases_in_the_order_the_step_runs_them():
+    """values and update_critic (gae) sit where Trainer.train_step runs them, not after the rest."""
+    logged = {f"timing_s/{p}": 0.1 for p in ("update_actor", "update_critic", "values", "gen")}
+    run = Run("gae", "", [{"step": 1, **logged}])
+    assert phase_names([run]) == ["gen", "values", "update_critic", "update_actor"]
 
 
 def test_three_runs_overlay_with_a_legend_and_missing_metrics_leave_an_empty_axes(tmp_path):

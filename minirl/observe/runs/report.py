@@ -32,7 +32,7 @@ LINE_FIGURES = {
     ),
 }
 # the step's phases in the order they run (Trainer.train_step); other timing_s/* keys follow
-PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
+PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights")
 AXES_INCHES = (4.2, 3.0)
 DPI = 90
 MARKERS_BELOW = 30  # points per line under which each point gets a marker (validation curves)
