@@ -1,4 +1,4 @@
-"""The files a config names, checked before anything loads (part of minirl.validate.core).
+"""The files a config names, checked before anything loads.
 
 Cheap checks only: directory listings, config.json, the safetensors headers against the file
 sizes, parquet metadata and the data_source column. What needs the real load (weight shapes,
@@ -14,7 +14,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from minirl.validate.core import Problem
+from minirl.errors import describe
+from minirl.validate.problem import Problem
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 MODEL_DIR_FIX = "point it at a local Hugging Face model directory, or leave it empty to use model.preset"
@@ -34,14 +35,8 @@ def _model(m) -> list[Problem]:
         from minirl.models.presets import PRESETS
 
         if m.preset not in PRESETS:
-            return [
-                Problem(
-                    "model.preset",
-                    m.preset,
-                    "not a preset",
-                    f"choose one of {', '.join(PRESETS)}, or set model.path to a local Hugging Face directory",
-                )
-            ]
+            fix = f"choose one of {', '.join(PRESETS)}, or set model.path to a local Hugging Face directory"
+            return [Problem("model.preset", m.preset, "not a preset", fix)]
         return _tokenizer_dir("model.tokenizer", m.tokenizer) if m.tokenizer else []
     problems = model_dir_problems(m.path)
     if m.tokenizer:
@@ -69,28 +64,25 @@ def model_dir_problems(path: str) -> list[Problem]:
     return problems
 
 
+def _in_model_dir(f: Path, rule: str, fix: str) -> list[Problem]:
+    """The problem of one file of the model directory, reported against model.path."""
+    return [Problem("model.path", str(f.parent), f"{f.name} {rule}", fix)]
+
+
 def _config_json(f: Path) -> list[Problem]:
-    key = "model.path"
+    restore = "restore the checkpoint's config.json"
     try:
         config = json.loads(f.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return [
-            Problem(key, str(f.parent), f"{f.name} is not valid JSON ({exc})", "restore the checkpoint's config.json")
-        ]
+        return _in_model_dir(f, f"is not valid JSON ({exc})", restore)
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not model_type:
-        return [Problem(key, str(f.parent), f"{f.name} has no model_type", "restore the checkpoint's config.json")]
+        return _in_model_dir(f, "has no model_type", restore)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     if model_type not in CONFIG_MAPPING_NAMES:
-        return [
-            Problem(
-                key,
-                str(f.parent),
-                f"{f.name}: model_type {model_type!r} is unknown to transformers",
-                "fix model_type, or upgrade transformers if the model is newer",
-            )
-        ]
+        fix = "fix model_type, or upgrade transformers if the model is newer"
+        return _in_model_dir(f, f"has model_type {model_type!r}, unknown to transformers", fix)
     return []
 
 
@@ -102,21 +94,10 @@ def _safetensors(f: Path) -> list[Problem]:
             header = json.loads(fh.read(n))
         end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError) as exc:
-        return [
-            Problem(
-                "model.path", str(f.parent), f"{f.name} is not a safetensors file ({exc})", "copy the weight file again"
-            )
-        ]
+        return _in_model_dir(f, f"is not a safetensors file ({exc})", "copy the weight file again")
     size = f.stat().st_size
     if size < 8 + n + end:
-        return [
-            Problem(
-                "model.path",
-                str(f.parent),
-                f"{f.name} is truncated ({size} of {8 + n + end} bytes)",
-                "copy the weight file again",
-            )
-        ]
+        return _in_model_dir(f, f"is truncated ({size} of {8 + n + end} bytes)", "copy the weight file again")
     return []
 
 
@@ -125,14 +106,8 @@ def _tokenizer_dir(key: str, path: str) -> list[Problem]:
     if not p.is_dir():
         return [Problem(key, path, "is not a directory", "point it at a local tokenizer or model directory")]
     if not any((p / name).is_file() for name in TOKENIZER_FILES):
-        return [
-            Problem(
-                key,
-                path,
-                f"has no tokenizer files ({', '.join(TOKENIZER_FILES)})",
-                "set model.tokenizer to a directory that has them (README: a tokenizer offline)",
-            )
-        ]
+        fix = "set model.tokenizer to a directory that has them (README: a tokenizer offline)"
+        return [Problem(key, path, f"has no tokenizer files ({', '.join(TOKENIZER_FILES)})", fix)]
     return []
 
 
@@ -149,14 +124,8 @@ def _data(cfg, pm) -> list[Problem]:
         n, p = _parquet(path, "data.train_files", registered)
         rows, problems = rows + n, problems + p
     if not problems and d.train_files and rows < d.train_batch_size:
-        problems.append(
-            Problem(
-                "data.train_batch_size",
-                d.train_batch_size,
-                f"larger than the {rows} rows of data.train_files (an epoch would have no step)",
-                f"use at most {rows}, or add data",
-            )
-        )
+        rule = f"larger than the {rows} rows of data.train_files (an epoch would have no step)"
+        problems.append(Problem("data.train_batch_size", d.train_batch_size, rule, f"use at most {rows}, or add data"))
     if t.test_freq > 0 or t.val_before_train:
         for path in d.val_files:
             problems += _parquet(path, "data.val_files", registered)[1]
@@ -174,23 +143,11 @@ def _parquet(path: str, key: str, rewards) -> tuple[int, list[Problem]]:
         table = pq.read_table(path, columns=["data_source"])
         sources = table.column("data_source").to_pylist()
     except UnicodeDecodeError as exc:
-        return 0, [
-            Problem(
-                key,
-                path,
-                f"the data_source column holds bytes that are not UTF-8 ({exc.reason})",
-                "re-encode the text as UTF-8 when writing the file",
-            )
-        ]
+        rule = f"the data_source column holds bytes that are not UTF-8 ({exc.reason})"
+        return 0, [Problem(key, path, rule, "re-encode the text as UTF-8 when writing the file")]
     except Exception as exc:  # noqa: BLE001 - ArrowInvalid, OSError, UnicodeDecodeError, KeyError...
-        return 0, [
-            Problem(
-                key,
-                path,
-                f"cannot read as parquet with a data_source column ({_short(exc)})",
-                "write it in verl's schema (see scripts/make_data.py)",
-            )
-        ]
+        rule = f"cannot read as parquet with a data_source column ({describe(exc)})"
+        return 0, [Problem(key, path, rule, "write it in verl's schema (see scripts/make_data.py)")]
     if not sources:
         return 0, [Problem(key, path, "holds no rows", "point it at a file with data")]
     return len(sources), _unrewarded(sources, path, key, rewards)
@@ -205,22 +162,10 @@ def _unrewarded(sources: list[Any], path: str, key: str, rewards) -> list[Proble
             continue  # a non-string data_source is the loader's error, with its row
         seen.add(src)
         if src not in rewards:
-            out.append(
-                Problem(
-                    key,
-                    path,
-                    f"data_source {src!r} (row {row}) has no reward function",
-                    f"registered: {', '.join(sorted(rewards.items))}; fix the column, or register "
-                    "a function with the minirl_reward_functions hook",
-                )
-            )
+            fix = f"registered: {', '.join(sorted(rewards.items))}; fix the column, or register a function with "
+            rule = f"data_source {src!r} (row {row}) has no reward function"
+            out.append(Problem(key, path, rule, fix + "the minirl_reward_functions hook"))
     return out
-
-
-def _short(exc: BaseException) -> str:
-    from minirl.errors import describe
-
-    return describe(exc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,27 +195,10 @@ def _custom_reward(cfg) -> list[Problem]:
 
 def _output(t) -> list[Problem]:
     """The run directory must be creatable: no regular file on its path, a writable parent."""
-    run_dir = Path(t.default_local_dir).expanduser() / t.experiment_name
-    for parent in (run_dir, *run_dir.parents):
-        if not parent.exists():
-            continue
-        if not parent.is_dir():
-            return [
-                Problem(
-                    "trainer.default_local_dir",
-                    t.default_local_dir,
-                    f"{parent} is a file, not a directory",
-                    "choose another directory",
-                )
-            ]
-        if not os.access(parent, os.W_OK):
-            return [
-                Problem(
-                    "trainer.default_local_dir",
-                    t.default_local_dir,
-                    f"{parent} is not writable",
-                    "choose a directory you can write to",
-                )
-            ]
-        return []
+    run_dir, key = Path(t.default_local_dir).expanduser() / t.experiment_name, "trainer.default_local_dir"
+    existing = next(parent for parent in (run_dir, *run_dir.parents) if parent.exists())  # "/" at least
+    if not existing.is_dir():
+        return [Problem(key, t.default_local_dir, f"{existing} is a file, not a directory", "choose another directory")]
+    if not os.access(existing, os.W_OK):
+        return [Problem(key, t.default_local_dir, f"{existing} is not writable", "choose a directory you can write to")]
     return []

@@ -1,5 +1,6 @@
-"""The rules of one key at a time (part of minirl.validate.core): finite floats, ranges, choices,
-and names that must be registered by a plugin. Each table row is (key, test, rule, fix).
+"""The rules of one key at a time: finite floats, ranges, choices, and names that must be
+registered by a plugin. A RANGES row is (key, test, rule, fix); a CHOICES row is (key, allowed).
+minirl.validate.critic applies the same checks to its own tables.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from minirl.algo.dynamic_sampling import SEQUENCE_METRICS
 from minirl.algo.loss_agg import LOSS_AGG_MODES
 from minirl.config.load import Config
 from minirl.config.schema import CORE_SECTIONS
-from minirl.validate.core import Problem, value
+from minirl.data.prompts import TRUNCATIONS
+from minirl.validate.problem import Problem, value
 
 
 def value_problems(cfg: Config, pm) -> list[Problem]:
-    return [*_non_finite(cfg, pm), *_ranges(cfg, pm), *_choices(cfg, pm), *_registries(cfg, pm)]
+    return [*_non_finite(cfg), *range_problems(cfg, RANGES), *choice_problems(cfg, CHOICES), *_registries(cfg, pm)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -25,7 +27,7 @@ def value_problems(cfg: Config, pm) -> list[Problem]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _non_finite(cfg: Config, pm) -> list[Problem]:
+def _non_finite(cfg: Config) -> list[Problem]:
     """NaN or inf in any float of a core section poisons every update it touches."""
     out = []
     for name in CORE_SECTIONS:
@@ -131,15 +133,18 @@ RANGES: list[tuple[str, Callable[[Any], bool], str, str]] = [
 
 DTYPES = ("float32", "bfloat16", "float16")
 
+
+def fsdp_choices(section: str) -> list[tuple[str, tuple[str, ...]]]:
+    return [(f"{section}.fsdp_config.param_dtype", ("auto", *DTYPES)), (f"{section}.fsdp_config.reduce_dtype", DTYPES)]
+
+
 CHOICES: list[tuple[str, tuple[str, ...]]] = [
     ("model.dtype", DTYPES),
-    ("data.truncation", ("error", "left", "right", "middle")),
+    ("data.truncation", TRUNCATIONS),
     ("actor.loss_agg_mode", tuple(LOSS_AGG_MODES)),
     ("actor.optim.warmup_style", ("constant", "cosine")),
-    ("actor.fsdp_config.param_dtype", ("auto", *DTYPES)),
-    ("actor.fsdp_config.reduce_dtype", DTYPES),
-    ("ref.fsdp_config.param_dtype", ("auto", *DTYPES)),
-    ("ref.fsdp_config.reduce_dtype", DTYPES),
+    *fsdp_choices("actor"),
+    *fsdp_choices("ref"),
     ("rollout.dtype", ("auto", *DTYPES)),
     ("rollout.kv_cache_dtype", ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")),
     ("algorithm.kl_ctrl.type", ("fixed", "adaptive")),
@@ -150,27 +155,17 @@ CHOICES: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
-def _ranges(cfg: Config, pm) -> list[Problem]:
+def range_problems(cfg: Config, rows) -> list[Problem]:
+    """The RANGES-shaped `rows` whose test the key's value fails."""
+    return [Problem(key, value(cfg, key), rule, fix) for key, test, rule, fix in rows if not test(value(cfg, key))]
+
+
+def choice_problems(cfg: Config, rows) -> list[Problem]:
+    """The CHOICES-shaped `rows` whose key holds a value not allowed (None: unset, the default's)."""
     out = []
-    for key, test, rule, fix in RANGES:
-        if _has(cfg, key) and not test(value(cfg, key)):
-            out.append(Problem(key, value(cfg, key), rule, fix))
-    return out
-
-
-def _has(cfg: Config, key: str) -> bool:
-    try:
-        value(cfg, key)
-    except AttributeError:  # a key the lead's schema does not have (yet)
-        return False
-    return True
-
-
-def _choices(cfg: Config, pm) -> list[Problem]:
-    out = []
-    for key, allowed in CHOICES:
-        v = value(cfg, key) if _has(cfg, key) else allowed[0]
-        if v not in allowed:
+    for key, allowed in rows:
+        v = value(cfg, key)
+        if v is not None and v not in allowed:
             out.append(Problem(key, v, "unknown value", f"choose one of {', '.join(allowed)}{_close(v, allowed)}"))
     return out
 

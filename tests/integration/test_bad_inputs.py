@@ -1,8 +1,8 @@
 """The catalogue of user mistakes: each is one clear error line, exit status 2, no traceback.
 
-Issue 15 tried minirl as a new user would, with bad config values, data files, model
-directories, plugins and rewards; too many ended in a traceback, a library's message that names
-no key, or a run that "succeeded" on nonsense. Every case here runs the real command line
+A new user tries minirl with bad config values, data files, model directories, plugins and
+rewards; none of these may end in a traceback, a library's message that names no key, or a run
+that "succeeded" on nonsense. Every case here runs the real command line
 (`minirl.cli.main(argv)`, in this process; the few that need a real process or a signal run as
 subprocesses) and asserts the exit status, that the error line names the culprit (key, value,
 file or plugin) and that stderr holds no traceback. Most cases stop in the validation pass, so
@@ -115,11 +115,28 @@ CONFIG_CASES = {
     "rollout_micro_zero": (["rollout.log_prob_micro_batch_size_per_gpu=0"], "rollout.log_prob_micro_batch_size"),
     "ref_micro_zero": (["ref.log_prob_micro_batch_size_per_gpu=0"], "ref.log_prob_micro_batch_size_per_gpu = 0"),
     "token_budget_below_sequence": (["actor.ppo_max_token_len_per_gpu=10"], "actor.ppo_max_token_len_per_gpu = 10"),
+    "ref_token_budget": (
+        ["ref.log_prob_use_dynamic_bsz=true", "ref.log_prob_max_token_len_per_gpu=10"],
+        "ref.log_prob_max_token_len_per_gpu = 10",
+        "smaller than one sequence",
+    ),
+    # with Ulysses each rank holds 1/sp of a micro-batch: the budget per GPU times sp must hold a sequence
+    "token_budget_below_sequence_under_sp": (
+        [
+            "trainer.world_size=2",
+            "actor.ulysses_sequence_parallel_size=2",
+            "rollout.log_prob_use_dynamic_bsz=true",
+            "rollout.log_prob_max_token_len_per_gpu=10",
+        ],
+        "rollout.log_prob_max_token_len_per_gpu = 10",
+        "x actor.ulysses_sequence_parallel_size 2 = 20 tokens",
+    ),
     "epochs_zero": (["actor.ppo_epochs=0"], "actor.ppo_epochs = 0"),
     "loss_agg_mode": (["actor.loss_agg_mode=token_mean"], "actor.loss_agg_mode = 'token_mean'", "token-mean"),
     "kl_ctrl_type": (["algorithm.kl_ctrl.type=fixd"], "algorithm.kl_ctrl.type = 'fixd'", "fixed"),
     "clip_ratio_negative": (["actor.clip_ratio=-0.2"], "actor.clip_ratio = -0.2"),
     "clip_ratio_c_one": (["actor.clip_ratio_c=1.0"], "actor.clip_ratio_c = 1.0"),
+    "clip_ratio_high_negative": (["actor.clip_ratio_high=-0.1"], "actor.clip_ratio_high = -0.1", ">= 0"),
     "grad_clip_zero": (["actor.grad_clip=0.0"], "actor.grad_clip = 0.0"),
     "tis_cap_zero": (["actor.tis_imp_ratio_cap=0.0"], "actor.tis_imp_ratio_cap = 0.0", "-1 (off)"),
     "tis_cap_minus_two": (["actor.tis_imp_ratio_cap=-2.0"], "actor.tis_imp_ratio_cap = -2.0"),
@@ -220,9 +237,19 @@ CONFIG_CASES = {
     ),
     # the [critic] rules apply when the estimator trains a critic (gae)
     "critic_mini_not_dividing": (
-        ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=3"],
+        [
+            "algorithm.adv_estimator=gae",
+            "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=4",
+            "critic.ppo_mini_batch_size=3",
+        ],
         "critic.ppo_mini_batch_size = 3",
-        "divide",
+        "does not divide data.train_batch_size = 4",
+    ),
+    "critic_mini_over_ranks": (
+        ["algorithm.adv_estimator=gae", "trainer.world_size=2", "critic.ppo_mini_batch_size=1"],
+        "critic.ppo_mini_batch_size = 1",
+        "2 data-parallel ranks",
     ),
     "critic_token_budget": (
         ["algorithm.adv_estimator=gae", "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=10"],

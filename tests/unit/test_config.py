@@ -124,3 +124,28 @@ def test_cli_print_config_and_error_exit_code():
     bad = subprocess.run(run + ["actor.ppo_epoch=2", "--print-config"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2
     assert "did you mean 'actor.ppo_epochs'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["actor.ulysses_sequence_parallel_size=3"], r"actor\.ulysses_sequence_parallel_size = 3 .*world size 4"),
+        (["data.train_batch_size=6"], r"data\.train_batch_size = 6 .*over 4 data-parallel ranks"),
+        (["actor.ppo_mini_batch_size=2"], r"actor\.ppo_mini_batch_size = 2 .*multiple of 4"),
+        (
+            ["actor.ulysses_sequence_parallel_size=2", "ref.ulysses_sequence_parallel_size=4"],
+            r"ref\.ulysses_sequence_parallel_size = 4 .*use 1 or the actor's 2",
+        ),
+    ],
+)
+def test_layout_of_a_world_the_launcher_learns_late(overrides, match):
+    """A launcher that learns the number of workers only when it starts (ray on a cluster's GPUs)
+    asks the validation pass's layout rules again; each error names the key and the fix. The
+    mesh and the data loader only assert the layout (minirl.dist.spmd, minirl.data.prompts)."""
+    from minirl.plugins import PluginManager
+    from minirl.validate.core import check_world
+
+    pm, fits = PluginManager(), ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
+    check_world(load_config(None, fits), pm, 4)
+    with pytest.raises(ConfigError, match=match):
+        check_world(load_config(None, [*fits, *overrides]), pm, 4)
