@@ -20,7 +20,7 @@ from minirl.errors import UserError
 
 log = logging.getLogger(__name__)
 
-TRUNCATIONS = ("error", "left", "right", "middle")
+TRUNCATIONS = ("error", "left", "right", "middle")  # data.truncation (_fit_length); validation allows only these
 REQUIRED_COLUMNS = ("data_source", "reward_model")
 
 
@@ -174,11 +174,7 @@ def _fit_length(ids: list[int], limit: int, mode: str, where: str) -> list[int]:
     )
 
 
-def _check_config(cfg: DataConfig) -> None:
-    if cfg.truncation not in TRUNCATIONS:
-        raise DataError(f"data.truncation = {cfg.truncation!r}: not one of {', '.join(TRUNCATIONS)}")
-    if cfg.max_prompt_length < 1:
-        raise DataError(f"data.max_prompt_length = {cfg.max_prompt_length}: must be at least 1")
+def _warn_unused_truncation(cfg: DataConfig) -> None:
     if cfg.filter_overlong_prompts and cfg.truncation != "error":
         log.warning(
             "data.truncation = %r has no effect: data.filter_overlong_prompts = true drops "
@@ -199,9 +195,8 @@ def load_prompts_with_stats(
     key = prompt_key or cfg.prompt_key
     if isinstance(files, str):
         files = [files]  # one path given as a string would otherwise iterate its characters
-    if not files:
-        raise DataError("no data files given; set data.train_files (and data.val_files) to parquet paths")
-    _check_config(cfg)
+    assert files, "the validation pass refuses an empty data.train_files (or data.val_files when used)"
+    _warn_unused_truncation(cfg)
     records: list[PromptRecord] = []
     stats = LoadStats()
     for path in files:
@@ -292,19 +287,13 @@ class PromptLoader:
         rank: int = 0,
         world: int = 1,
     ):
-        if batch_size < 1:
-            raise DataError(f"data.train_batch_size = {batch_size}: must be at least 1")
-        if len(records) < batch_size:
+        # the validation pass refuses a batch that does not split into whole prompts per rank
+        assert batch_size >= 1 and batch_size % world == 0, f"{batch_size} prompts over {world} ranks"
+        assert 0 <= rank < world, f"rank {rank} in a world of {world}"
+        if len(records) < batch_size:  # the files have enough rows (validated), but filtering may drop some
             raise DataError(
                 f"data.train_batch_size = {batch_size} is larger than the {len(records)} prompts "
                 f"loaded, so an epoch would have no step; lower data.train_batch_size or add data"
-            )
-        if world < 1 or not 0 <= rank < world:
-            raise DataError(f"rank {rank} is not in a world of size {world}")
-        if batch_size % world:
-            raise DataError(
-                f"data.train_batch_size = {batch_size} does not divide over trainer world size "
-                f"{world} (data-parallel ranks take whole prompts); use a multiple of {world}"
             )
         self.records, self.batch_size, self.shuffle, self.seed = records, batch_size, shuffle, seed
         self.rank, self.world = rank, world
@@ -357,8 +346,7 @@ class PromptLoader:
 def expand_groups(records: list[PromptRecord], n: int, first_uid: int) -> tuple[list[PromptRecord], list[int]]:
     """Repeat each prompt n times under one group uid, prompt-major: the n samples of prompt i
     are at [i*n, (i+1)*n) with uid first_uid + i, matching the rollout engines' output order."""
-    if n < 1:
-        raise UserError(f"rollout.n = {n}: must be at least 1")
+    assert n >= 1, f"rollout.n = {n} (the validation pass refuses it)"
     repeated = [rec for rec in records for _ in range(n)]
     uids = [first_uid + i for i in range(len(records)) for _ in range(n)]
     return repeated, uids

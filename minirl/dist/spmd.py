@@ -20,7 +20,6 @@ import torch
 import torch.distributed as tdist
 
 from minirl.dist.context import DistContext, resolve_device
-from minirl.errors import UserError
 
 # ---------------------------------------------------------------------------------------------
 # the job's layout
@@ -28,29 +27,11 @@ from minirl.errors import UserError
 
 
 def check_layout(cfg, world: int) -> None:
-    """The user errors of a (dp, sp) layout, each naming the key and the fix."""
+    """The mesh's one assumption, sp dividing the world. The validation pass (minirl.validate.layout)
+    refuses every layout a user could get wrong, so a failure here is a launcher's bug (a world
+    other than the validated one); the data loader asserts the batch's split over dp itself."""
     sp = cfg.actor.ulysses_sequence_parallel_size
-    if sp < 1 or world % sp:
-        raise UserError(
-            f"actor.ulysses_sequence_parallel_size = {sp} does not divide the world size {world}; "
-            f"use a divisor of {world}"
-        )
-    dp = world // sp
-    for key, value in (
-        ("data.train_batch_size", cfg.data.train_batch_size),
-        ("actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size),
-    ):
-        if value % dp:
-            raise UserError(
-                f"{key} = {value} does not divide over {dp} data-parallel ranks (world {world} / "
-                f"sp {sp}); data-parallel ranks take whole prompts, so use a multiple of {dp}"
-            )
-    ref_sp = cfg.ref.ulysses_sequence_parallel_size
-    if ref_sp not in (1, sp):
-        raise UserError(
-            f"ref.ulysses_sequence_parallel_size = {ref_sp}: the reference runs on the actor's "
-            f"mesh, so use 1 or the actor's {sp}"
-        )
+    assert sp >= 1 and world % sp == 0, f"actor.ulysses_sequence_parallel_size {sp} does not divide the world {world}"
 
 
 def build_mesh(device_type: str, world: int, sp: int):

@@ -31,7 +31,6 @@ import torch
 
 from minirl import hookimpl
 from minirl.algo.stats import masked_whiten
-from minirl.errors import UserError
 from minirl.protocols import AdvantageInputs
 
 GRPO_EPS = 1e-6
@@ -189,12 +188,7 @@ def reinforce_plus_plus(inputs: AdvantageInputs, cfg: Any) -> tuple[torch.Tensor
 def gae(inputs: AdvantageInputs, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """δ_t = r_t + γ·V_next − V_t, A_t = δ_t + γλ·A_next over valid tokens, bootstrap 0 after
     the last; returns = A + V (before whitening); A = masked_whiten(A, m)."""
-    if inputs.values_BT is None:
-        raise UserError(
-            "gae needs a critic: AdvantageInputs.values_BT is None (algorithm.adv_estimator = "
-            "'gae'; the trainer builds one for it, so this is a caller's bug); pass values, or choose a "
-            "critic-free estimator (grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo)"
-        )
+    assert inputs.values_BT is not None, "gae needs a critic's values: the trainer builds one for it (needs_values)"
     r_BT = inputs.token_rewards_BT
     m_BT = inputs.mask_BT.to(r_BT.dtype)
     v_BT = inputs.values_BT.to(r_BT.dtype) * m_BT

@@ -21,27 +21,17 @@ from typing import Any
 import torch
 
 from minirl import hookimpl
-from minirl.errors import UserError
 from minirl.protocols import PolicyLossOutput
 
 LOG_RATIO_CLAMP = 20.0  # keeps exp finite; a ratio of e^20 is already fully clipped
 
 
-def _clip_bounds(cfg: Any) -> tuple[float, float, float]:
-    eps_low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
-    eps_high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
-    for key, value in (("actor.clip_ratio_low", eps_low), ("actor.clip_ratio_high", eps_high)):
-        if value < 0:
-            raise UserError(
-                f"{key} = {value!r} (unset falls back to actor.clip_ratio): a clip range must be "
-                ">= 0; the usual value is 0.2 (clip-higher raises clip_ratio_high, e.g. 0.28)"
-            )
-    if not cfg.clip_ratio_c > 1.0:
-        raise UserError(
-            f"actor.clip_ratio_c = {cfg.clip_ratio_c!r}: the dual-clip bound −A·c must lie above "
-            "the unclipped loss at ratio 1, so c must be > 1; the default is 3.0"
-        )
-    return eps_low, eps_high, cfg.clip_ratio_c
+def _clip_bounds(cfg: Any, unset_low: float, unset_high: float) -> tuple[float, float]:
+    """ε_low, ε_high: actor.clip_ratio_low / _high, where unset the loss's own default. Their
+    ranges (>= 0, GSPO's ε_low < 1) and clip_ratio_c > 1 are rules of the validation pass."""
+    eps_low = unset_low if cfg.clip_ratio_low is None else cfg.clip_ratio_low
+    eps_high = unset_high if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+    return eps_low, eps_high
 
 
 def ppo_clip(
@@ -52,13 +42,13 @@ def ppo_clip(
     clipped_BT marks tokens where the clipped branch is strictly larger (so ratio exactly 1 is
     never "clipped"); clipped_lower_BT marks A < 0 tokens capped by the dual clip.
     """
-    eps_low, eps_high, clip_c = _clip_bounds(cfg)
+    eps_low, eps_high = _clip_bounds(cfg, cfg.clip_ratio, cfg.clip_ratio)  # verl: unset means clip_ratio
     log_ratio_BT = logp - old_logp
     ratio_BT = torch.exp(log_ratio_BT.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped_BT = -advantages * ratio_BT
     clipped_loss_BT = -advantages * ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
     ppo_BT = torch.maximum(unclipped_BT, clipped_loss_BT)
-    dual_bound_BT = -advantages * clip_c
+    dual_bound_BT = -advantages * cfg.clip_ratio_c
     negative_BT = advantages < 0
     loss_BT = torch.where(negative_BT, torch.minimum(ppo_BT, dual_bound_BT), ppo_BT)
     m_BT = mask.to(loss_BT.dtype)
@@ -72,18 +62,6 @@ def ppo_clip(
 
 GSPO_CLIP_LOW = 3e-4  # the GSPO paper's ε_low / ε_high: sequence ratios stay within ~1e-3 of 1
 GSPO_CLIP_HIGH = 4e-4
-
-
-def _gspo_clip_bounds(cfg: Any) -> tuple[float, float]:
-    """actor.clip_ratio_low / _high, or where unset the paper's 3e-4 / 4e-4; clip_ratio is unused."""
-    eps_low = GSPO_CLIP_LOW if cfg.clip_ratio_low is None else cfg.clip_ratio_low
-    eps_high = GSPO_CLIP_HIGH if cfg.clip_ratio_high is None else cfg.clip_ratio_high
-    if not (0 <= eps_low < 1 and eps_high >= 0):
-        raise UserError(
-            f"actor.clip_ratio_low = {eps_low!r}, actor.clip_ratio_high = {eps_high!r} (policy_loss 'gspo'): "
-            "need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0; GSPO's are 3e-4 and 4e-4 (leave both unset)"
-        )
-    return eps_low, eps_high
 
 
 def gspo(
@@ -103,7 +81,7 @@ def gspo(
     is the per-token lp_old − lp (ppo_kl), clipped_lower_BT is 0. Masked positions are 0 in every
     output.
     """
-    eps_low, eps_high = _gspo_clip_bounds(cfg)
+    eps_low, eps_high = _clip_bounds(cfg, GSPO_CLIP_LOW, GSPO_CLIP_HIGH)  # clip_ratio is PPO's, unused
     m_BT = mask.to(logp.dtype)
     log_ratio_BT = (logp - old_logp) * m_BT
     len_B = m_BT.sum(-1).clamp(min=1.0)

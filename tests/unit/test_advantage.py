@@ -307,9 +307,10 @@ def test_golden_gae_ignores_values_past_the_last_valid_token():
 
 
 def test_gae_without_values_names_the_missing_critic():
-    """gae without critic values must say so, not fail with a NoneType error."""
+    """gae without critic values (a caller's bug: the trainer builds a critic for it) says so,
+    not a NoneType error."""
     inputs = _inputs([1], [2], [0])
-    with pytest.raises(ValueError, match="gae needs a critic"):
+    with pytest.raises(AssertionError, match="gae needs a critic"):
         _run("gae", inputs)
 
 

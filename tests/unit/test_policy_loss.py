@@ -126,14 +126,18 @@ def test_unset_low_high_fall_back_to_clip_ratio():
     torch.testing.assert_close(out.loss_BT, torch.tensor([-1.1]))
 
 
-def test_bad_clip_settings_are_user_errors():
+def test_bad_clip_settings_are_refused_by_validation():
     """clip_ratio_c <= 1 would cap the loss below its on-policy value; a negative clip range is
-    meaningless: both are ValueErrors naming the key."""
-    args = (torch.zeros(1), torch.zeros(1), torch.ones(1), torch.ones(1))
-    with pytest.raises(ValueError, match=r"actor\.clip_ratio_c = 1\.0"):
-        PPO(*args, replace(CFG, clip_ratio_c=1.0))
-    with pytest.raises(ValueError, match=r"actor\.clip_ratio_high"):
-        PPO(*args, replace(CFG, clip_ratio_high=-0.1))
+    meaningless; GSPO's 1 − clip_ratio_low must stay > 0. The validation pass refuses each, naming
+    the key (the losses take their bounds as given, on every micro-batch)."""
+    from minirl.config.load import load_config
+    from minirl.validate.options import policy_loss_problems
+    from minirl.validate.values import RANGES, range_problems
+
+    cfg = load_config(None, ["actor.clip_ratio_c=1.0", "actor.clip_ratio_high=-0.1"])
+    assert {p.key for p in range_problems(cfg, RANGES)} == {"actor.clip_ratio_c", "actor.clip_ratio_high"}
+    gspo = load_config(None, ["actor.policy_loss=gspo", "actor.clip_ratio_low=1.0"])
+    assert [p.key for p in policy_loss_problems(gspo, None)] == ["actor.clip_ratio_low"]
 
 
 def test_registry():
