@@ -7,6 +7,7 @@ Legend: B sequences, T response positions.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass, field
 
@@ -14,45 +15,75 @@ import numpy as np
 import torch
 
 from minirl.dist.transfer import to_device
-from minirl.errors import UserError
 
 
 @dataclass
 class RolloutBatch:
-    """One step's sequences on this rank, prompt-major (the n samples of a prompt are adjacent)."""
+    """One step's sequences on this rank, prompt-major (the n samples of a prompt are adjacent),
+    and the per-sequence [B] and per-token [B, T] tensors the step's phases add to it.
+
+    field                  written by (minirl.trainer phase)     read by
+    mask_BT                gen (1.0 up to and including EOS)     every phase
+    rollout_log_probs_BT   gen (rollout.calculate_log_probs)     update_actor (TIS, rollout_corr/*)
+    scores_B               reward                                dynamic sampling, data metrics
+    token_scores_BT        reward (the score on the last token)  adv, dynamic sampling, guard
+    old_log_probs_BT       old_log_prob (not on-policy)          adv (KL in reward), update_actor, guard
+    ref_log_probs_BT       ref (a KL loss or KL in the reward)   adv (KL in reward), update_actor, guard
+    values_BT              values (an estimator of values)       adv, update_critic, value metrics
+    rewards_BT             adv (token scores − β·KL)             data metrics, guard
+    advantages_BT          adv                                   update_actor, data metrics, guard
+    returns_BT             adv                                   update_critic, data and value metrics
+
+    A field no phase of the run writes stays None. `select`, `concat` and `to` carry every field.
+    """
 
     prompts: list[list[int]]
     responses: list[list[int]]
-    group_B: torch.Tensor  # int64 uid
+    group_B: torch.Tensor  # int64 uid, on the CPU
+    mask_BT: torch.Tensor
     records: list = field(default_factory=list)  # the PromptRecord of each sequence
     finish_reasons: list[str] = field(default_factory=list)
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B, T] or [B]
+    rollout_log_probs_BT: torch.Tensor | None = None
+    scores_B: torch.Tensor | None = None
+    token_scores_BT: torch.Tensor | None = None
+    old_log_probs_BT: torch.Tensor | None = None
+    ref_log_probs_BT: torch.Tensor | None = None
+    values_BT: torch.Tensor | None = None
+    rewards_BT: torch.Tensor | None = None
+    advantages_BT: torch.Tensor | None = None
+    returns_BT: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.responses)
 
-    @property
-    def mask_BT(self) -> torch.Tensor:
-        return self.tensors["mask"]
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every field that holds a tensor, by name, in declaration order."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: v for name, v in values.items() if isinstance(v, torch.Tensor)}
 
     def seq_lens(self, idx: list[int] | None = None) -> list[int]:
         idx = range(len(self)) if idx is None else idx
         return [len(self.prompts[i]) + len(self.responses[i]) for i in idx]
 
-    def select(self, idx: list[int]) -> "RolloutBatch":
+    def select(self, idx: list[int]) -> RolloutBatch:
         t = torch.tensor(idx, dtype=torch.long)
         on_device = {}  # the index, copied once to each device the tensors live on
-        for v in self.tensors.values():
+        for v in self.tensors().values():
             if v.device not in on_device:
                 on_device[v.device] = to_device(t, v.device)
-        return RolloutBatch(
+        return dataclasses.replace(
+            self,
             prompts=[self.prompts[i] for i in idx],
             responses=[self.responses[i] for i in idx],
-            group_B=self.group_B[t],
             records=[self.records[i] for i in idx] if self.records else [],
             finish_reasons=[self.finish_reasons[i] for i in idx] if self.finish_reasons else [],
-            tensors={k: v[on_device[v.device]] for k, v in self.tensors.items()},
+            **{k: v[on_device[v.device]] for k, v in self.tensors().items()},
         )
+
+    def to(self, device: torch.device) -> RolloutBatch:
+        """The batch with its tensors on `device` (the uids stay on the CPU, as generate makes them)."""
+        tensors = {k: v.to(device) for k, v in self.tensors().items()}
+        return dataclasses.replace(self, **{**tensors, "group_B": self.group_B.cpu()})
 
 
 def response_mask(responses: list[list[int]], device) -> torch.Tensor:
@@ -98,25 +129,29 @@ def mini_batches(n_seqs: int, seqs_per_mini: int, order: torch.Tensor | None = N
     return [idx[i : i + seqs_per_mini] for i in range(0, n_seqs, seqs_per_mini)]
 
 
-def micro_batches_by_count(idx: list[int], per_micro: int) -> list[list[int]]:
-    return [idx[i : i + per_micro] for i in range(0, len(idx), per_micro)]
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a pass cuts its sequences into micro-batches, built once from its config section
+    (minirl.build): `per_gpu` sequences each, or with `dynamic` (use_dynamic_bsz) the fewest
+    micro-batches of at most `max_tokens` tokens per GPU each."""
+
+    per_gpu: int
+    dynamic: bool = False
+    max_tokens: int = 0
+
+    def describe(self) -> str:
+        return f"dynamic, <= {self.max_tokens} tokens/GPU" if self.dynamic else f"{self.per_gpu} sequences/GPU"
 
 
-def micro_batches_by_tokens(
-    idx: list[int], lens: list[int], budget: int, key: str, min_count: int = 1
-) -> list[list[int]]:
+def micro_batches_by_tokens(lens: list[int], budget: int, min_count: int = 1) -> list[list[int]]:
     """Balanced partition into the fewest micro-batches whose token counts stay near `budget`.
 
     Longest-first onto the lightest bin (LPT). `min_count` lets data-parallel ranks agree on one
     number of micro-batches (every rank must run the same number of forwards under FSDP).
     """
-    too_long = [(i, n) for i, n in zip(idx, lens) if n > budget]
-    if too_long:
-        i, n = too_long[0]
-        raise UserError(
-            f"{key} = {budget}: sequence {i} has {n} tokens (prompt + response), more than the budget; "
-            f"raise {key} to at least max_prompt_length + max_response_length"
-        )
+    # validation refuses a budget below max_prompt_length + max_response_length (minirl.validate)
+    assert max(lens, default=0) <= budget, f"a sequence of {max(lens)} tokens exceeds the budget {budget}"
+    idx = list(range(len(lens)))
     count = max(min_count, -(-sum(lens) // budget), 1)
     count = min(count, len(idx)) if idx else count
     bins: list[tuple[int, int, list[int]]] = [(0, b, []) for b in range(count)]
@@ -127,46 +162,25 @@ def micro_batches_by_tokens(
     return [sorted(members) for _, _, members in sorted(bins, key=lambda x: x[1]) if members]
 
 
-def split_micro(
-    batch: RolloutBatch,
-    idx: list[int],
-    per_micro: int,
-    dynamic: bool,
-    budget: int,
-    key: str,
-    agree=None,
-    sp_size: int = 1,
-) -> list[list[int]]:
-    """Micro-batches by count (`per_micro` sequences) or by token budget (`use_dynamic_bsz`).
+def split_micro(batch: RolloutBatch, micro: MicroBatching, agree=None, sp_size: int = 1) -> list[list[int]]:
+    """The batch's sequence indices cut into micro-batches as `micro` says.
 
     With Ulysses each GPU holds 1/sp_size of a micro-batch's tokens, so the budget grows with it.
     `agree(count)` returns the largest count over the data-parallel ranks: under FSDP every rank
     must run the same number of forward passes (collectives inside). A rank left with fewer
     micro-batches gets empty ones ([]); `select_micro` turns those into placeholders.
     """
-    if not dynamic:
-        micro = micro_batches_by_count(idx, per_micro)
-        count = agree(len(micro)) if agree else len(micro)
-        return micro + [[] for _ in range(count - len(micro))]
-    lens = batch.seq_lens(idx)
-    if sp_size > 1:
-        _check_sp_budget(lens, budget, sp_size, key)
-        budget *= sp_size
-    micro = micro_batches_by_tokens(idx, lens, budget, key)
-    count = agree(len(micro)) if agree else len(micro)
-    if count > len(micro):
-        micro = micro_batches_by_tokens(idx, lens, budget, key, min_count=count)
-    return micro + [[] for _ in range(count - len(micro))]
-
-
-def _check_sp_budget(lens: list[int], budget: int, sp_size: int, key: str) -> None:
-    longest = max(lens, default=0)
-    if longest > budget * sp_size:
-        raise UserError(
-            f"{key} = {budget} (x ulysses_sequence_parallel_size {sp_size} = {budget * sp_size} tokens per "
-            f"micro-batch): a sequence has {longest} tokens (prompt + response); raise {key} to at least "
-            f"{-(-longest // sp_size)}"
-        )
+    if not micro.dynamic:
+        idx = list(range(len(batch)))
+        parts = [idx[i : i + micro.per_gpu] for i in range(0, len(idx), micro.per_gpu)]
+        count = agree(len(parts)) if agree else len(parts)
+        return parts + [[] for _ in range(count - len(parts))]
+    lens, budget = batch.seq_lens(), micro.max_tokens * sp_size
+    parts = micro_batches_by_tokens(lens, budget)
+    count = agree(len(parts)) if agree else len(parts)
+    if count > len(parts):
+        parts = micro_batches_by_tokens(lens, budget, min_count=count)
+    return parts + [[] for _ in range(count - len(parts))]
 
 
 def select_micro(batch: RolloutBatch, idx: list[int]) -> RolloutBatch:
@@ -176,25 +190,25 @@ def select_micro(batch: RolloutBatch, idx: list[int]) -> RolloutBatch:
     if idx:
         return batch.select(idx)
     sub = batch.select([0])
-    sub.tensors["mask"] = torch.zeros_like(sub.tensors["mask"])
+    sub.mask_BT = torch.zeros_like(sub.mask_BT)
     return sub
 
 
 def concat(batches: list[RolloutBatch]) -> RolloutBatch:
     """The batches one after another. [B, T] tensors are re-padded with zeros to the longest
-    response of the result (past its length a row holds only padding); [B] tensors are joined."""
+    response of the result (past its length a row holds only padding); [B] tensors are joined.
+    The batches must hold the same fields."""
     width = max(1, max((len(r) for b in batches for r in b.responses), default=0))
-    names = batches[0].tensors.keys()
+    names = batches[0].tensors().keys()
     for b in batches[1:]:
-        if b.tensors.keys() != names:
-            raise ValueError(f"cannot join batches holding {sorted(names)} and {sorted(b.tensors)}")
+        if b.tensors().keys() != names:
+            raise ValueError(f"cannot join batches holding {sorted(names)} and {sorted(b.tensors())}")
     return RolloutBatch(
         prompts=[p for b in batches for p in b.prompts],
         responses=[r for b in batches for r in b.responses],
-        group_B=torch.cat([b.group_B for b in batches]),
         records=[rec for b in batches for rec in b.records],
         finish_reasons=[f for b in batches for f in b.finish_reasons],
-        tensors={k: torch.cat([_to_width(b.tensors[k], width) for b in batches]) for k in names},
+        **{k: torch.cat([_to_width(getattr(b, k), width) for b in batches]) for k in names},
     )
 
 

@@ -1,5 +1,5 @@
 """Building a run's components from the config: the models, the data, the rollout engine, the
-losses and the loggers. The trainer calls these once, in order, before its loop
+losses, the updates and their micro-batching, and the loggers. The trainer calls these once, in order, before its loop
 (minirl/trainer.py); each takes only the sections it needs.
 """
 
@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from minirl.batch import MicroBatching
 from minirl.config.load import Config, to_toml
 from minirl.critic import Critic, needs_values, resolved
 from minirl.critic.model import build_value_model
@@ -21,6 +22,7 @@ from minirl.models.loading import load_model_for_rank
 from minirl.observe.evaluate import ValSet, load_val_set
 from minirl.protocols import EngineContext
 from minirl.update import actor as actor_lib
+from minirl.update.loop import Update
 
 
 def needs_ref(cfg: Config) -> bool:
@@ -55,7 +57,50 @@ def critic(pm, cfg: Config, dist: DistContext, total_steps: int, estimator, say)
         return None
     model = build_value_model(pm, cfg, dist)
     optimizer, scheduler = assembly.build_optimizer(pm, model, cfg.critic.optim, total_steps)
-    return Critic(resolved(cfg.critic, cfg.actor), model, optimizer, scheduler)
+    return critic_from_model(cfg, model, optimizer, scheduler, dist)
+
+
+def critic_from_model(cfg: Config, model, optimizer, scheduler, dist: DistContext) -> Critic:
+    """The assembled critic's update and values pass, from the critic section with its unset
+    keys resolved (the values pass's forward_* keys, else its update's, else the actor's)."""
+    c = resolved(cfg.critic, cfg.actor)
+    values_micro = MicroBatching(c.forward_micro_batch_size_per_gpu, c.use_dynamic_bsz, c.forward_max_token_len_per_gpu)
+    return Critic(c, update(cfg, c, model, optimizer, dist, "critic/"), scheduler, values_micro)
+
+
+def actor_update(cfg: Config, actor, optimizer, losses: actor_lib.Losses, dist: DistContext, on_policy: bool):
+    """The actor's update; `on_policy`: the trainer skips the old-log-prob pass (Trainer.on_policy)."""
+    job = update(cfg, cfg.actor, actor, optimizer, dist, "actor/", cfg.actor.loss_scale_factor)
+    return actor_lib.ActorUpdate(job, cfg.actor, losses, actor_lib.logprob_temperature(cfg.rollout), on_policy)
+
+
+def update(cfg: Config, section, model, optimizer, dist: DistContext, prefix: str, loss_scale_factor=None) -> Update:
+    """An update loop from the ppo_* keys of `section` (actor, or the resolved critic)."""
+    return Update(
+        model,
+        optimizer,
+        prefix,
+        epochs=section.ppo_epochs,
+        shuffle=section.shuffle,
+        seqs_per_mini=section.ppo_mini_batch_size * cfg.rollout.n // dist.dp_size,
+        micro=update_micro(section),
+        grad_clip=section.grad_clip,
+        max_response_length=cfg.data.max_response_length,
+        loss_scale_factor=loss_scale_factor,
+    )
+
+
+def update_micro(section) -> MicroBatching:
+    """An update's micro-batches: ppo_micro_batch_size_per_gpu, use_dynamic_bsz, ppo_max_token_len_per_gpu."""
+    s = section
+    return MicroBatching(s.ppo_micro_batch_size_per_gpu, s.use_dynamic_bsz, s.ppo_max_token_len_per_gpu)
+
+
+def log_prob_micro(section) -> MicroBatching:
+    """A log-prob pass's micro-batches (rollout.* for the old, ref.* for the reference's):
+    log_prob_micro_batch_size_per_gpu, log_prob_use_dynamic_bsz, log_prob_max_token_len_per_gpu."""
+    s, size = section, section.log_prob_micro_batch_size_per_gpu
+    return MicroBatching(size, s.log_prob_use_dynamic_bsz, s.log_prob_max_token_len_per_gpu)
 
 
 def train_loader(data_cfg, tokenizer, dist: DistContext) -> PromptLoader:

@@ -192,6 +192,53 @@ LoggerFactory = Callable[[Any, str], MetricsLogger]
 
 
 # ---------------------------------------------------------------------------------------------
+# hooks a parallelism plugin installs on a model (read by minirl.forward.packed)
+# ---------------------------------------------------------------------------------------------
+
+PACKED_FORWARD = "minirl_forward"  # the attribute names under which a plugin installs the hooks
+SEQUENCE_PARALLEL = "minirl_sequence_parallel"
+
+
+class PackedForward(Protocol):
+    """`model.minirl_forward(fn, *args)`: runs fn(model, *args), the whole packed computation.
+
+    The packed forward calls the decoder and the output head directly, never model.forward, so
+    a wrapper whose hooks fire around forward methods only (FSDP2's root all-gather and its
+    post-backward reduce-scatter) would miss it. Installed by such a data-parallel plugin, which
+    registers the method with the wrapper (FSDP2: `register_fsdp_forward_method`). Without it
+    the forward calls fn(model, *args) itself.
+    """
+
+    def __call__(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+
+class SequenceParallel(Protocol):
+    """`model.minirl_sequence_parallel`: cuts a packed row into this rank's share.
+
+    Installed by a sequence-parallel plugin (Ulysses); without it every rank runs the whole row.
+    """
+
+    def split(self, input_ids_1N: torch.Tensor, seq_lens: list[int], pred_pos_R: Any, labels_R: torch.Tensor):
+        """Return (input_ids [1, n], the decoder's forward kwargs, the predicting positions [r]
+        within the slice on the row's device, their labels [r], gather: [r, ...] -> [R, ...]).
+        pred_pos_R is a sorted numpy int64 array on the host, so slices need no device read-back;
+        gather's backward must hand each rank the gradient of its own slice."""
+
+
+@dataclass(frozen=True)
+class ModelHooks:
+    """What parallelism plugins installed on a model; None where none did."""
+
+    packed_forward: PackedForward | None
+    sequence_parallel: SequenceParallel | None
+
+
+def model_hooks(model: Any) -> ModelHooks:
+    """The one place the hooks are read off a model."""
+    return ModelHooks(getattr(model, PACKED_FORWARD, None), getattr(model, SEQUENCE_PARALLEL, None))
+
+
+# ---------------------------------------------------------------------------------------------
 # launchers
 # ---------------------------------------------------------------------------------------------
 

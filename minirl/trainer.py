@@ -19,7 +19,7 @@ from minirl import build
 from minirl.algo import dynamic_sampling
 from minirl.algo.guard import NonFiniteGuard
 from minirl.algo.kl_control import apply_kl_in_reward, build_kl_controller
-from minirl.algo.rollout_corr import ROLLOUT_LOG_PROBS, require_rollout_log_probs, rollout_log_probs_BT
+from minirl.algo.rollout_corr import require_rollout_log_probs, rollout_log_probs_BT
 from minirl.batch import RolloutBatch, response_mask
 from minirl.checkpoint import faults, save_hf_checkpoint
 from minirl.checkpoint import state as ckpt_state
@@ -33,6 +33,7 @@ from minirl.data.prompts import expand_groups
 from minirl.dist.context import DistContext
 from minirl.dist.signals import StopRequest
 from minirl.errors import Stopped
+from minirl.forward.packed import logprob_head, per_token_pass
 from minirl.models import assembly
 from minirl.observe.evaluate import validate
 from minirl.observe.metrics import PhaseTimer, summary_table
@@ -62,7 +63,11 @@ class Trainer:
         self.rewards = build_reward_manager(
             cfg.reward, cfg.custom_reward_function, pm["reward_functions"], self.tokenizer, cfg.plugins.modules
         )
-        self.losses = build.losses(pm, cfg.actor, self.ref)
+        # the old log-probs come from the update's own forward (minirl.update.actor.on_policy)
+        self.on_policy = actor_lib.on_policy(cfg.actor, cfg.data.train_batch_size, cfg.algorithm.use_kl_in_reward)
+        losses = build.losses(pm, cfg.actor, self.ref)
+        self.actor_update = build.actor_update(cfg, self.actor, self.optimizer, losses, dist, self.on_policy)
+        self.old_micro, self.ref_micro = build.log_prob_micro(cfg.rollout), build.log_prob_micro(cfg.ref)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.val = build.val_set(cfg.trainer, cfg.data, self.tokenizer, dist)
         self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_steps, verbose=dist.is_main)
@@ -81,18 +86,6 @@ class Trainer:
             schedulers["critic"] = self.critic.scheduler
         return TrainingState(parts, schedulers, self.loader, self.guard, self.kl_ctrl)
 
-    @property
-    def logprob_temperature(self) -> float:
-        """Log-probs use the sampling temperature's logits; greedy rollouts are scored at 1."""
-        r = self.cfg.rollout
-        return r.temperature if r.do_sample and r.temperature > 0 else 1.0
-
-    @property
-    def on_policy(self) -> bool:
-        """The old log-probs come from the update's own forward (minirl.update.actor.on_policy)."""
-        c = self.cfg
-        return actor_lib.on_policy(c.actor, c.data.train_batch_size, c.algorithm.use_kl_in_reward)
-
     # -----------------------------------------------------------------------------------------
     # the loop
     # -----------------------------------------------------------------------------------------
@@ -107,7 +100,7 @@ class Trainer:
         t = self.cfg.trainer
         self._print(effective_batch_line(self.cfg, self.dist, self.loader.steps_per_epoch, self.total_steps))
         if self.critic is not None:
-            self._print(critic_line(self.cfg, self.critic.cfg))
+            self._print(critic_line(self.cfg, self.critic))
         if self.start_step >= self.total_steps:
             self._print(f"nothing to train: the checkpoint is at step {self.start_step} of {self.total_steps}")
         if t.val_before_train and self.start_step == 0:
@@ -199,13 +192,13 @@ class Trainer:
             batch, reward_metrics, generated = self.rollout(records, step, timer)
             if not self.on_policy:
                 with timer.phase("old_log_prob"):
-                    batch.tensors["old_log_probs"] = self.log_probs(self.actor, self.cfg.rollout, batch)
+                    batch.old_log_probs_BT = self.log_probs(self.actor, self.old_micro, batch)
             if self.ref is not None:
                 with timer.phase("ref"):
-                    batch.tensors["ref_log_probs"] = self.log_probs(self.ref, self.cfg.ref, batch)
+                    batch.ref_log_probs_BT = self.log_probs(self.ref, self.ref_micro, batch)
             if self.critic is not None:
                 with timer.phase("values"):
-                    batch.tensors["values"] = self.values(batch)
+                    batch.values_BT = critic_lib.compute_values(self.critic, batch, self.dist)
             with timer.phase("adv"):
                 adv_metrics = self.advantages(batch)
             critic_metrics, actor_metrics = {}, {}
@@ -268,18 +261,18 @@ class Trainer:
             self.engine.release_memory()
         first_uid = (step * self.dist.dp_size + self.dist.dp_rank) * len(records)
         expanded, uids = expand_groups(records, n, first_uid)
+        responses = [c.token_ids for c in completions]
         batch = RolloutBatch(
             prompts=[rec.prompt_ids for rec in expanded],
-            responses=[c.token_ids for c in completions],
+            responses=responses,
             group_B=torch.tensor(uids, dtype=torch.long),
+            mask_BT=response_mask(responses, self.dist.device),
             records=expanded,
             finish_reasons=[c.finish_reason for c in completions],
         )
-        batch.tensors["mask"] = response_mask(batch.responses, self.dist.device)
         if r.calculate_log_probs:
-            lp_BT = rollout_log_probs_BT(completions, batch.mask_BT, r.name)
-            batch.tensors.update({} if lp_BT is None else {ROLLOUT_LOG_PROBS: lp_BT})
-            require_rollout_log_probs(batch.tensors, self.cfg.actor.tis_imp_ratio_cap, r.name)
+            batch.rollout_log_probs_BT = rollout_log_probs_BT(completions, batch.mask_BT, r.name)
+            require_rollout_log_probs(batch.rollout_log_probs_BT, self.cfg.actor.tis_imp_ratio_cap, r.name)
         return batch
 
     def score(self, batch: RolloutBatch) -> dict[str, float]:
@@ -289,27 +282,23 @@ class Trainer:
         buffer = self.cfg.reward.overlong_buffer
         penalty_B = overlong_penalty(lens, self.cfg.data.max_response_length, buffer).to(self.dist.device)
         scores_B = torch.tensor(result.scores, dtype=torch.float32, device=self.dist.device) + penalty_B
-        batch.tensors["scores"] = scores_B
-        batch.tensors["token_scores"] = place_scores(scores_B, lens, batch.mask_BT.shape[1])
+        batch.scores_B = scores_B
+        batch.token_scores_BT = place_scores(scores_B, lens, batch.mask_BT.shape[1])
         return reward_metrics(result, penalty_B if buffer.enable else None, self.dist)
 
-    def log_probs(self, model, section, batch: RolloutBatch) -> torch.Tensor:
-        micro = (
-            section.log_prob_micro_batch_size_per_gpu,
-            section.log_prob_use_dynamic_bsz,
-            section.log_prob_max_token_len_per_gpu,
-            f"{section_name(self.cfg, section)}.log_prob_max_token_len_per_gpu",
-        )
-        return actor_lib.compute_logprobs(model, batch, self.logprob_temperature, micro, self.dist)
+    def log_probs(self, model, micro, batch: RolloutBatch) -> torch.Tensor:
+        """Per-token log-probs [B, T] of the responses under `model` (old or reference policy)."""
+        head = logprob_head(self.actor_update.temperature)
+        return per_token_pass(model, batch, micro, head, self.dist)
 
     def advantages(self, batch: RolloutBatch) -> dict[str, float]:
-        rewards_BT, metrics = batch.tensors["token_scores"], {}
+        rewards_BT, metrics = batch.token_scores_BT, {}
         if self.kl_ctrl is not None:
             kl_fn = self.pm["kl_estimators"].get(self.cfg.algorithm.kl_penalty)
             rewards_BT, mean_kl = apply_kl_in_reward(
                 rewards_BT,
-                batch.tensors["old_log_probs"],
-                batch.tensors["ref_log_probs"],
+                batch.old_log_probs_BT,
+                batch.ref_log_probs_BT,
                 batch.mask_BT,
                 self.kl_ctrl.value,
                 kl_fn,
@@ -321,40 +310,25 @@ class Trainer:
             rewards_BT,
             batch.mask_BT,
             batch.group_B.to(self.dist.device),
-            values_BT=batch.tensors.get("values"),  # the critic's (gae); None without one
+            values_BT=batch.values_BT,  # the critic's (gae); None without one
             reduce=self.dist.reduce_sum,
         )
-        adv_BT, ret_BT = self.estimator(inputs, self.cfg.algorithm)
-        batch.tensors.update(rewards=rewards_BT, advantages=adv_BT, returns=ret_BT)
+        batch.advantages_BT, batch.returns_BT = self.estimator(inputs, self.cfg.algorithm)
+        batch.rewards_BT = rewards_BT
         return metrics
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         self.actor.train()
-        metrics = actor_lib.update_actor(
-            self.actor,
-            self.optimizer,
-            batch,
-            self.cfg.actor,
-            self.logprob_temperature,
-            self.cfg.data.max_response_length,
-            self.losses,
-            self.dist,
-            self.cfg.rollout.n,
-        )
+        metrics = actor_lib.update_actor(self.actor_update, batch, self.dist)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.actor.eval()
         return metrics
 
-    def values(self, batch: RolloutBatch) -> torch.Tensor:
-        return critic_lib.compute_values(self.critic.model, batch, self.critic.cfg, self.dist)
-
     def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
-        critic, cfg = self.critic, self.cfg
+        critic = self.critic
         critic.model.train()
-        metrics = critic_lib.update_critic(
-            critic.model, critic.optimizer, batch, critic.cfg, cfg.data.max_response_length, self.dist, cfg.rollout.n
-        )
+        metrics = critic_lib.update_critic(critic, batch, self.dist)
         metrics["critic/lr"] = critic.scheduler.get_last_lr()[0]
         critic.scheduler.step()
         critic.model.eval()
@@ -393,19 +367,11 @@ class Trainer:
             print(text, flush=True)
 
 
-def section_name(cfg: Config, section) -> str:
-    return next(name for name, s in cfg.sections.items() if s is section)
-
-
 def effective_batch_line(cfg: Config, dist: DistContext, steps_per_epoch: int, total_steps: int) -> str:
     """The one line that spells out the effective batch."""
     d, a, n = cfg.data, cfg.actor, cfg.rollout.n
     minis = d.train_batch_size // a.ppo_mini_batch_size
-    micro = (
-        f"dynamic, <= {a.ppo_max_token_len_per_gpu} tokens/GPU"
-        if a.use_dynamic_bsz
-        else f"{a.ppo_micro_batch_size_per_gpu} sequences/GPU"
-    )
+    micro = build.update_micro(a).describe()
     on_policy = actor_lib.on_policy(a, d.train_batch_size, cfg.algorithm.use_kl_in_reward)
     old = "from the update's forward (on-policy: no prev-log-prob pass)" if on_policy else "a separate pass"
     return (

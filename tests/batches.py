@@ -15,7 +15,7 @@ def three_groups(seed: int, prompt_lens: list[int], response_lens: list[int]) ->
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, 250, (n,), generator=g).tolist() for n in prompt_lens]
     responses = [torch.randint(1, 250, (n,), generator=g).tolist() for n in response_lens]
-    batch = RolloutBatch(prompts, responses, torch.tensor([0, 0, 1, 1, 2, 2]))
     mask_BT = response_mask(responses, torch.device("cpu"))
-    batch.tensors.update(mask=mask_BT, advantages=torch.tensor(ADVANTAGES)[:, None] * mask_BT)
+    batch = RolloutBatch(prompts, responses, torch.tensor([0, 0, 1, 1, 2, 2]), mask_BT)
+    batch.advantages_BT = torch.tensor(ADVANTAGES)[:, None] * mask_BT
     return batch

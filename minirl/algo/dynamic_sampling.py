@@ -43,14 +43,14 @@ log = logging.getLogger(__name__)
 # algorithm.filter_groups.metric -> the per-sequence value [B] whose spread within a group decides
 SEQUENCE_METRICS: dict[str, Callable[[RolloutBatch], torch.Tensor]] = {
     # the rule score of the sequence: what the reward function returned
-    "score": lambda b: b.tensors["scores"],
+    "score": lambda b: b.scores_B,
     # verl's seq_reward: the token-level scores summed over the response (the score plus any
     # shaping placed on its tokens)
-    "seq_reward": lambda b: b.tensors["token_scores"].sum(-1),
+    "seq_reward": lambda b: b.token_scores_BT.sum(-1),
     # verl's seq_final_reward: the token-level rewards the advantage sees, summed. The KL penalty
     # of use_kl_in_reward needs the old and reference log-probs, computed after the filter, so
     # validation refuses the pair and this is seq_reward
-    "seq_final_reward": lambda b: b.tensors["token_scores"].sum(-1),
+    "seq_final_reward": lambda b: b.token_scores_BT.sum(-1),
 }
 
 Key = tuple[int, int, int]  # (generation batch of the step, data-parallel rank, group on that rank)
@@ -108,7 +108,7 @@ def fill_batch(gen_and_score, records, loader, cfg, train_batch_size: int, n: in
 
 def _generated(batch: RolloutBatch, informative_RG: torch.Tensor, first: bool, n: int, rank: int) -> Generated:
     groups = list(range(informative_RG.shape[1])) if first else informative_RG[rank].nonzero()[:, 0].tolist()
-    scores_B = batch.tensors["scores"].detach().double()
+    scores_B = batch.scores_B.detach().double()
     kept = batch if first else batch.select(_sequences(groups, n))
     return Generated(informative_RG, kept, groups, scores_B.sum(), len(scores_B))
 
@@ -162,21 +162,14 @@ def balance(own: list[RolloutBatch], counts: list[int], n: int, dist: DistContex
     mine = concat(own) if own else None
     keep = min(counts[rank], share)
     give = mine.select(list(range(keep * n, counts[rank] * n))) if counts[rank] > share else None
-    pool = [b for b in dist.all_gather_objects(_on(give, torch.device("cpu"))) if b is not None]
+    give = None if give is None else give.to(torch.device("cpu"))
+    pool = [b for b in dist.all_gather_objects(give) if b is not None]
     moved = sum(max(0, c - share) for c in counts)
     if counts[rank] >= share:
         return mine.select(list(range(keep * n))), moved
     start = sum(max(0, share - c) for c in counts[:rank])
-    taken = _on(concat(pool), dist.device).select(_sequences(range(start, start + share - counts[rank]), n))
+    taken = concat(pool).to(dist.device).select(_sequences(range(start, start + share - counts[rank]), n))
     return concat(([mine] if mine is not None else []) + [taken]), moved
-
-
-def _on(batch: RolloutBatch | None, device: torch.device) -> RolloutBatch | None:
-    """The batch with its tensors on `device` (the uids stay on the CPU, as generate makes them)."""
-    if batch is None:
-        return None
-    b, tensors = batch, {k: v.to(device) for k, v in batch.tensors.items()}
-    return RolloutBatch(b.prompts, b.responses, b.group_B.cpu(), b.records, b.finish_reasons, tensors)
 
 
 def merge_reward_metrics(per_batch: list[dict[str, float]]) -> dict[str, float]:

@@ -1,15 +1,15 @@
 """The numerical guard: a non-finite loss or gradient never reaches the weights.
 
 Two halves:
-- per optimizer step (minirl.update.actor): a mini-batch whose loss or gradient norm is NaN or inf on
-  any rank skips `optimizer.step()`. The step's metrics count the skipped optimizer steps
+- per optimizer step (minirl.update.loop): a mini-batch whose loss or gradient norm is NaN or inf
+  on any rank skips `optimizer.step()`. The step's metrics count the skipped optimizer steps
   (`actor/nonfinite_steps`) and name the phase where the first non-finite value appeared
   (`actor/nonfinite_phase`, an index into NONFINITE_PHASES; 0 when all is finite), so a NaN
   advantage from a plugin is reported as "adv", not as the loss it poisoned;
 - per training step (`NonFiniteGuard.observe`, called by the trainer with the step's metrics):
   each bad step is logged with its number and phase, and trainer.max_nonfinite_steps bad steps
   in a row stop the run with a UserError instead of "succeeding" on frozen weights. The critic's
-  skipped optimizer steps (`critic/nonfinite_steps`, minirl.critic.update) make a step bad too,
+  skipped optimizer steps (`critic/nonfinite_steps`, the same loop) make a step bad too,
   in phase "update_critic": a critic stuck on NaN would otherwise feed the actor frozen values.
 """
 
@@ -20,24 +20,17 @@ from typing import Any
 
 import torch
 
+from minirl.batch import RolloutBatch
 from minirl.errors import UserError
 
 # Where a non-finite value can first appear, in the order the step computes them. "reward"
 # (token scores), "old_log_prob", "ref" and "adv" are the trainer's phases whose outputs the
 # update reads; "loss" and "grad_norm" are inside the update itself.
 NONFINITE_PHASES = ("", "reward", "old_log_prob", "ref", "adv", "loss", "grad_norm", "update_critic")
-STEPS_METRIC = "actor/nonfinite_steps"
-CRITIC_STEPS_METRIC = "critic/nonfinite_steps"
+NONFINITE_STEPS = "nonfinite_steps"  # after the update's metric prefix
+STEPS_METRIC = f"actor/{NONFINITE_STEPS}"
+CRITIC_STEPS_METRIC = f"critic/{NONFINITE_STEPS}"
 PHASE_METRIC = "actor/nonfinite_phase"
-
-# batch tensor -> the phase that produced it, in the order the step produces them
-INPUT_PHASES = (
-    ("token_scores", "reward"),
-    ("old_log_probs", "old_log_prob"),
-    ("ref_log_probs", "ref"),
-    ("rewards", "adv"),
-    ("advantages", "adv"),
-)
 
 
 def phase_code(phase: str) -> float:
@@ -59,16 +52,23 @@ def nonfinite_step(loss: torch.Tensor, grad_norm: torch.Tensor, reduce) -> tuple
     return ("loss" if loss_bad else ("grad_norm" if grad_bad else "")), norm
 
 
-def first_nonfinite_input(tensors: dict[str, torch.Tensor], reduce=None) -> str:
-    """The phase of the first batch tensor holding NaN or inf ("" when all are finite), agreed
-    over ranks by `reduce` (a sum over data-parallel ranks) with one host sync."""
-    present = [(name, phase) for name, phase in INPUT_PHASES if name in tensors]
+def first_nonfinite_input(batch: RolloutBatch, reduce=None) -> str:
+    """The phase of the first of the update's inputs holding NaN or inf ("" when all are finite),
+    agreed over ranks by `reduce` (a sum over data-parallel ranks) with one host sync."""
+    inputs = (  # in the order the step produces them
+        ("reward", batch.token_scores_BT),
+        ("old_log_prob", batch.old_log_probs_BT),
+        ("ref", batch.ref_log_probs_BT),
+        ("adv", batch.rewards_BT),
+        ("adv", batch.advantages_BT),
+    )
+    present = [(phase, x) for phase, x in inputs if x is not None]
     if not present:
         return ""
-    flags = torch.stack([(~torch.isfinite(tensors[name])).any().float() for name, _ in present])
+    flags = torch.stack([(~torch.isfinite(x)).any().float() for _, x in present])
     if reduce is not None:
         flags = reduce(flags)
-    bad = [phase for (_, phase), flag in zip(present, flags.tolist()) if flag > 0]
+    bad = [phase for (phase, _), flag in zip(present, flags.tolist()) if flag > 0]
     return bad[0] if bad else ""
 
 

@@ -3,7 +3,7 @@
 The rollout engine samples with its own kernels (bf16, CUDA graphs, another attention), so the
 probability it gave a sampled token, p_roll = exp(lp_roll), differs from the one the training
 forward gives the same weights, p_old = exp(lp_old). `lp_roll` is kept with the batch as
-`rollout_log_probs` [B, T] (rollout.calculate_log_probs); `lp_old` is the old log-prob the update
+`RolloutBatch.rollout_log_probs_BT` (rollout.calculate_log_probs); `lp_old` is the old log-prob the update
 uses (the prev-log-prob pass, or with the on-policy shortcut the update forward's own, detached).
 
 Metrics, over the valid tokens of the whole step on all data-parallel ranks (m the mask):
@@ -28,8 +28,6 @@ import torch
 from minirl.batch import scatter_tokens
 from minirl.errors import UserError
 
-ROLLOUT_LOG_PROBS = "rollout_log_probs"
-
 
 def rollout_log_probs_BT(completions, mask_BT: torch.Tensor, engine: str) -> torch.Tensor | None:
     """The completions' sampled-token log-probs as [B, T] (0 after the last token), or None when
@@ -48,14 +46,14 @@ def rollout_log_probs_BT(completions, mask_BT: torch.Tensor, engine: str) -> tor
     return scatter_tokens(flat_N.to(mask_BT.device), mask_BT)
 
 
-def require_rollout_log_probs(tensors: dict, cap: float, engine: str = "") -> None:
-    """TIS needs the engine's log-probs: a UserError naming the keys when the batch has none."""
-    if cap > 0 and ROLLOUT_LOG_PROBS not in tensors:
-        which = f"rollout.name = {engine!r} returned no Completion.logprobs" if engine else "the batch has none"
+def require_rollout_log_probs(rollout_BT: torch.Tensor | None, cap: float, engine: str) -> None:
+    """TIS needs the engine's log-probs. Validation has checked that rollout.calculate_log_probs
+    asks for them; whether the engine returns them is known only once it has generated."""
+    if cap > 0 and rollout_BT is None:
         raise UserError(
-            f"actor.tis_imp_ratio_cap = {cap!r} needs the rollout engine's sampled-token log-probs (batch key "
-            f"{ROLLOUT_LOG_PROBS!r}), but {which}: set rollout.calculate_log_probs = true and use an engine that "
-            "returns them (native, hf and sglang do), or set actor.tis_imp_ratio_cap = -1"
+            f"actor.tis_imp_ratio_cap = {cap!r} needs the rollout engine's sampled-token log-probs, but "
+            f"rollout.name = {engine!r} returned no Completion.logprobs: use an engine that returns them "
+            "(native, hf and sglang do), or set actor.tis_imp_ratio_cap = -1"
         )
 
 

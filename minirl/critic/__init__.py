@@ -4,8 +4,8 @@ and its update.
 - minirl.critic.model: the value model (the actor's backbone + a scalar head) and its packed
   forward, V at the positions that predict the response tokens;
 - minirl.critic.value_loss: verl's clipped value loss and the explained variance;
-- minirl.critic.update: the values pass (before the advantages) and the critic update (beside
-  the actor's), micro-batched and globally normalised exactly as the actor's.
+- minirl.critic.update: the values pass (before the advantages) and the critic's micro-batch
+  loss in the actor's update loop (minirl.update.loop).
 
 The trainer builds a critic only when the advantage estimator needs values (`needs_values`).
 """
@@ -16,16 +16,30 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from minirl.batch import MicroBatching
+from minirl.update.loop import Update
+
 
 @dataclass
 class Critic:
-    """The assembled value model, its optimizer and LR scheduler, and its config section with
-    ppo_mini_batch_size resolved (unset: the actor's), built by minirl.build.critic."""
+    """The assembled value model with its update (optimizer, how the loop walks a batch), its LR
+    scheduler, the values pass's micro-batching, and its config section with every unset key
+    resolved (`resolved`), built by minirl.build.critic."""
 
     cfg: Any
-    model: Any
-    optimizer: Any
+    update: Update
     scheduler: Any
+    values_micro: MicroBatching
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.update.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.update.optimizer
 
 
 def needs_values(estimator) -> bool:
@@ -62,19 +76,14 @@ def resolved(critic_cfg, actor_cfg):
     return dataclasses.replace(cfg, **unset)
 
 
-def critic_line(cfg, critic_cfg) -> str:
+def critic_line(cfg, critic: Critic) -> str:
     """The start-up line that spells out the critic (beside the effective-batch line)."""
-    c, warmup, train_batch_size = critic_cfg, cfg.trainer.critic_warmup, cfg.data.train_batch_size
+    c, warmup, train_batch_size = critic.cfg, cfg.trainer.critic_warmup, cfg.data.train_batch_size
     minis = train_batch_size // c.ppo_mini_batch_size
     backbone = c.model.path or cfg.model.path or f"preset {cfg.model.preset!r}"
     warm = f"; steps 1..{warmup} update only the critic (critic_warmup: the actor update is skipped)" if warmup else ""
-    micro = (
-        f"dynamic, <= {c.ppo_max_token_len_per_gpu} tokens/GPU"
-        if c.use_dynamic_bsz
-        else f"{c.ppo_micro_batch_size_per_gpu} sequences/GPU"
-    )
     return (
         f"critic: {backbone} + a scalar value head; {minis} mini-batch(es) x {c.ppo_epochs} epoch(s); "
-        f"micro-batches: {micro}; lr {c.optim.lr}, cliprange_value {c.cliprange_value}, "
-        f"loss_agg_mode {c.loss_agg_mode}{warm}"
+        f"micro-batches: {critic.update.micro.describe()}; lr {c.optim.lr}, cliprange_value "
+        f"{c.cliprange_value}, loss_agg_mode {c.loss_agg_mode}{warm}"
     )

@@ -11,7 +11,7 @@ The model stays a transformers causal LM whose `get_output_embeddings()` is the 
 assembly hooks (Ulysses, activation checkpointing, FSDP2) and minirl.forward.packed's packing apply to
 it unchanged. V_t is read at the position that predicts response token t (the last prompt token
 for t = 0), the positions whose hidden states give the log-probs (verl's alignment).
-Legend: N packed tokens, R response tokens of a micro-batch, H hidden size.
+Legend: R response tokens of a micro-batch (r: of this rank's sequence-parallel slice), H hidden size.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from minirl.dist.context import DistContext
-from minirl.forward.packed import mixed_precision, pack, run_packed, split
+from minirl.forward.packed import packed_forward
 from minirl.models import assembly
 from minirl.models.loading import load_model_for_rank
 
@@ -64,19 +64,13 @@ def build_value_model(pm, cfg, dist: DistContext) -> torch.nn.Module:
     return assembly.assemble_critic(pm, model, cfg.critic, dist)
 
 
-def _packed_values(model, input_ids_1N, seq_lens, pred_pos_R, labels_R) -> torch.Tensor:
-    ids_1n, kwargs, pos_r, _, gather = split(model, input_ids_1N, seq_lens, pred_pos_R, labels_R)
-    hidden_nH = model.get_decoder()(input_ids=ids_1n, **kwargs).last_hidden_state[0]
+def value_head(model, hidden_rH: torch.Tensor, labels_r: torch.Tensor) -> tuple[torch.Tensor]:
+    """V [r] (float32) from the hidden states: minirl.forward.packed's head of the critic."""
     # sum over the head's one output: exactly that value, and a new tensor rather than a view
     # (FSDP2 hooks a root output for backward; a view of it may lose the hook)
-    # A Ulysses slice without response positions indexes nothing, yet the index keeps hidden_nH
-    # in the graph, so its backward (with the all-to-alls the other slice waits on) still runs
-    values_r = model.get_output_embeddings()(hidden_nH[pos_r]).float().sum(-1)
-    return gather(values_r)
+    return (model.get_output_embeddings()(hidden_rH).float().sum(-1),)
 
 
 def response_values(model: torch.nn.Module, prompts, responses, device: torch.device) -> torch.Tensor:
     """Values [R] (float32) at the positions that predict the response tokens, sequence-major."""
-    input_ids, lens, pred_pos, labels = pack(prompts, responses, device)
-    with mixed_precision(device):
-        return run_packed(model, _packed_values, input_ids, lens, pred_pos, labels)
+    return packed_forward(model, prompts, responses, device, value_head)[0]

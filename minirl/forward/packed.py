@@ -1,24 +1,35 @@
-"""Packed forward passes: per-token log-probs (and entropy) of response tokens, no padding.
+"""The packed forward: a micro-batch of sequences run as one row, with a head on the positions
+that predict response tokens; and the gradient-free pass of such forwards over a whole batch.
 
-A micro-batch of sequences becomes one packed row [1, N] (prompt + response of each sequence,
-back to back); minirl's registered attention keeps the sequences apart. Only the hidden states
-that predict response tokens go through the output projection, in chunks, so the float32 logits
-of a whole batch never exist at once.
-Legend: N packed tokens, R response tokens of the micro-batch, H hidden size.
+A micro-batch becomes one packed row [1, N] (prompt + response of each sequence, back to back);
+minirl's registered attention keeps the sequences apart. Only the hidden states that predict
+response tokens reach the head, so nothing the size of the whole row's logits ever exists. The
+heads: `logprob_head` (log-probs and entropies, chunked: minirl.forward.logprob), `hidden_head`
+(the hidden states themselves, for the exact full KL) and the critic's value head
+(minirl.critic.model).
+Legend: B sequences, T response positions, N packed tokens, R response tokens of the
+micro-batch (n, r: of this rank's slice under sequence parallelism), H hidden size.
 """
 
 from __future__ import annotations
 
 import contextlib
 from itertools import chain
+from typing import Callable
 
 import numpy as np
 import torch
 
-from minirl.batch import ragged_arange
-from minirl.dist.transfer import to_device
+from minirl.batch import MicroBatching, RolloutBatch, ragged_arange, scatter_tokens, select_micro, split_micro
+from minirl.dist.context import DistContext
+from minirl.dist.transfer import tensor_to, to_device
 from minirl.forward.logprob import chunked_logprobs
+from minirl.models import assembly
 from minirl.models.attention import ATTN_NAME, packed_forward_kwargs
+from minirl.protocols import model_hooks
+
+Head = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], tuple]
+"""head(model, hidden_rH, labels_r) -> a tuple of per-position outputs [r, ...] (or None)."""
 
 
 def mixed_precision(device: torch.device):
@@ -53,33 +64,36 @@ def pack(
     return input_ids, seq_S.tolist(), pred_pos_R, to_device(torch.from_numpy(labels_R), device)
 
 
-def hidden_states(model: torch.nn.Module, input_ids_1N: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-    """Last hidden states [N, H] of a packed row."""
-    kwargs = packed_forward_kwargs(seq_lens, input_ids_1N.device, _reads_no_mask(model))
-    out = model.get_decoder()(input_ids=input_ids_1N, **kwargs)
-    return out.last_hidden_state[0]
+def packed_forward(model: torch.nn.Module, prompts, responses, device: torch.device, head: Head) -> tuple:
+    """head's outputs [R, ...] at the positions that predict the response tokens, sequence-major."""
+    input_ids, lens, pred_pos, labels = pack(prompts, responses, device)
+    with mixed_precision(device):
+        return run_packed(model, _forward_with_head, input_ids, lens, pred_pos, labels, head)
 
 
 def run_packed(model: torch.nn.Module, fn, *args):
-    """fn(model, *args), through `model.minirl_forward` when a data-parallel plugin installed one.
+    """fn(model, *args), through the model's PackedForward hook when a data-parallel plugin
+    installed one (minirl.protocols says why FSDP2 needs it)."""
+    hook = model_hooks(model).packed_forward
+    return fn(model, *args) if hook is None else hook(fn, *args)
 
-    The packed passes call the decoder and the lm_head directly, never model.forward, so FSDP2's
-    root hooks would not gather the root's parameters (embeddings, lm_head); the FSDP2 plugin
-    registers `minirl_forward` as a forward method to run them around fn.
-    """
-    method = getattr(model, "minirl_forward", None)
-    return fn(model, *args) if method is None else method(fn, *args)
+
+def _forward_with_head(model, input_ids_1N, seq_lens, pred_pos_R, labels_R, head: Head) -> tuple:
+    ids_1n, kwargs, pos_r, labels_r, gather = split(model, input_ids_1N, seq_lens, pred_pos_R, labels_R)
+    hidden_nH = model.get_decoder()(input_ids=ids_1n, **kwargs).last_hidden_state[0]
+    outs_r = head(model, hidden_nH[pos_r], labels_r)
+    if pos_r.numel() == 0 and torch.is_grad_enabled():
+        # a slice that predicts no response token must still run its backward: the
+        # sequence-parallel all-to-alls inside it are collectives the other slices wait on
+        anchor = 0.0 * hidden_nH.sum()
+        outs_r = tuple(None if x is None else x + anchor for x in outs_r)
+    return tuple(None if x is None else gather(x) for x in outs_r)
 
 
 def split(model: torch.nn.Module, input_ids_1N, seq_lens: list[int], pred_pos_R, labels_R):
-    """This rank's share of a packed row: (input_ids [1, n], forward kwargs, predicting positions
-    [r] within it on the row's device, their labels [r], gather: [r, ...] -> [R, ...]).
-    pred_pos_R is `pack`'s numpy array.
-
-    Without sequence parallelism that is the whole row. A sequence-parallel plugin (Ulysses)
-    installs `model.minirl_sequence_parallel`, whose `split` cuts the row into slices.
-    """
-    sp = getattr(model, "minirl_sequence_parallel", None)
+    """This rank's share of a packed row (minirl.protocols.SequenceParallel.split's contract):
+    the whole row, unless a sequence-parallel plugin cuts it into slices."""
+    sp = model_hooks(model).sequence_parallel
     if sp is not None:
         return sp.split(input_ids_1N, seq_lens, pred_pos_R, labels_R)
     kwargs = packed_forward_kwargs(seq_lens, input_ids_1N.device, _reads_no_mask(model))
@@ -95,22 +109,26 @@ def _whole(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _packed_logprobs(model, input_ids_1N, seq_lens, pred_pos_R, labels_R, temperature, with_entropy):
-    ids_1n, kwargs, pos_r, labels_r, gather = split(model, input_ids_1N, seq_lens, pred_pos_R, labels_R)
-    hidden_nH = model.get_decoder()(input_ids=ids_1n, **kwargs).last_hidden_state[0]
-    logp_r, ent_r = chunked_logprobs(
-        hidden_nH[pos_r],
-        model.get_output_embeddings(),
-        labels_r,
-        temperature,
-        with_entropy=with_entropy,
-        recompute=torch.is_grad_enabled(),
-    )
-    if pos_r.numel() == 0 and torch.is_grad_enabled():
-        # a slice that predicts no response token must still run its backward: the
-        # sequence-parallel all-to-alls inside it are collectives the other slices wait on
-        logp_r = logp_r + 0.0 * hidden_nH.sum()
-    return gather(logp_r), (None if ent_r is None else gather(ent_r))
+# ---------------------------------------------------------------------------------------------
+# heads
+# ---------------------------------------------------------------------------------------------
+
+
+def logprob_head(temperature: float, with_entropy: bool = False) -> Head:
+    """(log-probs [r], entropies [r] or None) of the labels under lm_head(h) / temperature; with
+    gradients each chunk's logits are recomputed in the backward instead of kept."""
+
+    def head(model, hidden_rH, labels_r):
+        out = model.get_output_embeddings()
+        grad = torch.is_grad_enabled()
+        return chunked_logprobs(hidden_rH, out, labels_r, temperature, with_entropy=with_entropy, recompute=grad)
+
+    return head
+
+
+def hidden_head(model, hidden_rH: torch.Tensor, labels_r: torch.Tensor) -> tuple[torch.Tensor]:
+    """The hidden states [r, H] themselves (the exact full KL applies both output heads)."""
+    return (hidden_rH,)
 
 
 def response_logprobs(
@@ -122,19 +140,23 @@ def response_logprobs(
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [R] (and entropies [R]) of the response tokens, sequence-major, unpadded."""
-    input_ids, lens, pred_pos, labels = pack(prompts, responses, device)
-    with mixed_precision(device):
-        return run_packed(model, _packed_logprobs, input_ids, lens, pred_pos, labels, temperature, with_entropy)
+    return packed_forward(model, prompts, responses, device, logprob_head(temperature, with_entropy))
 
 
-def _packed_hidden(model, input_ids_1N, seq_lens, pred_pos_R, labels_R):
-    ids_1n, kwargs, pos_r, _, gather = split(model, input_ids_1N, seq_lens, pred_pos_R, labels_R)
-    hidden_nH = model.get_decoder()(input_ids=ids_1n, **kwargs).last_hidden_state[0]
-    return gather(hidden_nH[pos_r])
+# ---------------------------------------------------------------------------------------------
+# the gradient-free pass over a batch (old and reference log-probs, the critic's values)
+# ---------------------------------------------------------------------------------------------
 
 
-def response_hidden(model: torch.nn.Module, prompts, responses, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hidden states [R, H] that predict the response tokens, and the labels [R] (for full KL)."""
-    input_ids, lens, pred_pos, labels = pack(prompts, responses, device)
-    with mixed_precision(device):
-        return run_packed(model, _packed_hidden, input_ids, lens, pred_pos, labels), labels
+@torch.no_grad()
+def per_token_pass(model, batch: RolloutBatch, micro: MicroBatching, head: Head, dist: DistContext) -> torch.Tensor:
+    """head's first output at every response token as [B, T] float32 (0 at padding), micro-batch
+    by micro-batch; the model is resharded after (no backward follows to do it)."""
+    out_BT = torch.zeros(batch.mask_BT.shape, device=dist.device)
+    for idx in split_micro(batch, micro, dist.max_over_ranks, dist.sp_size):
+        sub = select_micro(batch, idx)  # an empty idx still runs its forward: FSDP ranks run in step
+        flat_R = packed_forward(model, sub.prompts, sub.responses, dist.device, head)[0]
+        if idx:
+            out_BT[tensor_to(idx, torch.long, dist.device)] = scatter_tokens(flat_R.float(), sub.mask_BT)
+    assembly.reshard(model)
+    return out_BT

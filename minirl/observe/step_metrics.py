@@ -43,10 +43,10 @@ def data_metrics(batch: RolloutBatch, dist: DistContext) -> dict[str, float]:
     resp_len = batch.mask_BT.sum(-1)
     prompt_len = torch.tensor([float(len(p)) for p in batch.prompts], device=dev)
     out = {}
-    out.update(reduced_stats("score", batch.tensors["scores"], dist))
-    out.update(reduced_stats("reward", batch.tensors["rewards"].sum(-1), dist))
-    out.update(reduced_stats("advantages", batch.tensors["advantages"][mask], dist))
-    out.update(reduced_stats("returns", batch.tensors["returns"][mask], dist))
+    out.update(reduced_stats("score", batch.scores_B, dist))
+    out.update(reduced_stats("reward", batch.rewards_BT.sum(-1), dist))
+    out.update(reduced_stats("advantages", batch.advantages_BT[mask], dist))
+    out.update(reduced_stats("returns", batch.returns_BT[mask], dist))
     out.update(reduced_stats("response_length", resp_len, dist))
     out.update(reduced_stats("prompt_length", prompt_len, dist))
     truncated = torch.tensor([r == "length" for r in batch.finish_reasons], device=dev)
@@ -57,7 +57,7 @@ def data_metrics(batch: RolloutBatch, dist: DistContext) -> dict[str, float]:
 
 def equal_score_groups(batch: RolloutBatch) -> torch.Tensor:
     """One flag per group: all its scores are equal (such a group gives zero GRPO advantage)."""
-    scores, groups = batch.tensors["scores"].cpu(), batch.group_B.cpu()
+    scores, groups = batch.scores_B.cpu(), batch.group_B.cpu()
     uniq, inv = torch.unique(groups, return_inverse=True)
     hi = torch.full((len(uniq),), -float("inf")).scatter_reduce(0, inv, scores, "amax")
     lo = torch.full((len(uniq),), float("inf")).scatter_reduce(0, inv, scores, "amin")
@@ -120,7 +120,7 @@ def value_metrics(batch: RolloutBatch, dist: DistContext) -> dict[str, float]:
     """critic/values/mean|max|min, critic/returns/mean and critic/vf_explained_var over the valid
     tokens of every data-parallel rank (values from the values pass, returns from the estimator)."""
     mask = batch.mask_BT.bool()
-    values_BT, returns_BT = batch.tensors["values"], batch.tensors["returns"]
+    values_BT, returns_BT = batch.values_BT, batch.returns_BT
     out = reduced_stats("critic/values", values_BT[mask], dist)
     out["critic/returns/mean"] = reduced_stats("critic/returns", returns_BT[mask], dist)["critic/returns/mean"]
     out["critic/vf_explained_var"] = explained_variance(returns_BT, values_BT, batch.mask_BT, dist.reduce_sum)

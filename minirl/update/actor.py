@@ -1,51 +1,32 @@
-"""Log-prob passes and the PPO-style actor update over mini- and micro-batches.
+"""The actor's update: its micro-batch loss (policy loss, entropy bonus, KL loss, TIS weight) in
+the shared loop of minirl.update.loop, and when the update may skip the old-log-prob pass.
 
-Losses are normalised by counts over the whole global mini-batch (minirl.algo.loss_agg), so the
-gradient does not depend on how sequences are split into micro-batches or ranks.
 Legend: B sequences, T response positions, R response tokens of a micro-batch.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from minirl.algo.guard import PHASE_METRIC, STEPS_METRIC, first_nonfinite_input, nonfinite_step, phase_code
-from minirl.algo.loss_agg import aggregate, mini_batch_norm
-from minirl.algo.rollout_corr import ROLLOUT_LOG_PROBS, MismatchStats, require_rollout_log_probs, tis_weights
+from minirl.algo.guard import PHASE_METRIC, first_nonfinite_input, phase_code
+from minirl.algo.loss_agg import AggNorm, aggregate
+from minirl.algo.rollout_corr import MismatchStats, tis_weights
 from minirl.algo.stats import DeviceSums
-from minirl.batch import (
-    RolloutBatch,
-    mini_batches,
-    scatter_rows,
-    scatter_tokens,
-    select_micro,
-    split_micro,
-)
+from minirl.batch import RolloutBatch, scatter_rows
 from minirl.dist.context import DistContext
-from minirl.dist.transfer import tensor_to
 from minirl.errors import UserError
-from minirl.forward.packed import response_hidden, response_logprobs
-from minirl.models import assembly
+from minirl.forward.packed import hidden_head, logprob_head, packed_forward
+from minirl.update.loop import Update, run_update
 
 
-@torch.no_grad()
-def compute_logprobs(model, batch: RolloutBatch, temperature: float, micro, dist: DistContext) -> torch.Tensor:
-    """Per-token log-probs [B, T] of the responses under `model` (old or reference policy).
-
-    `micro` is (per_micro, dynamic, budget, key) of the phase's config section.
-    """
-    out_BT = torch.zeros(batch.mask_BT.shape, device=dist.device)
-    for idx in split_micro(batch, list(range(len(batch))), *micro, dist.max_over_ranks, dist.sp_size):
-        sub = select_micro(batch, idx)  # an empty idx still runs its forward: FSDP ranks run in step
-        logp_R, _ = response_logprobs(model, sub.prompts, sub.responses, temperature, dist.device)
-        if idx:
-            out_BT[tensor_to(idx, torch.long, dist.device)] = scatter_tokens(logp_R.float(), sub.mask_BT)
-    assembly.reshard(model)
-    return out_BT
+def logprob_temperature(rollout_cfg) -> float:
+    """Log-probs use the sampling temperature's logits; greedy rollouts are scored at 1."""
+    r = rollout_cfg
+    return r.temperature if r.do_sample and r.temperature > 0 else 1.0
 
 
 def on_policy(actor_cfg, train_batch_size: int, use_kl_in_reward: bool) -> bool:
@@ -74,75 +55,53 @@ class Losses:
     ref_model: Any = None  # only for an estimator with needs_logits (the exact full KL)
 
 
-class MetricSums(DeviceSums):
-    """Sums of per-micro-batch loss contributions; each already carries its global normaliser.
+@dataclass
+class ActorUpdate:
+    """Everything the actor's update needs besides the batch, built once by minirl.build.
 
-    mismatch: the step's rollout / training mismatch (None without rollout log-probs).
+    on_policy: the trainer skipped the old-log-prob pass (`on_policy` above); the old log-probs
+    are then each micro-batch's own forward, detached.
     """
 
-    def __init__(self, mismatch: MismatchStats | None = None):
-        super().__init__()
-        self.mismatch = mismatch
+    update: Update
+    cfg: Any  # the actor section (the policy loss reads its clip keys)
+    losses: Losses
+    temperature: float
+    on_policy: bool
 
-    def reduced(self, dist: DistContext, n_minis: int) -> dict[str, float]:
-        return self.means(n_minis, "actor/", dist.reduce_sum)
 
-
-def update_actor(
-    model,
-    optimizer,
-    batch: RolloutBatch,
-    cfg,
-    temperature: float,
-    max_response_length: int,
-    losses: Losses,
-    dist: DistContext,
-    n: int,
-) -> dict[str, float]:
+def update_actor(job: ActorUpdate, batch: RolloutBatch, dist: DistContext) -> dict[str, float]:
     """ppo_epochs passes over the batch in mini-batches of ppo_mini_batch_size prompts.
 
-    An optimizer step whose loss or gradient norm is non-finite on any rank is skipped
-    (minirl.algo.guard); the metrics count those and name the phase of the first non-finite value.
-    Without "old_log_probs" in the batch the update must be on-policy (one epoch, one mini-batch):
-    the old log-probs are then each micro-batch's own forward, detached.
+    The metrics count the optimizer steps skipped for non-finite numbers and name the phase of
+    the first non-finite value: an input of the update, else "loss" or "grad_norm".
     """
     check_advantages(batch)
-    require_rollout_log_probs(batch.tensors, cfg.tis_imp_ratio_cap)
-    input_phase = first_nonfinite_input(batch.tensors, dist.reduce_sum)
-    seqs_per_mini = cfg.ppo_mini_batch_size * n // dist.dp_size
-    sums, grad_norms, bad_phases = MetricSums(_mismatch_stats(batch, dist)), [], []
-    for _epoch in range(cfg.ppo_epochs):
-        order = torch.randperm(len(batch)) if cfg.shuffle else None
-        for mini in mini_batches(len(batch), seqs_per_mini, order):
-            grad_norm, bad = _mini_batch_step(
-                model, optimizer, batch, mini, cfg, temperature, max_response_length, losses, dist, sums
-            )
-            grad_norms.append(grad_norm)
-            bad_phases += [bad] if bad else []
-    metrics = sums.reduced(dist, len(grad_norms))
-    finite = [g for g in grad_norms if math.isfinite(g)]
-    metrics["actor/grad_norm"] = sum(finite) / max(1, len(finite))
-    metrics[STEPS_METRIC] = float(len(bad_phases))
+    assert job.on_policy == (batch.old_log_probs_BT is None), "the old-log-prob pass runs unless on-policy"
+    input_phase = first_nonfinite_input(batch, dist.reduce_sum)
+    mismatch = _mismatch_stats(batch, dist)
+    loss = functools.partial(_micro_batch_loss, job, mismatch, dist)
+    metrics, bad_phases = run_update(job.update, batch, loss, dist)
     metrics[PHASE_METRIC] = phase_code((input_phase or bad_phases[0]) if bad_phases else "")
-    if sums.mismatch is not None:
-        metrics.update(sums.mismatch.reduced(dist))
+    if mismatch is not None:
+        metrics.update(mismatch.reduced(dist))
     return metrics
 
 
 def _mismatch_stats(batch: RolloutBatch, dist: DistContext) -> MismatchStats | None:
     """None without rollout log-probs. With the separate pass the whole batch's old log-probs
     are known now; with the on-policy shortcut each micro-batch adds its own in the update."""
-    if ROLLOUT_LOG_PROBS not in batch.tensors:
+    if batch.rollout_log_probs_BT is None:
         return None
     stats = MismatchStats(dist.device)
-    if "old_log_probs" in batch.tensors:
-        stats.add(batch.tensors["old_log_probs"], batch.tensors[ROLLOUT_LOG_PROBS], batch.mask_BT)
+    if batch.old_log_probs_BT is not None:
+        stats.add(batch.old_log_probs_BT, batch.rollout_log_probs_BT, batch.mask_BT)
     return stats
 
 
 def check_advantages(batch: RolloutBatch) -> None:
     """The estimator's output must be [B, T] like the mask (a plugin may return anything)."""
-    adv, mask = batch.tensors.get("advantages"), batch.mask_BT
+    adv, mask = batch.advantages_BT, batch.mask_BT
     if not isinstance(adv, torch.Tensor) or adv.shape != mask.shape:
         got = tuple(adv.shape) if isinstance(adv, torch.Tensor) else type(adv).__name__
         raise UserError(
@@ -151,48 +110,16 @@ def check_advantages(batch: RolloutBatch) -> None:
         )
 
 
-def _mini_batch_step(model, optimizer, batch, mini, cfg, temperature, max_len, losses, dist, sums):
-    """Backward over the micro-batches, then one optimizer step unless a number is non-finite.
-
-    Returns (grad_norm, "" or the phase of the first non-finite value: "loss" or "grad_norm").
-    """
-    mb = batch.select(mini)
-    norm = mini_batch_norm([mb.mask_BT], dist.reduce_sum, cfg.loss_scale_factor, max_len)
-    micro = split_micro(
-        mb,
-        list(range(len(mb))),
-        cfg.ppo_micro_batch_size_per_gpu,
-        cfg.use_dynamic_bsz,
-        cfg.ppo_max_token_len_per_gpu,
-        "actor.ppo_max_token_len_per_gpu",
-        dist.max_over_ranks,
-        dist.sp_size,
-    )
-    loss_sum = torch.zeros((), device=dist.device)
-    for idx in micro:
-        loss = _micro_batch_loss(model, select_micro(mb, idx), cfg, temperature, norm, losses, dist, sums)
-        (loss * dist.loss_scale).backward()
-        loss_sum = loss_sum + loss.detach().float()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
-        grad_norm = grad_norm.full_tensor()
-    bad, norm = nonfinite_step(loss_sum, grad_norm, dist.reduce_sum)
-    if not bad:
-        optimizer.step()  # a skipped step keeps NaN and inf out of the weights and the optimizer state
-    optimizer.zero_grad(set_to_none=True)
-    return norm, bad
-
-
-def _micro_batch_loss(model, mb: RolloutBatch, cfg, temperature, norm, losses: Losses, dist, sums) -> torch.Tensor:
-    mask_BT = mb.mask_BT
-    logp_R, ent_R = response_logprobs(model, mb.prompts, mb.responses, temperature, dist.device, with_entropy=True)
+def _micro_batch_loss(job: ActorUpdate, mismatch, dist, mb: RolloutBatch, norm: AggNorm, sums: DeviceSums):
+    cfg, mask_BT, model = job.cfg, mb.mask_BT, job.update.model
+    head = logprob_head(job.temperature, with_entropy=True)
+    logp_R, ent_R = packed_forward(model, mb.prompts, mb.responses, dist.device, head)
     lens = [len(r) for r in mb.responses]
     logp_BT, ent_BT = scatter_rows(torch.stack([logp_R, ent_R], -1).float(), lens, mask_BT).unbind(-1)
-    on_policy = "old_log_probs" not in mb.tensors
-    old_BT = logp_BT.detach() if on_policy else mb.tensors["old_log_probs"]
-    if on_policy and sums.mismatch is not None:
-        sums.mismatch.add(old_BT, mb.tensors[ROLLOUT_LOG_PROBS], mask_BT)
-    pg = losses.policy_loss(logp_BT, old_BT, mb.tensors["advantages"], mask_BT, cfg)
+    old_BT = logp_BT.detach() if job.on_policy else mb.old_log_probs_BT
+    if job.on_policy and mismatch is not None:
+        mismatch.add(old_BT, mb.rollout_log_probs_BT, mask_BT)
+    pg = job.losses.policy_loss(logp_BT, old_BT, mb.advantages_BT, mask_BT, cfg)
     mode = cfg.loss_agg_mode
     pg_loss = aggregate(_tis(pg.loss_BT, old_BT, mb, cfg.tis_imp_ratio_cap, norm, sums), mask_BT, mode, norm)
     loss = pg_loss
@@ -203,48 +130,49 @@ def _micro_batch_loss(model, mb: RolloutBatch, cfg, temperature, norm, losses: L
     sums.add("pg_clipfrac", aggregate(pg.clipped_BT, mask_BT, "token-mean", norm))
     sums.add("pg_clipfrac_lower", aggregate(pg.clipped_lower_BT, mask_BT, "token-mean", norm))
     sums.add("ppo_kl", aggregate(pg.approx_kl_BT, mask_BT, "token-mean", norm))
-    if losses.kl_estimator is not None:
-        kl_BT = _kl_loss_terms(model, mb, logp_BT, temperature, losses, dist)
-        kl = aggregate(kl_BT, mask_BT, mode, norm)
+    if job.losses.kl_estimator is not None:
+        kl = aggregate(_kl_loss_terms(job, mb, logp_BT, dist), mask_BT, mode, norm)
         sums.add("kl_loss", kl)
         loss = loss + cfg.kl_loss_coef * kl
     return loss
 
 
-def _tis(loss_BT, old_BT, mb: RolloutBatch, cap: float, norm, sums: MetricSums) -> torch.Tensor:
+def _tis(loss_BT, old_BT, mb: RolloutBatch, cap: float, norm, sums: DeviceSums) -> torch.Tensor:
     """Truncated importance sampling (minirl.algo.rollout_corr): loss_BT · min(exp(lp_old − lp_roll), cap),
     the weight detached. Off (cap <= 0, i.e. -1) returns loss_BT itself, so the loss is bit for bit
     the unweighted one. Logs the token-mean weight and the share of valid tokens at the cap."""
     if not cap > 0:
         return loss_BT
-    w_BT = tis_weights(old_BT, mb.tensors[ROLLOUT_LOG_PROBS], cap)
+    assert mb.rollout_log_probs_BT is not None, "TIS without rollout log-probs: the trainer's generate refuses it"
+    w_BT = tis_weights(old_BT, mb.rollout_log_probs_BT, cap)
     sums.add("tis_weight_mean", aggregate(w_BT, mb.mask_BT, "token-mean", norm))
     sums.add("tis_capped_frac", aggregate((w_BT >= cap).to(w_BT.dtype), mb.mask_BT, "token-mean", norm))
     return loss_BT * w_BT
 
 
-def _kl_loss_terms(model, mb: RolloutBatch, logp_BT, temperature, losses: Losses, dist) -> torch.Tensor:
-    est = losses.kl_estimator
+def _kl_loss_terms(job: ActorUpdate, mb: RolloutBatch, logp_BT, dist) -> torch.Tensor:
+    est = job.losses.kl_estimator
     if not getattr(est, "needs_logits", False):
-        return est(logp_BT, mb.tensors["ref_log_probs"])
-    return scatter_rows(_full_kl(model, mb, temperature, losses, dist), [len(r) for r in mb.responses], mb.mask_BT)
+        return est(logp_BT, mb.ref_log_probs_BT)
+    return scatter_rows(_full_kl(job, mb, dist), [len(r) for r in mb.responses], mb.mask_BT)
 
 
-def _full_kl(model, mb, temperature, losses: Losses, dist, chunk: int = 1024) -> torch.Tensor:
+def _full_kl(job: ActorUpdate, mb: RolloutBatch, dist, chunk: int = 1024) -> torch.Tensor:
     """Exact KL over the vocabulary: one extra reference forward inside the micro-batch.
 
     Positions go through both output projections in chunks, each under activation
     checkpointing, so only [chunk, V] logits of each model exist at a time.
     """
+    model, ref, temperature = job.update.model, job.losses.ref_model, job.temperature
     with torch.no_grad():
-        ref_h, _ = response_hidden(losses.ref_model, mb.prompts, mb.responses, dist.device)
-    h, _ = response_hidden(model, mb.prompts, mb.responses, dist.device)
-    head, ref_head = model.get_output_embeddings(), losses.ref_model.get_output_embeddings()
+        (ref_h,) = packed_forward(ref, mb.prompts, mb.responses, dist.device, hidden_head)
+    (h,) = packed_forward(model, mb.prompts, mb.responses, dist.device, hidden_head)
+    head, ref_head = model.get_output_embeddings(), ref.get_output_embeddings()
 
     def chunk_kl(h_c, ref_c):
         with torch.no_grad():
             ref_logits = ref_head(ref_c).float() / temperature
-        return losses.kl_estimator(head(h_c).float() / temperature, ref_logits)
+        return job.losses.kl_estimator(head(h_c).float() / temperature, ref_logits)
 
     parts = [
         torch.utils.checkpoint.checkpoint(chunk_kl, h[i : i + chunk], ref_h[i : i + chunk], use_reentrant=False)

@@ -14,9 +14,9 @@ Five choices that the rest of minirl relies on:
    the world is again the global gradient.
 2. minirl.forward.packed calls the decoder and the lm_head directly (it never computes the logits of a
    whole batch), not model.forward, so the root's FSDP hooks would never fire. The plugin installs
-   `model.minirl_forward(fn, *args)` and registers it as an FSDP forward method: minirl.forward.packed
-   runs its whole packed computation through it, between the root's all-gather and its
-   post-backward reduce-scatter.
+   the PackedForward hook (minirl.protocols) and registers it as an FSDP forward method:
+   minirl.forward.packed runs its whole packed computation through it, between the root's
+   all-gather and its post-backward reduce-scatter.
 3. Mixed precision on CUDA: bf16 compute copies of the parameters, fp32 gradient reduction, fp32
    master weights in the optimizer (fsdp_config.param_dtype / reduce_dtype). On CPU the model
    computes in its own dtype, so one process and many processes give the same numbers.
@@ -51,6 +51,7 @@ from torch.distributed.fsdp import (
 
 from minirl import hookimpl
 from minirl.errors import UserError
+from minirl.protocols import PACKED_FORWARD
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _OPTIMIZER_OFFLOAD = "_minirl_optimizer_offload"  # marks an actor whose optimizer state lives on the CPU
@@ -194,11 +195,11 @@ def sum_gradients(model: torch.nn.Module) -> None:
 
 
 def install_packed_forward(model: torch.nn.Module) -> None:
-    """`model.minirl_forward(fn, *args)` = fn(model, *args) inside the root's FSDP forward hooks
-    (the module docstring, point 2). The root stays gathered after it, as after any FSDP root
-    forward; minirl.update.actor reshards it after a log-prob pass, which no backward follows."""
-    model.minirl_forward = types.MethodType(_call_packed, model)
-    register_fsdp_forward_method(model, "minirl_forward")
+    """The PackedForward hook: fn(model, *args) inside the root's FSDP forward hooks (the module
+    docstring, point 2). The root stays gathered after it, as after any FSDP root forward;
+    minirl.forward.packed reshards it after a gradient-free pass, which no backward follows."""
+    setattr(model, PACKED_FORWARD, types.MethodType(_call_packed, model))
+    register_fsdp_forward_method(model, PACKED_FORWARD)
 
 
 def _call_packed(model, fn, *args, **kwargs):

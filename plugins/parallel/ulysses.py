@@ -1,10 +1,10 @@
 """Ulysses sequence parallelism (actor.ulysses_sequence_parallel_size = sp > 1): the first assembly
 step, for the actor and the reference.
 
-The sp ranks of a group hold the same micro-batch. minirl.forward.packed asks the model for this rank's
-share of a packed row (`model.minirl_sequence_parallel.split`): the row [1, N], padded to a
-multiple of sp with one dummy sequence, is cut into sp contiguous slices of n = N / sp tokens,
-and each rank runs the decoder on its slice. Everything in a decoder layer is per token except
+The sp ranks of a group hold the same micro-batch. minirl.forward.packed asks the model's
+SequenceParallel hook (minirl.protocols) for this rank's share of a packed row: the row [1, N],
+padded to a multiple of sp with one dummy sequence, is cut into sp contiguous slices of
+n = N / sp tokens, and each rank runs the decoder on its slice. Everything in a decoder layer is per token except
 attention, which needs whole sequences: there an all-to-all trades the sequence split for a
 head split ([n, H, D] -> [N, H/sp, D]), minirl's varlen attention runs with the row's global
 cu_seqlens, and a second all-to-all trades back. Key/value heads are repeated up to sp when
@@ -32,6 +32,7 @@ from minirl.dist.transfer import to_device
 from minirl.errors import UserError
 from minirl.models.attention import minirl_attention_forward, packed_forward_kwargs, padding_mask_only
 from minirl.models.varlen import varlen_attention
+from minirl.protocols import SEQUENCE_PARALLEL
 
 ATTN_NAME = "minirl_ulysses"
 _KWARG = "minirl_ulysses"  # the forward kwarg that carries the SequenceParallel to the attention
@@ -47,7 +48,7 @@ def minirl_apply_sequence_parallel(model, cfg, mesh):
     check_heads(model.config, sp.size, key)
     register_attention()
     model.set_attn_implementation(ATTN_NAME)
-    model.minirl_sequence_parallel = sp
+    setattr(model, SEQUENCE_PARALLEL, sp)
 
 
 def check_heads(config, sp: int, key: str) -> None:
@@ -85,7 +86,7 @@ class SequenceParallel:
     rank: int
 
     def split(self, input_ids_1N, seq_lens: list[int], pred_pos_R, labels_R):
-        """This rank's slice of the packed row; see minirl.forward.packed.split for the contract."""
+        """This rank's slice of the packed row (minirl.protocols.SequenceParallel.split)."""
         total = input_ids_1N.shape[1]
         pad = -total % self.size
         lens = list(seq_lens) + ([pad] if pad else [])  # the padding is a sequence of its own

@@ -14,8 +14,8 @@ import dist_helpers as h
 import pytest
 import torch
 
+from minirl import build
 from minirl.batch import RolloutBatch, response_mask
-from minirl.critic import resolved
 from minirl.critic import update as critic_lib
 from minirl.critic.model import add_value_head
 from minirl.dist import spmd
@@ -48,13 +48,13 @@ def _full_batch(plain) -> RolloutBatch:
         prompts += prompt * N
         responses += rs
         groups += [p] * N
-    batch = RolloutBatch(prompts, responses, torch.tensor(groups))
     mask_BT = response_mask(responses, CPU)
-    batch.tensors["mask"] = mask_BT
-    values_BT = critic_lib.compute_values(plain, batch, _critic(_cfg("token-mean")), DistContext(device=CPU))
+    batch = RolloutBatch(prompts, responses, torch.tensor(groups), mask_BT)
+    one = DistContext(device=CPU)
+    values_BT = critic_lib.compute_values(_critic(_cfg("token-mean"), plain, None, one), batch, one)
     g = torch.Generator().manual_seed(0)
-    batch.tensors["values"] = (values_BT + 0.2 * torch.randn(mask_BT.shape, generator=g)) * mask_BT
-    batch.tensors["returns"] = torch.randn(mask_BT.shape, generator=g) * mask_BT
+    batch.values_BT = (values_BT + 0.2 * torch.randn(mask_BT.shape, generator=g)) * mask_BT
+    batch.returns_BT = torch.randn(mask_BT.shape, generator=g) * mask_BT
     return batch
 
 
@@ -71,11 +71,12 @@ def _cfg(mode: str):
         "critic.optim.lr=0.01",
         "critic.optim.eps=1e-4",
         f"critic.loss_agg_mode='{mode}'",
+        "data.max_response_length=16",
     )
 
 
-def _critic(cfg):
-    return resolved(cfg.critic, cfg.actor)  # unset critic keys take the actor's, as in a run
+def _critic(cfg, model, optimizer, dist):
+    return build.critic_from_model(cfg, model, optimizer, None, dist)  # unset critic keys: the actor's
 
 
 def _seqs(prompt_ids: list[int]) -> list[int]:
@@ -84,7 +85,7 @@ def _seqs(prompt_ids: list[int]) -> list[int]:
 
 def _update(model, batch, cfg, pm, dist) -> dict[str, float]:
     optimizer, _ = assembly.build_optimizer(pm, model, cfg.critic.optim, 10)
-    return critic_lib.update_critic(model, optimizer, batch, _critic(cfg), 16, dist, N)
+    return critic_lib.update_critic(_critic(cfg, model, optimizer, dist), batch, dist)
 
 
 def _compare(mode: str, rank: int, dist, pm, results) -> None:
@@ -93,8 +94,9 @@ def _compare(mode: str, rank: int, dist, pm, results) -> None:
     full = _full_batch(plain)
     mine = full.select(_seqs(RANK_PROMPTS[rank]))
     critic = assembly.assemble_critic(pm, _value_model(), cfg.critic, dist)
-    got_values = critic_lib.compute_values(critic, mine, _critic(cfg), dist)
-    want_values = critic_lib.compute_values(plain, mine, _critic(cfg), DistContext(device=CPU))
+    one = DistContext(device=CPU)
+    got_values = critic_lib.compute_values(_critic(cfg, critic, None, dist), mine, dist)
+    want_values = critic_lib.compute_values(_critic(cfg, plain, None, one), mine, one)
     results[f"{mode}/values_err"] = h.max_err(got_values, want_values)
     want = _update(plain, full.select(_seqs(ONE_PROCESS_ORDER)), cfg, pm, DistContext(device=CPU))
     got = _update(critic, mine, cfg, pm, dist)

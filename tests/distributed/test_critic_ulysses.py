@@ -9,6 +9,7 @@ import dist_helpers as h
 import pytest
 import torch
 
+from minirl import build
 from minirl.batch import RolloutBatch, response_mask
 from minirl.critic import resolved
 from minirl.critic import update as critic_lib
@@ -34,6 +35,7 @@ CFG = (
     "critic.cliprange_value=0.1",
     "critic.optim.lr=0.01",
     "critic.optim.eps=1e-4",
+    "data.max_response_length=16",
 )
 BATCHES = {  # (prompt lengths, response lengths) of 2 prompts x N samples
     "mixed": ([5, 9], [7, 2, 11, 4]),
@@ -48,14 +50,11 @@ def _value_model() -> torch.nn.Module:
 def _batch(prompt_lens, response_lens) -> RolloutBatch:
     prompts, _ = h.sequences(prompt_lens, [1] * len(prompt_lens), seed=1)
     _, responses = h.sequences([1] * len(response_lens), response_lens, seed=2)
-    batch = RolloutBatch([p for p in prompts for _ in range(N)], responses, torch.tensor([0, 0, 1, 1]))
     mask_BT = response_mask(responses, CPU)
+    batch = RolloutBatch([p for p in prompts for _ in range(N)], responses, torch.tensor([0, 0, 1, 1]), mask_BT)
     g = torch.Generator().manual_seed(0)
-    batch.tensors.update(
-        mask=mask_BT,
-        values=0.3 * torch.randn(mask_BT.shape, generator=g) * mask_BT,
-        returns=torch.randn(mask_BT.shape, generator=g) * mask_BT,
-    )
+    batch.values_BT = 0.3 * torch.randn(mask_BT.shape, generator=g) * mask_BT
+    batch.returns_BT = torch.randn(mask_BT.shape, generator=g) * mask_BT
     return batch
 
 
@@ -67,13 +66,14 @@ def _compare(tag: str, cfg, dist, pm, results) -> None:
     results[f"{tag}/sp"] = hasattr(critic, "minirl_sequence_parallel")
     one = DistContext(device=CPU)
     results[f"{tag}/values_err"] = h.max_err(
-        critic_lib.compute_values(critic, batch, ccfg, dist),
-        critic_lib.compute_values(plain, batch, ccfg, one),
+        critic_lib.compute_values(build.critic_from_model(cfg, critic, None, None, dist), batch, dist),
+        critic_lib.compute_values(build.critic_from_model(cfg, plain, None, None, one), batch, one),
     )
     updates = {}
     for name, model, d in (("plain", plain, one), ("sp", critic, dist)):
         optimizer, _ = assembly.build_optimizer(pm, model, ccfg.optim, 10)
-        updates[name] = critic_lib.update_critic(model, optimizer, batch, ccfg, 16, d, N)
+        job = build.critic_from_model(cfg, model, optimizer, None, d)
+        updates[name] = critic_lib.update_critic(job, batch, d)
     results[f"{tag}/param_err"] = h.max_param_err(critic, plain)
     results[f"{tag}/moved"] = h.max_param_err(plain, _value_model())
     results[f"{tag}/metric_err"] = max(abs(updates["sp"][k] - updates["plain"][k]) for k in updates["plain"])

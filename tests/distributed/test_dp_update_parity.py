@@ -15,14 +15,16 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from minirl.batch import RolloutBatch, response_mask, select_micro, split_micro
+from minirl import build
+from minirl.batch import MicroBatching, RolloutBatch, response_mask, select_micro, split_micro
 from minirl.dist import spmd
 from minirl.dist.context import DistContext
 from minirl.dist.launchers import spawn
-from minirl.forward.packed import response_logprobs
+from minirl.forward.packed import logprob_head, per_token_pass, response_logprobs
 from minirl.models import assembly
 from minirl.plugins import PluginManager
 from minirl.update import actor as actor_lib
+from minirl.update import loop
 
 pytestmark = pytest.mark.distributed
 
@@ -44,19 +46,16 @@ def _full_batch(plain) -> RolloutBatch:
         prompts += prompt * N  # the n samples of a prompt share it
         responses += rs
         groups += [p] * N
-    batch = RolloutBatch(prompts, responses, torch.tensor(groups))
     mask_BT = response_mask(responses, CPU)
+    batch = RolloutBatch(prompts, responses, torch.tensor(groups), mask_BT)
     with torch.no_grad():
         logp_R, _ = response_logprobs(plain, prompts, responses, 1.0, CPU)
     logp_BT = torch.zeros(mask_BT.shape).masked_scatter(mask_BT.bool(), logp_R)
     noise_BT = torch.randn(mask_BT.shape, generator=torch.Generator().manual_seed(0))
     adv_B = torch.tensor([(-1.0) ** i * (1 + g) for i, g in enumerate(groups)])
-    batch.tensors.update(
-        mask=mask_BT,
-        old_log_probs=(logp_BT + 0.1 * noise_BT) * mask_BT,  # ratios away from 1: clipping engages
-        ref_log_probs=(logp_BT - 0.05 * noise_BT.abs()) * mask_BT,
-        advantages=adv_B[:, None] * mask_BT,
-    )
+    batch.old_log_probs_BT = (logp_BT + 0.1 * noise_BT) * mask_BT  # ratios away from 1: clipping engages
+    batch.ref_log_probs_BT = (logp_BT - 0.05 * noise_BT.abs()) * mask_BT
+    batch.advantages_BT = adv_B[:, None] * mask_BT
     return batch
 
 
@@ -66,7 +65,8 @@ def _seqs(prompt_ids: list[int]) -> list[int]:
 
 def _update(model, batch, cfg, pm, dist, losses) -> dict[str, float]:
     optimizer, _ = assembly.build_optimizer(pm, model, cfg.actor.optim, 10)
-    return actor_lib.update_actor(model, optimizer, batch, cfg.actor, 1.0, 16, losses, dist, N)
+    job = build.actor_update(cfg, model, optimizer, losses, dist, on_policy=False)
+    return actor_lib.update_actor(job, batch, dist)
 
 
 def _compare(mode: str, rank: int, dist, pm, results, logprob_pass: bool = False) -> None:
@@ -83,6 +83,7 @@ def _compare(mode: str, rank: int, dist, pm, results, logprob_pass: bool = False
         "actor.optim.lr=0.01",
         "actor.optim.eps=1e-4",
         f"actor.loss_agg_mode='{mode}'",
+        "data.max_response_length=16",
     )
     plain = h.tiny_model()
     full = _full_batch(plain)
@@ -93,7 +94,7 @@ def _compare(mode: str, rank: int, dist, pm, results, logprob_pass: bool = False
     actor = assembly.assemble_actor(pm, h.tiny_model(), cfg, dist)
     mine = full.select(_seqs(RANK_PROMPTS[rank]))
     if logprob_pass:  # the trainer's old-log-prob pass: a forward without backward first
-        actor_lib.compute_logprobs(actor, mine, 1.0, (4, False, 100, "rollout.log_prob_max_token_len_per_gpu"), dist)
+        per_token_pass(actor, mine, MicroBatching(4, False, 100), logprob_head(1.0), dist)
         mode = f"{mode}+logprob_pass"
     got = _update(actor, mine, cfg, pm, dist, losses)
     results[f"{mode}/param_err"] = h.max_param_err(actor, plain)
@@ -109,12 +110,12 @@ def _count_micro_batches() -> list[tuple[int, int]]:
     """Record (agreed count, this rank's own count) of every micro-batch split of the update."""
     seen = []
 
-    def counting(batch, idx, per_micro, dynamic, budget, key, agree=None, sp_size=1):
-        out = split_micro(batch, idx, per_micro, dynamic, budget, key, agree, sp_size)
-        seen.append((len(out), len(split_micro(batch, idx, per_micro, dynamic, budget, key))))
+    def counting(batch, micro, agree=None, sp_size=1):
+        out = split_micro(batch, micro, agree, sp_size)
+        seen.append((len(out), len(split_micro(batch, micro, sp_size=sp_size))))
         return out
 
-    actor_lib.split_micro = counting
+    loop.split_micro = counting
     return seen
 
 
@@ -174,7 +175,7 @@ def test_a_rank_with_fewer_sequences_gets_placeholder_micro_batches():
     are placeholders: a real sequence with an all-zero mask (a forward and backward that add
     nothing to any loss, gradient or metric)."""
     batch = _full_batch(h.tiny_model()).select([0, 1])
-    micro = split_micro(batch, [0, 1], 1, True, BUDGET, "actor.ppo_max_token_len_per_gpu", agree=lambda n: 4)
+    micro = split_micro(batch, MicroBatching(1, True, BUDGET), agree=lambda n: 4)
     assert micro == [[0], [1], [], []]
     placeholder = select_micro(batch, [])
     assert len(placeholder) == 1 and float(placeholder.mask_BT.sum()) == 0.0

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from minirl.batch import RolloutBatch, response_mask, split_micro
+from minirl.batch import MicroBatching, RolloutBatch, response_mask, split_micro
 from minirl.dist import spmd
 from minirl.dist.launchers import spawn
 from minirl.errors import UserError
@@ -161,9 +161,6 @@ def test_heads_that_do_not_split_are_a_user_error(heads, kv, sp, match):
 def test_token_budget_per_micro_batch_scales_with_sp():
     """Each GPU holds 1/sp of a micro-batch's tokens, so sp = 2 fits twice the tokens."""
     prompts, responses = h.sequences([10] * 4, [10] * 4)
-    batch = RolloutBatch(prompts, responses, torch.arange(4))
-    batch.tensors["mask"] = response_mask(responses, CPU)
-    assert len(split_micro(batch, list(range(4)), 1, True, 40, "k", sp_size=1)) == 2
-    assert len(split_micro(batch, list(range(4)), 1, True, 40, "k", sp_size=2)) == 1
-    with pytest.raises(UserError, match=r"k = 9 \(x ulysses_sequence_parallel_size 2 = 18 tokens .* at least 10"):
-        split_micro(batch, list(range(4)), 1, True, 9, "k", sp_size=2)
+    batch = RolloutBatch(prompts, responses, torch.arange(4), response_mask(responses, CPU))
+    assert len(split_micro(batch, MicroBatching(1, True, 40), sp_size=1)) == 2
+    assert len(split_micro(batch, MicroBatching(1, True, 40), sp_size=2)) == 1

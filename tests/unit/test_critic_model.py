@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from minirl.batch import MicroBatching
 from minirl.config.load import load_config
 from minirl.critic import FROM_ACTOR, resolved
 from minirl.critic.model import add_value_head, backbone_config, response_values
@@ -83,28 +84,32 @@ def test_forward_keys_default_to_the_critics_update_keys():
 def test_values_pass_micro_batches_by_the_forward_keys_and_not_the_update_keys(dynamic, monkeypatch):
     """The values pass splits by the forward keys (the update keeps its own), and the values do
     not depend on the split."""
+    from minirl import build
     from minirl.critic import update as critic_update
     from minirl.dist.context import DistContext
+    from minirl.forward import packed
     from tests.batches import three_groups
 
     batch = three_groups(2, [6, 6, 9, 9, 4, 4], [5, 2, 7, 3, 1, 6])
     model, dist = _critic(), DistContext(device=torch.device("cpu"))
     seen = []
-    split = critic_update.split_micro
+    split = packed.split_micro
 
-    def counting(*args, **kwargs):
-        out = split(*args, **kwargs)
-        seen.append((args[5], len(out)))  # (the budget's key, micro-batches)
+    def counting(batch, micro, *args):
+        out = split(batch, micro, *args)
+        seen.append((micro, len(out)))
         return out
 
-    monkeypatch.setattr(critic_update, "split_micro", counting)
+    monkeypatch.setattr(packed, "split_micro", counting)
     values = []
     for forward in (["critic.forward_micro_batch_size_per_gpu=1", "critic.forward_max_token_len_per_gpu=17"], []):
         overrides = ["critic.ppo_micro_batch_size_per_gpu=6", "critic.ppo_max_token_len_per_gpu=200", *forward]
         cfg = load_config(None, [f"critic.use_dynamic_bsz={str(dynamic).lower()}", *overrides])
-        values.append(critic_update.compute_values(model, batch, resolved(cfg.critic, cfg.actor), dist))
-    assert [key for key, _ in seen] == ["critic.forward_max_token_len_per_gpu"] * 2
+        critic = build.critic_from_model(cfg, model, None, None, dist)
+        assert critic.update.micro == MicroBatching(6, dynamic, 200)
+        values.append(critic_update.compute_values(critic, batch, dist))
     # forward keys: 1 sequence or 17 tokens a micro-batch (6 or 4 of them); unset: the update's (1)
+    assert [micro for micro, _ in seen] == [MicroBatching(1, dynamic, 17), MicroBatching(6, dynamic, 200)]
     assert [n for _, n in seen] == [4 if dynamic else 6, 1]
     torch.testing.assert_close(values[0], values[1], rtol=1e-5, atol=1e-6)
     assert float(values[0].abs().sum()) > 0

@@ -5,6 +5,7 @@ sees. The fake numbers its batches as the trainer does (uids from the generation
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -40,16 +41,17 @@ def fake_engine(score_of=half_solved, rank: int = 0, dp: int = 1, calls: list | 
         expanded, uids = expand_groups(prompts, N, (number * dp + rank) * len(prompts))
         responses = [[rec.index + 10, number, i, 7][: 2 + (rec.index + i) % 3] for rec in prompts for i in range(N)]
         scores_B = torch.tensor([score_of(rec, i) for rec in prompts for i in range(N)])
+        mask_BT = response_mask(responses, CPU)
         batch = RolloutBatch(
             prompts=[rec.prompt_ids for rec in expanded],
             responses=responses,
             group_B=torch.tensor(uids),
+            mask_BT=mask_BT,
             records=expanded,
             finish_reasons=["stop"] * len(expanded),
+            scores_B=scores_B,
+            token_scores_BT=place_scores(scores_B, [len(r) for r in responses], mask_BT.shape[1]),
         )
-        mask_BT = response_mask(responses, CPU)
-        token_scores_BT = place_scores(scores_B, [len(r) for r in responses], mask_BT.shape[1])
-        batch.tensors.update(mask=mask_BT, scores=scores_B, token_scores=token_scores_BT)
         if calls is not None:
             calls.append(number)
         return batch, {"reward/errors": 1.0, "reward/x/mean": float(number), "reward/x/max": float(number)}
@@ -85,9 +87,9 @@ def test_half_all_correct_is_refilled_to_the_full_number_of_informative_groups()
     assert len(batch) == 8 * N and len(set(batch.group_B.tolist())) == 8
     assert informative_groups(batch, "score", N).all()
     width = max(len(r) for r in batch.responses)
-    assert batch.mask_BT.shape == (8 * N, width) and batch.tensors["token_scores"].shape == (8 * N, width)
+    assert batch.mask_BT.shape == (8 * N, width) and batch.token_scores_BT.shape == (8 * N, width)
     assert torch.equal(batch.mask_BT, response_mask(batch.responses, CPU))
-    assert torch.equal(batch.tensors["token_scores"].sum(-1), batch.tensors["scores"])
+    assert torch.equal(batch.token_scores_BT.sum(-1), batch.scores_B)
 
 
 def test_more_informative_groups_than_needed_are_trimmed_in_prompt_order():
@@ -136,7 +138,7 @@ def test_no_cap_draws_into_the_next_epoch_and_warns_once_per_epoch(caplog):
 def test_seq_reward_reads_the_token_scores():
     """seq_reward is the sum of the token-level scores: a shaping term placed on tokens counts."""
     batch, _ = fake_engine()(records(2), 1)
-    batch.tensors["token_scores"][:, 0] += torch.arange(2 * N, dtype=torch.float32)  # every sample differs
+    batch.token_scores_BT[:, 0] += torch.arange(2 * N, dtype=torch.float32)  # every sample differs
     assert informative_groups(batch, "score", N).tolist() == [False, True]
     assert informative_groups(batch, "seq_reward", N).tolist() == [True, True]
 
@@ -185,13 +187,30 @@ def test_choose_groups_properties(ranks, per_rank, batches, data):
 
 
 def test_concat_repads_token_tensors_and_joins_sequence_tensors():
-    a = RolloutBatch([[1]], [[5, 6, 7]], torch.tensor([0]), tensors={"mask": torch.ones(1, 3), "s": torch.ones(1)})
-    b = RolloutBatch([[2]], [[8]], torch.tensor([1]), tensors={"mask": torch.ones(1, 5), "s": torch.zeros(1)})
-    b.tensors["mask"][0, 1:] = 0  # padding past the response, wider than needed
+    a = RolloutBatch([[1]], [[5, 6, 7]], torch.tensor([0]), torch.ones(1, 3), scores_B=torch.ones(1))
+    b = RolloutBatch([[2]], [[8]], torch.tensor([1]), torch.ones(1, 5), scores_B=torch.zeros(1))
+    b.mask_BT[0, 1:] = 0  # padding past the response, wider than needed
     joined = concat([a, b])
     assert joined.responses == [[5, 6, 7], [8]] and joined.group_B.tolist() == [0, 1]
     assert torch.equal(joined.mask_BT, torch.tensor([[1.0, 1, 1], [1, 0, 0]]))
-    assert torch.equal(joined.tensors["s"], torch.tensor([1.0, 0.0]))
+    assert torch.equal(joined.scores_B, torch.tensor([1.0, 0.0]))
+    assert joined.values_BT is None  # a field neither batch holds stays unset
+    with pytest.raises(ValueError, match="cannot join"):
+        concat([a, dataclasses.replace(b, scores_B=None)])
+
+
+def test_select_and_to_carry_every_field():
+    """Every tensor field of the batch (declared in RolloutBatch) goes through select and to."""
+    names = [f.name for f in dataclasses.fields(RolloutBatch) if f.name not in ("prompts", "responses", "records")]
+    names.remove("finish_reasons")
+    batch = RolloutBatch([[1], [2]], [[5, 6], [7]], torch.tensor([0, 1]), torch.ones(2, 2))
+    for i, name in enumerate(names):
+        if getattr(batch, name) is None:
+            setattr(batch, name, torch.full((2, 2), float(i)) * torch.tensor([[1.0], [2.0]]))
+    assert list(batch.tensors()) == names
+    picked = batch.select([1]).to(CPU)
+    for name in names:
+        assert torch.equal(getattr(picked, name), getattr(batch, name)[1:]), name
 
 
 def test_merge_reward_metrics_sums_counts_and_averages_means():

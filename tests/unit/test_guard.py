@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minirl import build
 from minirl.algo.guard import (
     CRITIC_STEPS_METRIC,
     PHASE_METRIC,
@@ -36,23 +37,22 @@ def _batch(n_seqs: int = 4) -> RolloutBatch:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (5,), generator=gen).tolist() for _ in range(n_seqs)]
     responses = [torch.randint(0, 256, (3,), generator=gen).tolist() for _ in range(n_seqs)]
-    batch = RolloutBatch(prompts, responses, torch.arange(n_seqs) // 2)
     mask_BT = response_mask(responses, CPU.device)
-    batch.tensors.update(
-        mask=mask_BT,
-        old_log_probs=torch.full(mask_BT.shape, -5.0) * mask_BT,
-        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * mask_BT,
-    )
+    batch = RolloutBatch(prompts, responses, torch.arange(n_seqs) // 2, mask_BT)
+    batch.old_log_probs_BT = torch.full(mask_BT.shape, -5.0) * mask_BT
+    batch.advantages_BT = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * mask_BT
     return batch
 
 
 def _update(batch: RolloutBatch, *overrides: str):
-    cfg = load_config(None, ["actor.ppo_mini_batch_size=1", "actor.optim.lr=0.1", *overrides])
+    base = ["actor.ppo_mini_batch_size=1", "actor.optim.lr=0.1", "rollout.n=2", "data.max_response_length=3"]
+    cfg = load_config(None, [*base, *overrides])
     model = random_model(preset_config("tiny"), "cpu", torch.float32)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.actor.optim.lr)
     losses = actor_lib.Losses(PluginManager(entry_points=False)["policy_losses"].get("vanilla"))
-    metrics = actor_lib.update_actor(model, optimizer, batch, cfg.actor, 1.0, 3, losses, CPU, 2)
+    job = build.actor_update(cfg, model, optimizer, losses, CPU, on_policy=False)
+    metrics = actor_lib.update_actor(job, batch, CPU)
     moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     finite = all(torch.isfinite(p).all() for p in model.parameters())
     return metrics, moved, finite
@@ -68,7 +68,7 @@ def test_nan_advantages_skip_their_optimizer_step_and_name_the_phase():
     """NaN advantages (a broken estimator plugin) in the first of two mini-batches: that step is
     skipped, the second (finite) one updates, and the weights stay finite."""
     batch = _batch()
-    batch.tensors["advantages"][1, 0] = float("nan")
+    batch.advantages_BT[1, 0] = float("nan")
     metrics, moved, finite = _update(batch)
     assert moved and finite
     assert metrics[STEPS_METRIC] == 1.0
@@ -77,7 +77,7 @@ def test_nan_advantages_skip_their_optimizer_step_and_name_the_phase():
 
 def test_all_nan_advantages_leave_the_weights_exactly_as_they_were():
     batch = _batch()
-    batch.tensors["advantages"].fill_(float("nan"))
+    batch.advantages_BT.fill_(float("nan"))
     metrics, moved, _ = _update(batch)
     assert not moved
     assert metrics[STEPS_METRIC] == 2.0 and phase_name(metrics[PHASE_METRIC]) == "adv"

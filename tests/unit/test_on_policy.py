@@ -10,9 +10,11 @@ import copy
 import pytest
 import torch
 
+from minirl import build
 from minirl.batch import RolloutBatch
 from minirl.config.load import load_config
 from minirl.dist.context import DistContext
+from minirl.forward.packed import logprob_head, per_token_pass
 from minirl.models.loading import random_model
 from minirl.models.presets import preset_config
 from minirl.plugins import PluginManager
@@ -41,6 +43,7 @@ def test_the_shortcut_is_exactly_the_full_path(dynamic):
         f"rollout.log_prob_use_dynamic_bsz={str(dynamic).lower()}",
         "rollout.log_prob_max_token_len_per_gpu=40",
         "actor.optim.lr=0.01",
+        "data.max_response_length=16",
     ]
     cfg = load_config(None, overrides)
     assert actor_lib.on_policy(cfg.actor, cfg.data.train_batch_size, False)
@@ -51,16 +54,11 @@ def test_the_shortcut_is_exactly_the_full_path(dynamic):
     for full_path in (True, False):
         m, batch = copy.deepcopy(model), _batch()
         if full_path:
-            r = cfg.rollout
-            micro = (
-                r.log_prob_micro_batch_size_per_gpu,
-                r.log_prob_use_dynamic_bsz,
-                r.log_prob_max_token_len_per_gpu,
-                "k",
-            )
-            batch.tensors["old_log_probs"] = actor_lib.compute_logprobs(m, batch, 1.0, micro, dist)
+            micro = build.log_prob_micro(cfg.rollout)
+            batch.old_log_probs_BT = per_token_pass(m, batch, micro, logprob_head(1.0), dist)
         optimizer = torch.optim.AdamW(m.parameters(), lr=cfg.actor.optim.lr)
-        metrics = actor_lib.update_actor(m, optimizer, batch, cfg.actor, 1.0, 16, losses, dist, N)
+        job = build.actor_update(cfg, m, optimizer, losses, dist, on_policy=not full_path)
+        metrics = actor_lib.update_actor(job, batch, dist)
         results.append((metrics, m))
     (full, m_full), (short, m_short) = results
     assert full == short
