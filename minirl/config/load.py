@@ -80,18 +80,9 @@ def load_config(
     for source, data in layers:
         _check_layer(data, schema, source)
         _deep_merge(merged, data)
-        origins.update(dict.fromkeys(_dotted_keys(data), source))
+        origins.update(dict.fromkeys(flatten(data), source))  # TOML has no null: every key is kept
     sections = {name: _build(cls, merged.get(name, {}), name, "merged config") for name, cls in schema.items()}
     return Config(sections=sections, profile=profile, source=path or "(defaults)", origins=origins)
-
-
-def _dotted_keys(data: dict, prefix: str = "") -> list[str]:
-    """{"actor": {"optim": {"lr": 1}}} -> ["actor.optim.lr"]."""
-    keys = []
-    for key, value in data.items():
-        full = f"{prefix}{key}"
-        keys += _dotted_keys(value, full + ".") if isinstance(value, dict) else [full]
-    return keys
 
 
 def profiles_in(path: str) -> list[str]:
@@ -264,6 +255,7 @@ def _toml_value(value: Any) -> str:
 
 
 def flatten(table: dict, prefix: str = "") -> dict[str, Any]:
+    """{"actor": {"optim": {"lr": 1}}} -> {"actor.optim.lr": 1}; None (an unset key) is left out."""
     out: dict[str, Any] = {}
     for key, value in table.items():
         if isinstance(value, dict):

@@ -188,10 +188,17 @@ def _warn_unused_truncation(cfg: DataConfig) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_prompts_with_stats(
+def load_prompts(
     files: list[str], tokenizer: Any, cfg: DataConfig, prompt_key: str | None = None
-) -> tuple[list[PromptRecord], LoadStats]:
-    """Like load_prompts, and also return what was filtered and truncated (for metrics)."""
+) -> list[PromptRecord]:
+    """Read verl-schema parquet files into tokenized prompts, in file and row order.
+
+    Each prompt is rendered with the tokenizer's chat template (add_generation_prompt=True).
+    Prompts longer than cfg.max_prompt_length are dropped when cfg.filter_overlong_prompts
+    (counted and logged), else handled by cfg.truncation: error (default) | left (keep the last
+    tokens) | right (keep the first) | middle (keep both ends). prompt_key defaults to
+    cfg.prompt_key. Raises DataError on malformed input.
+    """
     key = prompt_key or cfg.prompt_key
     if isinstance(files, str):
         files = [files]  # one path given as a string would otherwise iterate its characters
@@ -217,7 +224,7 @@ def load_prompts_with_stats(
                 stats.n_truncated += 1
             records.append(PromptRecord(ids, source, truth, extra, where, len(records), ability))
     _report(stats, files, cfg)
-    return records, stats
+    return records
 
 
 def _report(stats: LoadStats, files: list[str], cfg: DataConfig) -> None:
@@ -247,20 +254,6 @@ def _report(stats: LoadStats, files: list[str], cfg: DataConfig) -> None:
             f"{names}: no prompts left: all {stats.n_rows} rows are longer than "
             f"data.max_prompt_length = {cfg.max_prompt_length}; raise data.max_prompt_length"
         )
-
-
-def load_prompts(
-    files: list[str], tokenizer: Any, cfg: DataConfig, prompt_key: str | None = None
-) -> list[PromptRecord]:
-    """Read verl-schema parquet files into tokenized prompts, in file and row order.
-
-    Each prompt is rendered with the tokenizer's chat template (add_generation_prompt=True).
-    Prompts longer than cfg.max_prompt_length are dropped when cfg.filter_overlong_prompts
-    (counted and logged; see load_prompts_with_stats), else handled by cfg.truncation:
-    error (default) | left (keep the last tokens) | right (keep the first) | middle (keep
-    both ends). prompt_key defaults to cfg.prompt_key. Raises DataError on malformed input.
-    """
-    return load_prompts_with_stats(files, tokenizer, cfg, prompt_key)[0]
 
 
 class PromptLoader:

@@ -85,8 +85,7 @@ class RewardManager:
 
     def score(self, records: Sequence[Any], responses_text: Sequence[str]) -> RewardResult:
         """Score response i against records[i] (records already expanded n times per prompt)."""
-        if len(records) != len(responses_text):
-            raise ValueError(f"{len(records)} records but {len(responses_text)} responses")
+        assert len(records) == len(responses_text), f"{len(records)} records but {len(responses_text)} responses"
         self._check_sources(records)
         rows = [Row(r.data_source, text, r.ground_truth, r.extra_info) for r, text in zip(records, responses_text)]
         outcomes = [o for call in self._run(self._calls(rows)) for o in call]
@@ -113,8 +112,7 @@ class RewardManager:
 
     def score_ids(self, records: Sequence[Any], response_ids: Sequence[Sequence[int]]) -> RewardResult:
         """Decode (skipping special tokens such as EOS) with the tokenizer, then score."""
-        if self.tokenizer is None:
-            raise ValueError("RewardManager.score_ids needs a tokenizer; pass one to RewardManager")
+        assert self.tokenizer is not None, "RewardManager.score_ids needs a tokenizer; pass one to RewardManager"
         texts = [self.tokenizer.decode(list(ids), skip_special_tokens=True) for ids in response_ids]
         return self.score(records, texts)
 
@@ -165,12 +163,8 @@ def place_scores(scores_B: Any, response_lengths_B: Any, T: int) -> torch.Tensor
     """
     scores_B = torch.as_tensor(scores_B, dtype=torch.float32)
     lengths_B = torch.as_tensor(response_lengths_B, dtype=torch.long, device=scores_B.device)
-    if scores_B.ndim != 1 or scores_B.shape != lengths_B.shape:
-        raise ValueError(f"scores {tuple(scores_B.shape)} and lengths {tuple(lengths_B.shape)} must be (B,)")
-    if T < 1:
-        raise ValueError(f"T = {T}: the response tensor needs at least one position")
-    if bool((lengths_B > T).any()) or bool((lengths_B < 0).any()):
-        raise ValueError(f"response lengths must lie in [0, {T}], got {lengths_B.tolist()}")
+    assert scores_B.ndim == 1 and scores_B.shape == lengths_B.shape, (scores_B.shape, lengths_B.shape)
+    assert T >= 1 and bool(((lengths_B >= 0) & (lengths_B <= T)).all()), f"lengths {lengths_B.tolist()} in T = {T}"
     token_scores_BT = torch.zeros(len(scores_B), T, dtype=torch.float32, device=scores_B.device)
     last_B = (lengths_B - 1).clamp(min=0)
     placed_B = torch.where(lengths_B > 0, scores_B, torch.zeros_like(scores_B))

@@ -116,15 +116,13 @@ class _Worker:
         self.conn.close()
 
     def stop(self) -> None:
+        """Ask the worker to exit; kill it when it has not after STOP_GRACE_S (a hung call)."""
         try:
             self.conn.send(None)
         except OSError:
             pass
         self.process.join(STOP_GRACE_S)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        self.conn.close()
+        self.kill()  # a no-op signal for a worker that has exited
 
 
 class RewardPool:

@@ -76,8 +76,7 @@ class Scorers:
     compute_score for every data_source; batch: custom takes lists and returns a list."""
 
     def __init__(self, registry: Any = None, custom: Any = None, batch: bool = False, what: str = "compute_score"):
-        if batch and custom is None:
-            raise ValueError("a batch reward manager needs a custom reward function")
+        assert custom is not None or not batch, "a batch reward manager needs a custom reward function (validated)"
         self.registry, self.custom, self.batch, self.what = registry, custom, batch, what
 
     def run(self, rows: Sequence[Row]) -> list[Outcome]:

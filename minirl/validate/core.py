@@ -2,12 +2,12 @@
 
 `validate(cfg, pm)` collects every invalid value at once and raises one ConfigError with a line
 per problem: the key, its value, where the value came from (file, profile, command line or
-default), the rule it breaks and the fix. The rules live in the modules beside this one, each
-importing only minirl.validate.problem: values (one key at a time), critic (the [critic]
-section's own keys), layout (launcher, devices, mini-batches, the (dp, sp) mesh, token budgets),
-options (the run's and the algorithm's keys that go together) and files (the model directory,
-the data with a reward function for every data_source, the output directory). This module only
-collects them. `python -m minirl` and `--print-config` both run it.
+default), the rule it breaks and the fix. The rules live in the modules beside this one, which
+share minirl.validate.problem and never import this module: values (one key at a time), critic
+(the [critic] section's own keys), layout (launcher, devices, mini-batches, the (dp, sp) mesh,
+token budgets), options (the run's and the algorithm's keys that go together) and files (the
+model directories, the data with a reward function for every data_source, the output
+directory). This module only collects them. `python -m minirl` and `--print-config` run it.
 """
 
 from __future__ import annotations

@@ -4,12 +4,10 @@ They apply only when algorithm.adv_estimator needs values (gae): otherwise no cr
 its keys are ignored, with a notice at start-up (minirl.build.critic). A key left unset takes the
 actor's value (minirl.critic.resolved), which the actor's rules already check, so these rules
 check only the keys that are set. The critic's batch, layout and token-budget rules sit beside
-the actor's in minirl.validate.layout.
+the actor's in minirl.validate.layout, its model directory beside the actor's in minirl.validate.files.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from minirl.config.load import Config
 from minirl.critic import needs_values
@@ -38,21 +36,10 @@ CRITIC_CHOICES = [(k.replace("actor.", "critic.", 1), allowed) for k, allowed in
 def critic_problems(cfg: Config, pm) -> list[Problem]:
     if not uses_critic(cfg, pm):
         return []
-    return [*range_problems(cfg, CRITIC_RANGES), *choice_problems(cfg, CRITIC_CHOICES), *_model_path(cfg)]
+    return [*range_problems(cfg, CRITIC_RANGES), *choice_problems(cfg, CRITIC_CHOICES)]
 
 
 def uses_critic(cfg: Config, pm) -> bool:
     name = cfg.algorithm.adv_estimator
     estimators = pm["advantage_estimators"]
     return name in estimators and needs_values(estimators.get(name))
-
-
-def _model_path(cfg: Config) -> list[Problem]:
-    path = cfg.critic.model.path
-    if not path:
-        return []
-    p = Path(path).expanduser()
-    if not (p / "config.json").is_file():
-        rule = "is not a Hugging Face model directory (no config.json)"
-        return [Problem("critic.model.path", path, rule, "point it at one, or leave it empty for the actor's model")]
-    return []

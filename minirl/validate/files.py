@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from minirl.errors import describe
+from minirl.validate.critic import uses_critic
 from minirl.validate.problem import Problem
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -22,7 +23,7 @@ MODEL_DIR_FIX = "point it at a local Hugging Face model directory, or leave it e
 
 
 def file_problems(cfg, pm) -> list[Problem]:
-    return [*_model(cfg.model), *_data(cfg, pm), *_custom_reward(cfg), *_output(cfg.trainer)]
+    return [*_model(cfg.model), *_critic_model(cfg, pm), *_data(cfg, pm), *_custom_reward(cfg), *_output(cfg.trainer)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,7 +39,7 @@ def _model(m) -> list[Problem]:
             fix = f"choose one of {', '.join(PRESETS)}, or set model.path to a local Hugging Face directory"
             return [Problem("model.preset", m.preset, "not a preset", fix)]
         return _tokenizer_dir("model.tokenizer", m.tokenizer) if m.tokenizer else []
-    problems = model_dir_problems(m.path)
+    problems = _model_dir(m.path, "model.path", MODEL_DIR_FIX)
     if m.tokenizer:
         problems += _tokenizer_dir("model.tokenizer", m.tokenizer)
     elif not problems:
@@ -46,47 +47,56 @@ def _model(m) -> list[Problem]:
     return problems
 
 
-def model_dir_problems(path: str) -> list[Problem]:
-    """model.path: a directory with a readable config.json of a known model_type and whole weights."""
-    p, key = Path(path).expanduser(), "model.path"
+def _critic_model(cfg, pm) -> list[Problem]:
+    """critic.model.path, when a critic trains on a backbone of its own (empty: the actor's model)."""
+    path = cfg.critic.model.path
+    if not path or not uses_critic(cfg, pm):
+        return []
+    fix = "point it at a local Hugging Face model directory, or leave it empty for the actor's model"
+    return _model_dir(path, "critic.model.path", fix)
+
+
+def _model_dir(path: str, key: str, fix: str) -> list[Problem]:
+    """A directory with a readable config.json of a known model_type and whole weights."""
+    p = Path(path).expanduser()
     if not p.exists():
-        return [Problem(key, path, "no such directory", MODEL_DIR_FIX)]
+        return [Problem(key, path, "no such directory", fix)]
     if not p.is_dir():
-        return [Problem(key, path, "is a file, not a directory", MODEL_DIR_FIX)]
+        return [Problem(key, path, "is a file, not a directory", fix)]
     if not (p / "config.json").is_file():
         return [Problem(key, path, "has no config.json", "point it at the directory that holds config.json")]
-    problems = _config_json(p / "config.json")
+    problems = _config_json(key, p / "config.json")
     weights = sorted(p.glob("*.safetensors"))
     if not weights and not any(p.glob("pytorch_model*.bin")):
         problems.append(Problem(key, path, "has no weights (*.safetensors)", "copy the checkpoint's weight files in"))
     for f in weights:
-        problems += _safetensors(f)
+        problems += _safetensors(key, f)
     return problems
 
 
-def _in_model_dir(f: Path, rule: str, fix: str) -> list[Problem]:
-    """The problem of one file of the model directory, reported against model.path."""
-    return [Problem("model.path", str(f.parent), f"{f.name} {rule}", fix)]
+def _in_model_dir(key: str, f: Path, rule: str, fix: str) -> list[Problem]:
+    """The problem of one file of a model directory, reported against the directory's key."""
+    return [Problem(key, str(f.parent), f"{f.name} {rule}", fix)]
 
 
-def _config_json(f: Path) -> list[Problem]:
+def _config_json(key: str, f: Path) -> list[Problem]:
     restore = "restore the checkpoint's config.json"
     try:
         config = json.loads(f.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return _in_model_dir(f, f"is not valid JSON ({exc})", restore)
+        return _in_model_dir(key, f, f"is not valid JSON ({exc})", restore)
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not model_type:
-        return _in_model_dir(f, "has no model_type", restore)
+        return _in_model_dir(key, f, "has no model_type", restore)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     if model_type not in CONFIG_MAPPING_NAMES:
         fix = "fix model_type, or upgrade transformers if the model is newer"
-        return _in_model_dir(f, f"has model_type {model_type!r}, unknown to transformers", fix)
+        return _in_model_dir(key, f, f"has model_type {model_type!r}, unknown to transformers", fix)
     return []
 
 
-def _safetensors(f: Path) -> list[Problem]:
+def _safetensors(key: str, f: Path) -> list[Problem]:
     """The header says how many bytes the tensors take; a shorter file was cut off mid-copy."""
     try:
         with open(f, "rb") as fh:
@@ -94,10 +104,10 @@ def _safetensors(f: Path) -> list[Problem]:
             header = json.loads(fh.read(n))
         end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError) as exc:
-        return _in_model_dir(f, f"is not a safetensors file ({exc})", "copy the weight file again")
+        return _in_model_dir(key, f, f"is not a safetensors file ({exc})", "copy the weight file again")
     size = f.stat().st_size
     if size < 8 + n + end:
-        return _in_model_dir(f, f"is truncated ({size} of {8 + n + end} bytes)", "copy the weight file again")
+        return _in_model_dir(key, f, f"is truncated ({size} of {8 + n + end} bytes)", "copy the weight file again")
     return []
 
 

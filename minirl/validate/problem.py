@@ -1,8 +1,9 @@
 """What the rules of the validation pass share: the Problem each one reports, a key's value, and
 the shape of the job (worker processes, sp, the longest sequence) that several rules divide by.
 
-Every rule module (values, critic, layout, options, files) imports this one and no other rule
-module's internals; minirl.validate.core collects their problems and reports them.
+Every rule module (values, critic, layout, options, files) imports this one, and none imports
+minirl.validate.core, which collects their problems and reports them: so the package has no
+import circle.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from minirl.data.prompts import (
     PromptRecord,
     expand_groups,
     load_prompts,
-    load_prompts_with_stats,
 )
 
 
@@ -200,14 +199,14 @@ def test_chat_template_failure_is_a_data_error(tmp_path):
 
 
 def test_filter_overlong_counts_and_logs(tmp_path, caplog):
-    """Filtering is never silent: the count is returned and logged with the first dropped row."""
+    """Filtering is never silent: the count is logged with the first dropped row."""
     path = write(tmp_path, [row("a" * 5), row("b" * 50), row("c" * 5), row("d" * 60)])
     with caplog.at_level(logging.WARNING, logger="minirl.data.prompts"):
-        recs, stats = load_prompts_with_stats([path], TOK, cfg(max_prompt_length=OVERHEAD + 10))
+        recs = load_prompts([path], TOK, cfg(max_prompt_length=OVERHEAD + 10))
     assert [r.source for r in recs] == [f"{path}:0", f"{path}:2"]
     assert [r.index for r in recs] == [0, 1]
-    assert (stats.n_rows, stats.n_filtered, stats.n_truncated) == (4, 2, 0)
     assert "dropped 2 of 4 prompts" in caplog.text and f"{path}:1" in caplog.text
+    assert "truncated" not in caplog.text
 
 
 def test_everything_filtered_is_an_error(tmp_path):
@@ -236,11 +235,9 @@ def test_truncation_modes_keep_the_right_tokens(tmp_path, mode, caplog):
     )
     limit = 9
     with caplog.at_level(logging.WARNING, logger="minirl.data.prompts"):
-        recs, stats = load_prompts_with_stats(
-            [path], TOK, cfg(max_prompt_length=limit, filter_overlong_prompts=False, truncation=mode)
-        )
+        recs = load_prompts([path], TOK, cfg(max_prompt_length=limit, filter_overlong_prompts=False, truncation=mode))
     expected = {"left": full[-9:], "right": full[:9], "middle": full[:4] + full[-5:]}[mode]
-    assert recs[0].prompt_ids == expected and stats.n_truncated == 1
+    assert recs[0].prompt_ids == expected
     assert "truncated 1 of 1" in caplog.text
 
 
