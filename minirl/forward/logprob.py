@@ -28,6 +28,8 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from minirl.kernels.selfcheck import expect_close, self_check
+
 # Positions per output-projection chunk (chunk_size=None). With gradients each chunk's logits are
 # recomputed in the backward, so the chunk bounds the memory the loss holds; the plain path keeps
 # float32 copies of a chunk (2,048 × 151,936 × 4 B = 1.2 GB each). Without gradients on the fused
@@ -42,20 +44,15 @@ IMPL = os.environ.get("MINIRL_LOGPROB_IMPL", "auto")  # auto: fused on CUDA when
 @functools.cache
 def fused_works(device: str) -> bool:
     """The fused kernels import, compile and agree with the plain path on a small problem on
-    `device` (checked once per device): a broken triton costs speed, never correctness."""
-    try:
-        # the same check whatever mode the first caller is in (no_grad, inference, autocast)
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.split(":")[0], enabled=False):
-            ok = _fused_agrees(device)
-        problem = "disagree with the plain path"
-    except Exception as exc:  # triton missing or broken, no compiler for this device
-        ok, problem = False, f"failed ({type(exc).__name__}: {str(exc)[:200]})"
-    if not ok:
+    `device` (minirl.kernels.selfcheck, once per device): a broken triton costs speed, never
+    correctness."""
+    problem = self_check(lambda: _check_fused(device), device)
+    if problem is not None:
         warnings.warn(f"fused log-prob kernels on {device} {problem}; using the plain torch path")
-    return ok
+    return problem is None
 
 
-def _fused_agrees(device: str) -> bool:
+def _check_fused(device: str) -> None:
     from minirl.kernels.logprob import fused_logprob_entropy
 
     gen = torch.Generator().manual_seed(0)
@@ -66,7 +63,7 @@ def _fused_agrees(device: str) -> bool:
         z = z_nV.clone().requires_grad_()
         logp_n, ent_n = fn(z, labels_n, 0.7, True)
         out += [logp_n, ent_n, *torch.autograd.grad(logp_n.sum() - 0.5 * ent_n.sum(), [z])]
-    return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got, ref, strict=True))
+    expect_close(got, ref, rtol=1e-4, atol=1e-4, problem="disagree with the plain path")
 
 
 def _chunk_stats_of_logits(z_nV, labels_n, temperature, with_entropy):

@@ -34,6 +34,8 @@ import warnings
 
 import torch
 
+from minirl.kernels.selfcheck import expect_close, self_check
+
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WARPS, STAGES = 128, 128, 64, 16, 8, 3
 _OP = "minirl::gate_up_silu"
 
@@ -66,21 +68,19 @@ def unfuse_mlps(model: torch.nn.Module) -> None:
 @functools.cache
 def kernel_problem() -> str | None:
     """Why the kernel cannot run on this machine's current CUDA device, or None when it can.
-    Checked once: the kernel runs on a small input (a partial row tile included) and must agree
-    with the unfused computation, so a GPU whose shared memory cannot hold its tiles, or a
-    triton that cannot build it, falls back instead of failing in the first log-prob pass."""
+    Checked once (minirl.kernels.selfcheck): the kernel runs on a small input (a partial row tile
+    included) and must agree with the unfused computation, so a GPU whose shared memory cannot
+    hold its tiles, or a triton that cannot build it, falls back instead of failing in the first
+    log-prob pass."""
     if not torch.cuda.is_available():
         return "there is no CUDA device"
     if torch.cuda.get_device_capability() < (9, 0):
         return "the GPU has no TMA (compute capability below 9.0)"
-    try:
-        agrees = _kernel_agrees(torch.device("cuda", torch.cuda.current_device()))
-    except Exception as exc:  # triton missing or broken, tiles that do not fit this GPU
-        return f"the kernel failed on this GPU ({type(exc).__name__}: {str(exc)[:200]})"
-    return None if agrees else "the kernel disagrees with the unfused computation on this GPU"
+    device = torch.device("cuda", torch.cuda.current_device())
+    return self_check(lambda: _check_kernel(device), device, failed="the kernel failed on this GPU")
 
 
-def _kernel_agrees(device: torch.device) -> bool:
+def _check_kernel(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(200, 2 * BLOCK_K, generator=gen)
     wg, wu = (torch.randn(2 * BLOCK_N, 2 * BLOCK_K, generator=gen) * (2 * BLOCK_K) ** -0.5 for _ in range(2))
@@ -88,7 +88,9 @@ def _kernel_agrees(device: torch.device) -> bool:
     with torch.no_grad():
         got = gate_up_silu(x, wg, wu).float()
         want = (torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)).float()
-    return torch.allclose(got, want, rtol=2**-6, atol=1e-2)  # a rounding apart at most; a broken kernel is far off
+    # a rounding apart at most; a broken kernel is far off
+    problem = "the kernel disagrees with the unfused computation on this GPU"
+    expect_close([got], [want], rtol=2**-6, atol=1e-2, problem=problem)
 
 
 def _is_silu_gated(mlp) -> bool:
