@@ -21,52 +21,39 @@ from minirl.models.tokenizers import BYTE_EOS_ID, BYTE_VOCAB_SIZE, byte_tokenize
 
 @dataclass(frozen=True)
 class Preset:
-    config: Callable[[], PretrainedConfig]
+    config: Callable[..., PretrainedConfig]  # (**overrides) -> a fresh config
     tokenizer: Callable[[], object]
 
 
-def _byte_ids() -> dict:
-    # No pad_token_id, as in Qwen's checkpoints: it would make the eos embedding row a frozen
-    # zero padding_idx. Padding comes from the tokenizer.
-    return dict(vocab_size=BYTE_VOCAB_SIZE, bos_token_id=None, eos_token_id=BYTE_EOS_ID)
+# The shape of the three tiny presets: milliseconds per forward on CPU. No pad_token_id, as in
+# Qwen's checkpoints: it would make the eos embedding row a frozen zero padding_idx (padding comes
+# from the tokenizer).
+TINY_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    vocab_size=BYTE_VOCAB_SIZE,
+    bos_token_id=None,
+    eos_token_id=BYTE_EOS_ID,
+)
 
 
-def _tiny() -> PretrainedConfig:
-    """Qwen2 shape in miniature (untied like R1-Distill-1.5B): milliseconds per forward on CPU."""
-    return Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-        **_byte_ids(),
-    )
+def _tiny(**overrides) -> PretrainedConfig:
+    """Qwen2 shape in miniature (untied like R1-Distill-1.5B)."""
+    family = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False)
+    return Qwen2Config(**{**TINY_SHAPE, **family, **overrides})
 
 
-def _qwen3_tiny() -> PretrainedConfig:
+def _qwen3_tiny(**overrides) -> PretrainedConfig:
     """Qwen3 in miniature: q/k RMSNorm, no qkv bias, head_dim 32 != 64/4, tied embeddings."""
-    return Qwen3Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=2048,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-        **_byte_ids(),
-    )
+    family = dict(head_dim=32, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    return Qwen3Config(**{**TINY_SHAPE, **family, "use_sliding_window": False, **overrides})
 
 
-def _llama3_tiny() -> PretrainedConfig:
+def _llama3_tiny(**overrides) -> PretrainedConfig:
     """Llama 3.2 in miniature: tied embeddings and the "llama3" frequency-scaled RoPE."""
     rope = dict(
         rope_type="llama3",
@@ -76,23 +63,11 @@ def _llama3_tiny() -> PretrainedConfig:
         high_freq_factor=4.0,
         original_max_position_embeddings=256,
     )
-    return LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        rope_parameters=rope,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        mlp_bias=False,
-        **_byte_ids(),
-    )
+    family = dict(rope_parameters=rope, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    return LlamaConfig(**{**TINY_SHAPE, **family, "attention_bias": False, "mlp_bias": False, **overrides})
 
 
-def _qwen2_1_5b() -> PretrainedConfig:
+def _qwen2_1_5b(**overrides) -> PretrainedConfig:
     """DeepSeek-R1-Distill-Qwen-1.5B's config.json, key for key (bos in config.json is 151643;
     its tokenizer and generation_config.json use <｜begin▁of▁sentence｜> = 151646)."""
     return Qwen2Config(
@@ -116,6 +91,7 @@ def _qwen2_1_5b() -> PretrainedConfig:
         use_cache=True,
         bos_token_id=151643,
         eos_token_id=151643,
+        **overrides,
     )
 
 
@@ -136,9 +112,10 @@ def _get(name: str) -> Preset:
     return PRESETS[name]
 
 
-def preset_config(name: str) -> PretrainedConfig:
-    """A fresh transformers config of the named preset (callers may mutate it)."""
-    return _get(name).config()
+def preset_config(name: str, **overrides) -> PretrainedConfig:
+    """A fresh transformers config of the named preset (callers may mutate it), built with
+    `overrides` in place of the preset's values (a test's smaller vocabulary, say)."""
+    return _get(name).config(**overrides)
 
 
 def preset_tokenizer(name: str):

@@ -11,21 +11,17 @@ vocabulary against the plain path.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.triton_interpreter import interpreter_fixes, require_interpreter
+
 CUDA = torch.cuda.is_available()
-if not CUDA and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    # tests/conftest.py switches the interpreter on before anything imports triton; a skip here
-    # would hide every kernel test, so the order problem is an error
-    raise RuntimeError("triton was imported before TRITON_INTERPRET=1 could be set (see tests/conftest.py)")
 if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # Triton reads it when it defines its kernels
+    require_interpreter()
 
 from minirl.forward import logprob  # noqa: E402
 from minirl.forward.logprob import chunked_logprobs  # noqa: E402
@@ -35,23 +31,9 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def interpreter_loop_bounds():
-    """triton 3.6's interpreter turns a scalar kernel argument (a 1-element array) into a loop
-    bound with int(array), which numpy >= 2.3 refuses; take the element instead."""
-    if CUDA:
+def interpreter():
+    with contextlib.nullcontext() if CUDA else interpreter_fixes():
         yield
-        return
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    yield
-    interpreter._patch_lang_tensor = original
 
 
 @contextlib.contextmanager

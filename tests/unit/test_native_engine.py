@@ -8,24 +8,17 @@ released and re-acquired.
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from minirl.protocols import SamplingParams
 from minirl_plugins.engines.native import build_native_engine, weights_checksum
-from minirl_plugins.engines.native.layers.ops_torch import filter_top_k_top_p
-from minirl_plugins.engines.native.testing import engine_context, tiny_config, tiny_hf_model
-
-PROMPTS = [[5, 17, 42], [7] * 16, list(range(100, 131)), [9, 8, 7, 6, 5, 4, 3]]
-
+from minirl_plugins.engines.native.layers.sampling import filter_top_k_top_p
+from tests.tiny_models import PROMPTS, engine_context, greedy, hf_greedy, tiny_config, tiny_hf_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-class _Cfg:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
 
 
 @pytest.fixture(scope="module")
@@ -38,29 +31,12 @@ def _engine(cfg, actor, rollout=None, **extra):
     return build_native_engine(rollout, engine_context(cfg, actor=actor, **extra))
 
 
-def _greedy(n=1, max_new=12, **kw):
-    return SamplingParams(n=n, temperature=0.0, max_new_tokens=max_new, ignore_eos=True, **kw)
-
-
-def _hf_greedy(hf, prompt, max_new):
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_new,
-            min_new_tokens=max_new,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 def test_greedy_equals_transformers(qwen2):
     cfg, hf = qwen2
     eng = _engine(cfg, hf, page_size=4)
-    got = eng.generate(PROMPTS, _greedy(max_new=20))
+    got = eng.generate(PROMPTS, greedy(max_new=20))
     for prompt, completion in zip(PROMPTS, got):
-        assert completion.token_ids == _hf_greedy(hf, prompt, 20)
+        assert completion.token_ids == hf_greedy(hf, prompt, 20)
         assert completion.finish_reason == "length"
 
 
@@ -68,13 +44,13 @@ def test_greedy_equals_transformers(qwen2):
 def test_greedy_equals_transformers_other_families(family):
     cfg = tiny_config(family)
     hf = tiny_hf_model(cfg, seed=3, std=0.2)
-    got = _engine(cfg, hf).generate(PROMPTS[:2], _greedy(max_new=10))
-    assert [c.token_ids for c in got] == [_hf_greedy(hf, p, 10) for p in PROMPTS[:2]]
+    got = _engine(cfg, hf).generate(PROMPTS[:2], greedy(max_new=10))
+    assert [c.token_ids for c in got] == [hf_greedy(hf, p, 10) for p in PROMPTS[:2]]
 
 
 def test_stop_on_eos_and_stop_tokens(qwen2):
     cfg, hf = qwen2
-    ref = _hf_greedy(hf, PROMPTS[0], 12)
+    ref = hf_greedy(hf, PROMPTS[0], 12)
     eos = ref[4]
     eng = _engine(cfg, hf, eos=(eos,))
     [c] = eng.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=12))
@@ -92,11 +68,13 @@ def test_continuous_batching_equals_one_by_one(qwen2, decode_steps):
     cfg, hf = qwen2
     prompts = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6], [11] * 5, [200, 201], list(range(250, 290))]
     eng = _engine(cfg, hf, page_size=4)
-    free = [eng.generate([p], _greedy(max_new=16))[0].token_ids for p in prompts]
+    free = [eng.generate([p], greedy(max_new=16))[0].token_ids for p in prompts]
     stop = free[0][6]  # a token that ends some sequences early
-    params = _greedy(max_new=16, stop_token_ids=(stop,))
+    params = greedy(max_new=16, stop_token_ids=(stop,))
     one_by_one = [eng.generate([p], params)[0] for p in prompts]
-    batched = _engine(cfg, hf, _Cfg(max_num_seqs=2), page_size=4, decode_steps=decode_steps).generate(prompts, params)
+    batched = _engine(cfg, hf, SimpleNamespace(max_num_seqs=2), page_size=4, decode_steps=decode_steps).generate(
+        prompts, params
+    )
     assert [c.token_ids for c in batched] == [c.token_ids for c in one_by_one]
     assert {c.finish_reason for c in batched} == {"stop", "length"}
 
@@ -104,14 +82,14 @@ def test_continuous_batching_equals_one_by_one(qwen2, decode_steps):
 def test_n_samples_share_prefill_and_preemption_keeps_output(qwen2):
     """Prompt lengths on and off page boundaries; a cache too small for all forces preemption."""
     cfg, hf = qwen2
-    ref = [c.token_ids for c in _engine(cfg, hf, page_size=4).generate(PROMPTS, _greedy(max_new=24))]
+    ref = [c.token_ids for c in _engine(cfg, hf, page_size=4).generate(PROMPTS, greedy(max_new=24))]
     for extra, preempts in (
         ({"page_size": 4}, False),
         ({"page_size": 4, "num_kv_pages": 24}, True),
         ({"page_size": 4, "num_kv_pages": 24, "decode_steps": 5}, True),
     ):
         eng = _engine(cfg, hf, **extra)
-        got = eng.generate(PROMPTS, _greedy(n=3, max_new=24))
+        got = eng.generate(PROMPTS, greedy(n=3, max_new=24))
         assert [c.token_ids for c in got] == [t for t in ref for _ in range(3)]
         assert (eng.last_stats["preemptions"] > 0) == preempts
 
@@ -121,16 +99,16 @@ def test_cache_is_sized_by_the_rows_of_one_call(qwen2):
     page), below the memory budget; a call of that many rows then never preempts, and a larger
     one runs in waves with the same greedy output."""
     cfg, hf = qwen2
-    ref = [c.token_ids for c in _engine(cfg, hf, page_size=4).generate(PROMPTS, _greedy(max_new=24))]
+    ref = [c.token_ids for c in _engine(cfg, hf, page_size=4).generate(PROMPTS, greedy(max_new=24))]
     rows = len(PROMPTS) * 3
     eng = _engine(cfg, hf, page_size=4, max_model_len=64, max_batch_rows=rows)
     assert eng.runner.num_pages == rows * (64 // 4 + 1) + 1  # a reserve page per row, the scratch page
     assert eng.runner.num_pages < _engine(cfg, hf, page_size=4, max_model_len=64).runner.num_pages
-    got = eng.generate(PROMPTS, _greedy(n=3, max_new=24))
+    got = eng.generate(PROMPTS, greedy(n=3, max_new=24))
     assert [c.token_ids for c in got] == [t for t in ref for _ in range(3)]
     assert eng.last_stats["preemptions"] == 0
     small = _engine(cfg, hf, page_size=4, max_model_len=64, max_batch_rows=2)
-    got = small.generate(PROMPTS, _greedy(n=3, max_new=24))
+    got = small.generate(PROMPTS, greedy(n=3, max_new=24))
     assert [c.token_ids for c in got] == [t for t in ref for _ in range(3)]
     assert small.last_stats["preemptions"] > 0
 
@@ -141,7 +119,7 @@ def test_a_cache_sized_for_one_prompt_group_admits_it(qwen2, prompt_len, max_new
     keeps a free page per running row when it admits a group, so the cache must count those."""
     cfg, hf = qwen2
     eng = _engine(cfg, hf, page_size=16, max_model_len=prompt_len + max_new, max_batch_rows=n)
-    got = eng.generate([list(range(3, 3 + prompt_len))], _greedy(n=n, max_new=max_new))
+    got = eng.generate([list(range(3, 3 + prompt_len))], greedy(n=n, max_new=max_new))
     assert [len(c.token_ids) for c in got] == [max_new] * n
 
 
@@ -155,7 +133,7 @@ def test_logprobs_equal_full_recompute(qwen2):
         logits = eng.logits(prompt + c.token_ids)[len(prompt) - 1 : -1]
         ref = torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=1e-4, rtol=1e-4)
-    [g] = eng.generate(PROMPTS[:1], _greedy(max_new=5))
+    [g] = eng.generate(PROMPTS[:1], greedy(max_new=5))
     logits = eng.logits(PROMPTS[0] + g.token_ids)[len(PROMPTS[0]) - 1 : -1]
     ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(g.token_ids)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(g.logprobs), ref, atol=1e-4, rtol=1e-4)
@@ -196,13 +174,13 @@ def test_weight_load_equals_fresh_engine(qwen2):
     cfg, hf = qwen2
     other = tiny_hf_model(cfg, seed=9, std=0.2)
     eng = _engine(cfg, hf)
-    before = eng.generate(PROMPTS, _greedy())
+    before = eng.generate(PROMPTS, greedy())
     assert eng.checksum() == weights_checksum(hf.named_parameters(), torch.float32)
     assert eng.checksum() != weights_checksum(other.named_parameters(), torch.float32)
     eng.load_weights(other.state_dict().items())
     assert eng.checksum() == weights_checksum(other.named_parameters(), torch.float32)
-    after = eng.generate(PROMPTS, _greedy())
-    fresh = _engine(cfg, other).generate(PROMPTS, _greedy())
+    after = eng.generate(PROMPTS, greedy())
+    fresh = _engine(cfg, other).generate(PROMPTS, greedy())
     assert [c.token_ids for c in after] == [c.token_ids for c in fresh] != [c.token_ids for c in before]
 
 
@@ -218,14 +196,14 @@ def test_checksum_catches_one_changed_element(qwen2):
 def test_release_and_resume_memory(qwen2):
     cfg, hf = qwen2
     eng = _engine(cfg, hf)
-    before = eng.generate(PROMPTS, _greedy())
+    before = eng.generate(PROMPTS, greedy())
     eng.release_memory()
     assert eng.runner.kv is None
     eng.resume_memory()
     assert eng.runner.kv is not None
-    assert [c.token_ids for c in eng.generate(PROMPTS, _greedy())] == [c.token_ids for c in before]
+    assert [c.token_ids for c in eng.generate(PROMPTS, greedy())] == [c.token_ids for c in before]
     eng.release_memory()  # generate re-acquires the cache by itself
-    assert [c.token_ids for c in eng.generate(PROMPTS, _greedy())] == [c.token_ids for c in before]
+    assert [c.token_ids for c in eng.generate(PROMPTS, greedy())] == [c.token_ids for c in before]
 
 
 def test_last_stats_account_for_the_cache_and_graphs(qwen2, monkeypatch):
@@ -236,7 +214,7 @@ def test_last_stats_account_for_the_cache_and_graphs(qwen2, monkeypatch):
 
     cfg, hf = qwen2
     eng = _engine(cfg, hf)
-    eng.generate(PROMPTS, _greedy())
+    eng.generate(PROMPTS, greedy())
     assert eng.last_stats["kv_resume_s"] == 0.0  # allocated at construction, kept
     assert eng.last_stats["graph_captures"] == 0 and eng.last_stats["graph_capture_s"] == 0.0
     release, allocate = eng.runner.release, eng.runner.allocate_kv
@@ -254,9 +232,9 @@ def test_last_stats_account_for_the_cache_and_graphs(qwen2, monkeypatch):
     monkeypatch.setattr(eng.runner, "allocate_kv", slowly(allocate))
     eng.resume_memory()
     eng.resume_memory()  # a no-op: the cache is there
-    eng.generate(PROMPTS, _greedy())
+    eng.generate(PROMPTS, greedy())
     assert 0.05 <= eng.last_stats["kv_resume_s"] < 5
-    eng.generate(PROMPTS, _greedy())
+    eng.generate(PROMPTS, greedy())
     assert eng.last_stats["kv_resume_s"] == 0.0
 
 
@@ -264,11 +242,11 @@ def test_bad_requests_are_clear_errors(qwen2):
     cfg, hf = qwen2
     eng = _engine(cfg, hf)
     with pytest.raises(ValueError, match="max_model_len"):
-        eng.generate([[1] * 250], _greedy(max_new=10))
+        eng.generate([[1] * 250], greedy(max_new=10))
     with pytest.raises(ValueError, match="outside"):
-        eng.generate([[1, 300]], _greedy())
+        eng.generate([[1, 300]], greedy())
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        _engine(cfg, hf, _Cfg(gpu_memory_utilization=1.5))
+        _engine(cfg, hf, SimpleNamespace(gpu_memory_utilization=1.5))
 
 
 def test_registered_as_native():
@@ -302,7 +280,7 @@ def test_fp8_kv_cache_rounds_keys_and_values_to_its_precision_and_nothing_else(q
     exact = _engine(cfg, hf, page_size=4)
     drift = {}
     for kv in ("auto", "bfloat16", "fp8", "fp8_e5m2"):
-        eng = _engine(cfg, hf, _Cfg(kv_cache_dtype=kv), page_size=4)
+        eng = _engine(cfg, hf, SimpleNamespace(kv_cache_dtype=kv), page_size=4)
         assert eng.runner.kv_bytes_per_token * 4 == exact.runner.kv_bytes_per_token * eng.runner.kv.dtype.itemsize
         drift[kv] = float(_logprob_drift(eng, exact).mean())
     print({k: round(v, 5) for k, v in drift.items()})  # measured: auto 1e-6, bf16 0.0057, e4m3 0.092, e5m2 0.17

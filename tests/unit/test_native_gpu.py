@@ -3,27 +3,20 @@ and transformers' greedy tokens, the fused sampler samples the softmax, a weight
 captured graphs valid, and release_memory() returns the KV cache to the device.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from minirl.protocols import SamplingParams
 from minirl_plugins.engines.native import build_native_engine
+from minirl_plugins.engines.native.layers import sampling
 from minirl_plugins.engines.native.layers.ops import select_ops
-from minirl_plugins.engines.native.testing import engine_context, tiny_config, tiny_hf_model
+from minirl_plugins.engines.native.layers.paged_attention import decode_block_n
+from tests.tiny_models import PROMPTS, engine_context, greedy, hf_greedy, tiny_config, tiny_hf_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 CUDA = torch.device("cuda")
-PROMPTS = [[5, 17, 42], [7] * 16, list(range(100, 131)), [9, 8, 7, 6, 5, 4, 3]]
-
-
-class _Cfg:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
-def _greedy(n=1, max_new=24):
-    return SamplingParams(n=n, temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -48,22 +41,14 @@ def test_graph_decode_equals_eager_and_transformers(family):
     hf = tiny_hf_model(cfg, seed=2, std=0.2, device="cuda")
     graphs = build_native_engine(None, engine_context(cfg, actor=hf, device="cuda", num_kv_pages=512))
     eager = build_native_engine(
-        _Cfg(enforce_eager=True), engine_context(cfg, actor=hf, device="cuda", num_kv_pages=512)
+        SimpleNamespace(enforce_eager=True), engine_context(cfg, actor=hf, device="cuda", num_kv_pages=512)
     )
     assert graphs.runner.use_graphs
-    got = graphs.generate(PROMPTS, _greedy(n=2))
+    got = graphs.generate(PROMPTS, greedy(n=2, max_new=24))
     assert graphs.runner.graphs, "no CUDA graph was captured"
-    assert [c.token_ids for c in got] == [c.token_ids for c in eager.generate(PROMPTS, _greedy(n=2))]
+    assert [c.token_ids for c in got] == [c.token_ids for c in eager.generate(PROMPTS, greedy(n=2, max_new=24))]
     for i, prompt in enumerate(PROMPTS):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([prompt], device="cuda"),
-                do_sample=False,
-                max_new_tokens=24,
-                min_new_tokens=24,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-        assert got[2 * i].token_ids == ref
+        assert got[2 * i].token_ids == hf_greedy(hf, prompt, 24)
 
 
 def test_bf16_logits_close_to_transformers():
@@ -77,10 +62,8 @@ def test_bf16_logits_close_to_transformers():
 
 
 def test_fused_sampler_frequencies():
-    from minirl_plugins.engines.native.layers import ops_triton
-
     logits = (torch.randn(1, 50, generator=torch.Generator().manual_seed(0)) * 2).cuda().repeat(200_000, 1)
-    tokens, logprobs = ops_triton.sample(logits.to(torch.bfloat16), 0.9, 1234)
+    tokens, logprobs = sampling.fast_sample_once(logits.to(torch.bfloat16), 0.9, 1234)
     probs = torch.softmax(logits[0].to(torch.bfloat16).float() / 0.9, -1).double()
     counts = torch.bincount(tokens, minlength=50).double()
     keep = probs * 200_000 > 5
@@ -92,12 +75,10 @@ def test_fused_sampler_frequencies():
 def test_fused_sampler_frequencies_over_a_full_vocabulary():
     """At Qwen2's vocabulary (30 chunks of 5,120 columns) the draw follows the softmax: counts per
     64th of the vocabulary against their probabilities, over 8,192 rows of one bf16 logit row."""
-    from minirl_plugins.engines.native.layers import ops_triton
-
     row = torch.randn(151936, generator=torch.Generator().manual_seed(1)) * 3
     row[:20000] -= 2.0  # uneven mass across chunks
     logits = row.to(torch.bfloat16).cuda().repeat(8192, 1)
-    tokens, logprobs = ops_triton.sample(logits, 1.0, 99)
+    tokens, logprobs = sampling.fast_sample_once(logits, 1.0, 99)
     probs = torch.softmax(row.to(torch.bfloat16).double(), -1).cuda()
     assert torch.allclose(logprobs.double(), probs[tokens].log(), atol=1e-4)
     bins = torch.arange(151936, device="cuda") * 64 // 151936
@@ -111,19 +92,19 @@ def test_load_weights_keeps_graphs_valid():
     cfg = tiny_config("qwen2", hidden_size=256)
     a, b = (tiny_hf_model(cfg, seed=s, std=0.2, device="cuda") for s in (1, 2))
     eng = build_native_engine(None, engine_context(cfg, actor=a, device="cuda", num_kv_pages=512))
-    eng.generate(PROMPTS, _greedy())  # captures graphs over a's weights
+    eng.generate(PROMPTS, greedy(max_new=24))  # captures graphs over a's weights
     captured = {bs: id(g) for bs, (g, _) in eng.runner.graphs.items()}
     eng.load_weights(b.named_parameters())
-    got = eng.generate(PROMPTS, _greedy())
+    got = eng.generate(PROMPTS, greedy(max_new=24))
     assert {bs: id(g) for bs, (g, _) in eng.runner.graphs.items()} == captured, "graphs were re-captured"
     fresh = build_native_engine(None, engine_context(cfg, actor=b, device="cuda", num_kv_pages=512))
-    assert [c.token_ids for c in got] == [c.token_ids for c in fresh.generate(PROMPTS, _greedy())]
+    assert [c.token_ids for c in got] == [c.token_ids for c in fresh.generate(PROMPTS, greedy(max_new=24))]
 
 
 def test_release_memory_is_visible_in_reserved_memory():
     cfg = tiny_config("qwen2", hidden_size=256)
     eng = build_native_engine(None, engine_context(cfg, device="cuda", num_kv_pages=50_000))
-    eng.generate(PROMPTS, _greedy())
+    eng.generate(PROMPTS, greedy(max_new=24))
     kv_bytes = eng.runner.kv.numel() * eng.runner.kv.element_size()
     before = torch.cuda.memory_reserved()
     eng.release_memory()
@@ -136,8 +117,6 @@ def test_release_memory_is_visible_in_reserved_memory():
 def test_decode_attention_block_follows_the_sweep():
     """64-key blocks for 3 to 6 programs per multiprocessor (batch 256 at 2 KV heads on an H200),
     128-key blocks for fewer or more (docs/benchmarks.md, the decode attention sweep)."""
-    from minirl_plugins.engines.native.layers.ops_triton import decode_block_n
-
     sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
     assert [decode_block_n(p, CUDA) for p in (2 * sms, 3 * sms, 6 * sms - 1, 6 * sms)] == [128, 64, 64, 128]
     assert decode_block_n(3 * sms, torch.device("cpu")) == 128

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minirl_plugins.engines.native import build_native_engine
-from minirl_plugins.engines.native.testing import engine_context, tiny_config, tiny_hf_model
+from tests.tiny_models import engine_context, tiny_config, tiny_hf_model
 
 FAMILIES = [
     ("qwen2", {}),

@@ -5,77 +5,35 @@ kernel bug shows up here before it costs a GPU run. triton is a test dependency 
 so a missing one fails; tests/unit/test_native_gpu.py runs the same checks compiled, on CUDA.
 """
 
-import importlib
+import functools
 import math
-import os
-import sys
 
 import pytest
 import torch
 
+from tests.triton_interpreter import interpreter_fixes, require_interpreter
+
 if torch.cuda.is_available():
     pytest.skip("interpreter checks are for machines without a GPU", allow_module_level=True)
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    # tests/conftest.py switches the interpreter on before anything imports triton; a skip here
-    # would hide every kernel test, so the order problem is an error
-    raise RuntimeError("triton was imported before TRITON_INTERPRET=1 could be set (see tests/conftest.py)")
-# Triton reads the flag when it defines its own and our kernels: set it before the first import.
-os.environ["TRITON_INTERPRET"] = "1"
+require_interpreter()
 
 import triton  # noqa: E402, F401  (a missing triton fails here instead of testing the torch fallbacks)
 
+from minirl.kernels.selfcheck import self_check  # noqa: E402
 from minirl.protocols import SamplingParams  # noqa: E402
 from minirl_plugins.engines.native.layers import ops as ops_mod  # noqa: E402
-
-
-def _fix_interpreter_loop_bounds():
-    """triton 3.6's interpreter turns a loaded scalar (a 1-element array) into a loop bound with
-    int(array), which numpy >= 2.3 refuses; take the element instead."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
-def _fix_interpreter_fp8_rounding():
-    """triton 3.6's interpreter rounds a float down to fp8 without carrying into the exponent
-    (1.95 becomes 1.0 in e4m3, not 2.0); the GPU's conversion rounds to nearest even. Convert
-    through torch instead, which rounds as the GPU does, so the kernels are checked against
-    what they compute on hardware."""
-    from triton.runtime import interpreter
-
-    original = interpreter._convert_float
-    fp8 = {3: torch.float8_e4m3fn, 2: torch.float8_e5m2}
-    sources = {(32, 23): torch.float32, (16, 7): torch.bfloat16, (16, 10): torch.float16}
-
-    def convert(input, input_dtype, output_dtype, rounding_mode):
-        source = sources.get((input_dtype.primitive_bitwidth, input_dtype.fp_mantissa_width))
-        if output_dtype.primitive_bitwidth != 8 or source is None:
-            return original(input, input_dtype, output_dtype, rounding_mode)
-        values = torch.frombuffer(bytearray(input.tobytes()), dtype=source)
-        out = values.to(fp8[output_dtype.fp_mantissa_width]).view(torch.uint8).numpy()
-        return out.reshape(input.shape)
-
-    interpreter._convert_float = convert
+from minirl_plugins.engines.native.layers import sampling  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    _fix_interpreter_loop_bounds()
-    _fix_interpreter_fp8_rounding()
-    from minirl_plugins.engines.native.layers import ops_triton
-
-    return importlib.reload(ops_triton)
+    with interpreter_fixes():
+        yield ops_mod.triton_kernels()
 
 
 @pytest.mark.parametrize("name", ["rmsnorm", "add_rmsnorm", "silu_mul", "rope_store", "decode_attention"])
 def test_kernel_matches_reference(kernels, name):
-    ops_mod.CHECKS[name](getattr(kernels, name), torch.device("cpu"), torch.float32)
+    ops_mod.CHECKS[name](kernels[name], torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -83,18 +41,32 @@ def test_kernel_matches_reference(kernels, name):
 def test_kernel_with_an_fp8_kv_cache_matches_reference(kernels, name, kv_dtype):
     """rollout.kv_cache_dtype = fp8: the kernels write the cache clamped and rounded as the torch
     reference does (same bytes), and decode reads the 8-bit values back as the reference does."""
-    ops_mod.CHECKS[name](getattr(kernels, name), torch.device("cpu"), torch.float32, kv_dtype)
+    ops_mod.CHECKS[name](kernels[name], torch.device("cpu"), torch.float32, kv_dtype)
+
+
+def test_self_check_accepts_a_kernel_and_names_why_it_rejects_one(kernels):
+    """select_ops' verdict (minirl.kernels.selfcheck): None for a kernel that matches its
+    reference; for one that is off, the op and its error; for one that raises, the error."""
+    cpu = torch.device("cpu")
+
+    def verdict(fn):
+        return self_check(functools.partial(ops_mod.CHECKS["rmsnorm"], fn, cpu, torch.float32), cpu, "rejected")
+
+    assert verdict(kernels["rmsnorm"]) is None
+    off = verdict(lambda x, w, eps: kernels["rmsnorm"](x, w, eps) * 1.01)
+    assert off.startswith("disagrees with its torch reference (rmsnorm: relative error"), off
+    assert verdict(None) == "rejected (TypeError: 'NoneType' object is not callable)"
 
 
 def test_sampler_matches_reference(kernels):
-    ops_mod.CHECKS["fast_sample"](kernels.sample_from, torch.device("cpu"), torch.float32)
+    ops_mod.CHECKS["fast_sample"](kernels["fast_sample"], torch.device("cpu"), torch.float32)
 
 
 def test_sampler_frequencies(kernels):
     """The inverse-transform draw over Triton's Philox stream samples the softmax (chi-square, 4
     tokens; the interpreter runs one program per row, so few rows here and many in the GPU test)."""
     logits = torch.tensor([[1.0, 0.0, -0.5, 0.6]]).repeat(400, 1)
-    tokens, _ = kernels.sample(logits, 0.8, 77)
+    tokens, _ = sampling.fast_sample_once(logits, 0.8, 77)
     counts = torch.bincount(tokens, minlength=4).double()
     expected = torch.softmax(logits[0] / 0.8, -1).double() * 400
     assert ((counts - expected) ** 2 / expected).sum() < 16.27  # chi-square, 3 dof, p = 0.001
@@ -109,7 +81,7 @@ def test_sampler_draws_across_chunks_in_proportion(kernels):
     logits[4096:8192] = math.log(3.0)  # chunk 1 holds 3/5 of the mass
     logits[8192:10240] = float("-inf")  # half of chunk 2 is masked out
     logits[10240:] = math.log(2.0)
-    tokens, lp = kernels.sample(logits.repeat(900, 1), 1.0, 11)
+    tokens, lp = sampling.fast_sample_once(logits.repeat(900, 1), 1.0, 11)
     assert not ((tokens >= 8192) & (tokens < 10240)).any()
     probs = torch.softmax(logits.double(), -1)
     assert torch.allclose(lp.double(), probs[tokens].log(), atol=1e-5)
@@ -135,7 +107,7 @@ def test_inverse_transform_never_draws_a_lane_without_mass(kernels, monkeypatch)
         tl.store(out_ptr, exact)
         tl.store(out_ptr + 1, loose)
 
-    monkeypatch.setitem(globals(), "_crossing", kernels._crossing)  # the interpreter resolves globals
+    monkeypatch.setitem(globals(), "_crossing", sampling._crossing)  # the interpreter resolves globals
 
     def crossing(cum, mass, target):
         out = torch.zeros(2, dtype=torch.int32)
@@ -157,7 +129,7 @@ def test_greedy_sampler_takes_the_first_maximum_across_chunks(kernels):
     logits[1, [8999, 4000]] = 9.0
     logits[2, :] = float("-inf")
     logits[2, 6001] = 0.0
-    tokens, lp = kernels.sample(logits, 0.0, 3)
+    tokens, lp = sampling.fast_sample_once(logits, 0.0, 3)
     assert tokens.tolist() == [100, 4000, 6001]
     assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1), atol=1e-5)
 
@@ -170,7 +142,7 @@ def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch, kv):
 
     from minirl_plugins.engines.native import build_native_engine
     from minirl_plugins.engines.native.engine import engine as engine_mod
-    from minirl_plugins.engines.native.testing import engine_context, tiny_config, tiny_hf_model
+    from tests.tiny_models import engine_context, tiny_config, tiny_hf_model
 
     cfg = tiny_config("qwen3", num_attention_heads=4, num_key_value_heads=1, head_dim=16)
     hf = tiny_hf_model(cfg, seed=4, std=0.2)
@@ -180,11 +152,7 @@ def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch, kv):
     ref = build_native_engine(rollout, engine_context(cfg, actor=hf, page_size=4)).generate(prompts, params)
 
     def triton_ops(device, dtype, use_triton=True, kv_dtype=None):
-        ops = ops_mod.Ops()
-        for name in ("rmsnorm", "add_rmsnorm", "silu_mul", "rope_store", "decode_attention"):
-            setattr(ops, name, getattr(kernels, name))
-        ops.fast_sample = kernels.sample_from
-        return ops
+        return ops_mod.Ops(**kernels)
 
     monkeypatch.setattr(engine_mod, "select_ops", triton_ops)
     for steps in (1, 4):  # the fused sampler's device-side state, one and several steps per round trip

@@ -14,9 +14,9 @@ import torch
 
 from minirl.errors import UserError
 from minirl.protocols import SamplingParams
-from minirl_plugins.engines.native.testing import engine_context, tiny_config, tiny_hf_model
 from minirl_plugins.engines.native.weights import weights_checksum
 from tests.fakes import SGLANG_PROFILES, drop_fake_sglang, use_fake_sglang
+from tests.tiny_models import engine_context, tiny_config, tiny_hf_model
 
 PROMPTS = [[5, 17, 42], [7] * 9, [9, 8, 7, 6, 5, 4, 3]]
 

@@ -5,7 +5,8 @@ continuous batching, varlen prefill shared by the n samples of a prompt, CUDA-gr
 device-side sampling with log-probs, in-place weight loads. Layout after nano-vllm:
 
     engine/   sequence, block_manager (pages), scheduler, sampler, model_runner (graphs), engine
-    layers/   rotary, ops_torch (reference ops), ops_triton (kernels), ops (selection + self-check)
+    layers/   one module per op (norm, activation, rotary, attention, paged_attention, sampling),
+              each its torch reference beside its Triton kernel; ops (choice after a self-check)
     models/   spec (family switches), decoder (Qwen2 / Llama 3 / Qwen3)
     weights   in-place loads by Hugging Face name, weights_checksum
 """

@@ -153,7 +153,7 @@ class ModelRunner:
         kv = torch.zeros(2, s.num_layers, n, s.num_kv_heads, s.head_dim, dtype=self.kv_dtype, device=self.device)
         pos = torch.arange(n, device=self.device)
         cu = torch.tensor([0, n], dtype=torch.int32, device=self.device)
-        meta = StepMeta(True, pos, kv, cu_seqlens_S1=cu, seqlens=[n], max_seqlen=n)
+        meta = StepMeta(True, pos, kv, cu_seqlens_S1=cu, max_seqlen=n)
         h = self.model(torch.tensor(tokens, device=self.device), pos, meta, self.rope)
         return self.model.compute_logits(h)
 
@@ -178,9 +178,7 @@ class ModelRunner:
         rows = dev["rows"]
         self.page_table[rows, : host["table"].shape[1]] = dev["table"]
         record = self._start("prefill", len(host["ids"]))
-        meta = StepMeta(
-            True, dev["slots"], self.kv, cu_seqlens_S1=dev["cu"], seqlens=host["lens"], max_seqlen=max(host["lens"])
-        )
+        meta = StepMeta(True, dev["slots"], self.kv, cu_seqlens_S1=dev["cu"], max_seqlen=max(host["lens"]))
         h = self.model(dev["ids"], dev["positions"], meta, self.rope)
         logits = self.model.compute_logits(h[dev["last"]])
         if batch.copies:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from minirl.protocols import SamplingParams
-from minirl_plugins.engines.native.layers import ops_torch
+from minirl_plugins.engines.native.layers.sampling import sample, sample_params
 
 
 class SamplerState:
@@ -33,9 +33,7 @@ class SamplerState:
         self.fused = None if filtered or buffers is None else fused
         if self.fused is not None:
             self.params, self.seed = buffers
-            sampling = self.temperature > 0
-            host = torch.tensor([1.0 / self.temperature if sampling else 1.0, float(sampling)])
-            self.params.copy_(host)
+            self.params.copy_(sample_params(self.temperature, "cpu"))
             self.seed.copy_(torch.tensor([seed, 0], dtype=torch.int64))
 
     def sample(self, logits_MV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,4 +41,4 @@ class SamplerState:
         self.steps += 1
         if self.fused is not None:
             return self.fused(logits_MV, self.params, self.seed)
-        return ops_torch.sample(logits_MV, self.temperature, self.top_k, self.top_p, self.generator)
+        return sample(logits_MV, self.temperature, self.top_k, self.top_p, self.generator)

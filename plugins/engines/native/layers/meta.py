@@ -26,7 +26,6 @@ class StepMeta:
     kv_cache: torch.Tensor  # [2, L, K, Hk, D]
     # prefill: packed causal sequences
     cu_seqlens_S1: torch.Tensor | None = None  # int32
-    seqlens: list[int] | None = None  # host copy, for the per-sequence SDPA fallback
     max_seqlen: int = 0
     # decode: one query token per row, keys read through the page table
     rows_B: torch.Tensor | None = None  # int64 row of the device state (page table row)

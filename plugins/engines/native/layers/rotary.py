@@ -1,7 +1,10 @@
-"""Rotary position embeddings: inverse frequencies for the rope types of the supported families.
+"""Rotary position embeddings, and the op that applies them: rope_store, in torch and in Triton.
 
-Reads both config styles: transformers >= 5 (`rope_parameters`) and 4.x (`rope_theta`,
-`rope_scaling`).
+Inverse frequencies for the rope types of the supported families, from either config style:
+transformers >= 5 (`rope_parameters`) and 4.x (`rope_theta`, `rope_scaling`). rope_store takes
+the fused qkv rows of a step: (Qwen3's per-head q/k RMSNorm,) rotary on q and k in float32,
+rounded as transformers rounds, and k and v written to their KV cache slots, in one kernel per
+layer on the GPU.
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ import math
 import torch
 
 from minirl.errors import UserError
+from minirl.kernels.selfcheck import expect_near
+from minirl_plugins.engines.native.layers.attention import split_qkv
+from minirl_plugins.engines.native.layers.jit import jit, tl
+from minirl_plugins.engines.native.layers.norm import rmsnorm
 
 
 def rope_parameters(config) -> dict:
@@ -54,3 +61,172 @@ def cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, device) -> tuple[t
     """cos_PF, sin_PF in float32 for positions [0, max_positions)."""
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     return freqs.cos().to(device).contiguous(), freqs.sin().to(device).contiguous()
+
+
+def _rotate(x, cos, sin):
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rope_store(
+    qkv,
+    positions,
+    cos,
+    sin,
+    slot_mapping,
+    k_cache,
+    v_cache,
+    heads,
+    kv_heads,
+    head_dim,
+    q_norm=None,
+    k_norm=None,
+    eps=1e-6,
+):
+    """In place on qkv [N, (H + 2Hk)·D]: (q/k norm,) rotary on q and k; k and v written to the cache."""
+    q, k, v = split_qkv(qkv, heads, kv_heads, head_dim)  # views: rotated in place
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    for x, norm in ((q, q_norm), (k, k_norm)):
+        x.copy_(_rotate(x if norm is None else rmsnorm(x, norm, eps), c, s))
+    k_cache[slot_mapping] = to_cache(k, k_cache.dtype)
+    v_cache[slot_mapping] = to_cache(v, v_cache.dtype)
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the KV cache's dtype: an 8-bit float cache (rollout.kv_cache_dtype) stores x with
+    scale 1, clamped to the format's largest finite value (e4m3 has no infinity)."""
+    if x.dtype == dtype:
+        return x
+    limit = cache_limit(dtype)
+    return (x.clamp(-limit, limit) if limit else x).to(dtype)
+
+
+def cache_limit(dtype: torch.dtype) -> float:
+    """The clamp of a KV cache in `dtype`: an 8-bit float's largest finite value, else 0 (none)."""
+    return torch.finfo(dtype).max if dtype.is_floating_point and dtype.itemsize == 1 else 0.0
+
+
+@jit
+def _rope_store_kernel(
+    qkv_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    qn_ptr,
+    kn_ptr,
+    stride_tok,
+    stride_slot,
+    eps,
+    H: tl.constexpr,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    KV_MAX: tl.constexpr,
+):
+    # KV_MAX > 0: an 8-bit float cache, written with scale 1 and clamped to its largest value
+    tok = tl.program_id(0)
+    head = tl.program_id(1)  # q heads, then k heads
+    offs = tl.arange(0, HALF)
+    pos = tl.load(pos_ptr + tok)
+    c = tl.load(cos_ptr + pos * HALF + offs)
+    s = tl.load(sin_ptr + pos * HALF + offs)
+    base = qkv_ptr + tok * stride_tok + head * D
+    x1 = tl.load(base + offs)
+    x2 = tl.load(base + HALF + offs)
+    dt = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    if QK_NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+        if head < H:
+            w1 = tl.load(qn_ptr + offs).to(tl.float32)
+            w2 = tl.load(qn_ptr + HALF + offs).to(tl.float32)
+        else:
+            w1 = tl.load(kn_ptr + offs).to(tl.float32)
+            w2 = tl.load(kn_ptr + HALF + offs).to(tl.float32)
+        x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    o1 = (x1 * c - x2 * s).to(dt)
+    o2 = (x2 * c + x1 * s).to(dt)
+    tl.store(base + offs, o1)
+    tl.store(base + HALF + offs, o2)
+    if head >= H:
+        slot = tl.load(slot_ptr + tok)
+        dst = slot * stride_slot + (head - H) * D
+        kv_t = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + dst + offs, _to_cache(o1, kv_t, KV_MAX))
+        tl.store(k_cache_ptr + dst + HALF + offs, _to_cache(o2, kv_t, KV_MAX))
+        v = base + HK * D
+        tl.store(v_cache_ptr + dst + offs, _to_cache(tl.load(v + offs), kv_t, KV_MAX))
+        tl.store(v_cache_ptr + dst + HALF + offs, _to_cache(tl.load(v + HALF + offs), kv_t, KV_MAX))
+
+
+@jit
+def _to_cache(x, kv_t: tl.constexpr, KV_MAX: tl.constexpr):
+    """to_cache: the cache's dtype, clamped to KV_MAX when that is an 8-bit float's."""
+    if KV_MAX > 0:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -KV_MAX), KV_MAX)
+    return x.to(kv_t)
+
+
+def rope_store_triton(
+    qkv,
+    positions,
+    cos,
+    sin,
+    slot_mapping,
+    k_cache,
+    v_cache,
+    heads,
+    kv_heads,
+    head_dim,
+    q_norm=None,
+    k_norm=None,
+    eps=1e-6,
+):
+    assert head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0, "head_dim/2 must be a power of 2"
+    norm = q_norm is not None
+    _rope_store_kernel[(qkv.shape[0], heads + kv_heads)](
+        qkv,
+        positions,
+        cos,
+        sin,
+        slot_mapping,
+        k_cache,
+        v_cache,
+        q_norm if norm else qkv,
+        k_norm if norm else qkv,
+        qkv.stride(0),
+        k_cache.stride(0),
+        eps,
+        H=heads,
+        HK=kv_heads,
+        D=head_dim,
+        HALF=head_dim // 2,
+        QK_NORM=norm,
+        KV_MAX=cache_limit(k_cache.dtype),
+    )
+
+
+def check_rope_store(fn, device, dtype, kv_dtype=None) -> None:
+    n, h, hk, d, slots = 29, 6, 2, 128, 64
+    for norm in (False, True):
+        qkv = torch.randn(n, (h + 2 * hk) * d, device=device, dtype=dtype)
+        pos = torch.randint(0, 100, (n,), device=device)
+        ang = torch.rand(100, d // 2, device=device) * 6
+        slot = torch.randperm(slots, device=device)[:n]
+        qw = kw = None
+        if norm:
+            qw, kw = (torch.rand(d, device=device, dtype=dtype) + 0.5 for _ in range(2))
+        outs = []
+        for f in (fn, rope_store):
+            buf, kc = qkv.clone(), torch.zeros(slots, hk, d, device=device, dtype=kv_dtype or dtype)
+            vc = torch.zeros_like(kc)
+            f(buf, pos, ang.cos(), ang.sin(), slot, kc, vc, h, hk, d, qw, kw, 1e-6)
+            outs.append((buf, kc, vc))
+        for got, ref in zip(outs[0], outs[1]):
+            expect_near(got, ref, dtype, "rope_store")

@@ -1,0 +1,239 @@
+"""Decode attention over the paged KV cache: the torch reference and its split-K Triton kernels.
+
+Each decode row has one query token and attends to its cached keys, found through its row of the
+page table. The reference gathers those pages into a dense [B, Hk, T, D] tensor and runs SDPA
+under a length mask. The kernel reads the pages in place in split-K fashion: several programs per
+row and KV head (each a chunk of the context, online softmax over blocks of keys), merged by a
+second kernel weighted by their log-sum-exps, so short batches still fill the GPU. An 8-bit float
+cache (rollout.kv_cache_dtype) is upcast as it is read.
+
+Shape legend: B decode rows, H query heads, Hk KV heads, D head dim, T context tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minirl.kernels.selfcheck import expect_near
+from minirl_plugins.engines.native.layers.jit import jit, tl, triton
+from minirl_plugins.engines.native.layers.meta import StepMeta, multiprocessors
+
+
+def decode_attention(qkv, k_cache, v_cache, meta: StepMeta, heads, kv_heads, head_dim, scale):
+    """One query per row over its cached keys: gather the rows' pages, mask, SDPA."""
+    q = qkv[:, : heads * head_dim].view(-1, heads, 1, head_dim)
+    max_ctx = meta.max_ctx or int(meta.ctx_lens_B.max())
+    pos_T = torch.arange(max_ctx, device=qkv.device)
+    pages_BT = meta.page_table[meta.rows_B][:, pos_T // meta.page_size].long()
+    slots_BT = pages_BT * meta.page_size + pos_T % meta.page_size
+    k = k_cache[slots_BT].to(q.dtype).transpose(1, 2)  # B Hk T D
+    v = v_cache[slots_BT].to(q.dtype).transpose(1, 2)
+    mask = (pos_T[None, :] < meta.ctx_lens_B[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
+    return o.reshape(-1, heads * head_dim)
+
+
+# Decode attention launch settings. SPLITS (the most programs per row and KV head) is fixed
+# per CUDA-graph bucket by the runner; a row uses fewer when its context is short (min_chunk
+# tokens per split at least), since each split costs a partial write and a merge.
+# Chosen by a sweep on an H200 (scripts/bench_rollout.py --sweep-attention): one split
+# whenever batch x KV heads fills the SMs; the block size by decode_block_n.
+# fp8_f16: an fp8 cache's keys and values are upcast to float16 (one native conversion on Hopper)
+# and the dots run in float16, instead of upcasting to the queries' bfloat16.
+DECODE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "min_chunk": 256, "fp8_f16": False}
+# An fp8 cache: float16 dots over 32-key blocks in three stages were the fastest setting at both
+# shapes swept on an H200, where the bf16 cache's settings (decode_block_n) were slow. Batch 256 x
+# context 600: 40.5 us against 62.0 (a bf16 cache: 42.4); 64 x 14,000, 4 splits: 210.5 against
+# 315.5 (a bf16 cache: 217.8). Either way an 8-bit cache is read at about half the bandwidth.
+FP8_DECODE_CONFIG = {"block_n": 32, "num_stages": 3, "fp8_f16": True}
+
+
+def decode_block_n(programs: int, device: torch.device) -> int:
+    """Keys per block of decode attention, from the H200 sweep (docs/benchmarks.md): 64-key
+    blocks read the cache fastest when the programs (rows x KV heads x splits) make 3 to 6 of the
+    multiprocessor count (batch 256 at 2 KV heads: 13% faster at contexts 600 and 1,000), 128-key
+    blocks below (batch 128: 10% faster) and above (batch 512: 2% faster)."""
+    if device.type != "cuda":
+        return DECODE_CONFIG["block_n"]
+    sms = multiprocessors(device)
+    return 64 if 3 * sms <= programs < 6 * sms else DECODE_CONFIG["block_n"]
+
+
+@jit
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pt_ptr,
+    rows_ptr,
+    lens_ptr,
+    o_ptr,
+    lse_ptr,
+    stride_q,
+    stride_slot,
+    stride_pt,
+    stride_o,
+    scale,
+    min_chunk,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    KV_F16: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(rows_ptr + b)
+    length = tl.load(lens_ptr + b)
+    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    n = tl.arange(0, BLOCK_N)
+    heads = kvh * G + g
+    q = tl.load(q_ptr + b * stride_q + heads[:, None] * D + d[None, :], mask=g[:, None] < G, other=0.0)
+    if KV_F16:  # an fp8 cache read through float16 (clamped to its range), not bfloat16
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        tok = t0 + n
+        valid = tok < end
+        page = tl.load(pt_ptr + row * stride_pt + tok // PAGE, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE + tok % PAGE
+        kv_off = slot[:, None] * stride_slot + kvh * D + d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)  # an fp8 cache: upcast
+        v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        m_i = m_new
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    hmask = (g[:, None] < G) & (split < splits)
+    if DIRECT:
+        tl.store(o_ptr + b * stride_o + heads[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=hmask)
+    else:
+        part = (b * H + heads) * SPLITS + split
+        tl.store(o_ptr + part[:, None] * D + d[None, :], out, mask=hmask)
+        lse = m_i + tl.log(l_i)
+        tl.store(lse_ptr + part, lse, mask=(g < G) & (split < splits))
+
+
+@jit
+def _merge_kernel(
+    part_ptr, lse_ptr, lens_ptr, o_ptr, stride_o, min_chunk, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    length = tl.load(lens_ptr + b)
+    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
+    sp = tl.arange(0, SPLITS)
+    used = sp < splits
+    d = tl.arange(0, D)
+    base = (b * H + h) * SPLITS
+    lse = tl.load(lse_ptr + base + sp, mask=used, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, axis=0))
+    w = w / tl.sum(w, axis=0)
+    parts = tl.load(part_ptr + (base + sp)[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
+    out = tl.sum(parts * w[:, None], axis=0)
+    tl.store(o_ptr + b * stride_o + h * D + d, out.to(o_ptr.dtype.element_ty))
+
+
+def decode_attention_triton(qkv, k_cache, v_cache, meta: StepMeta, heads, kv_heads, head_dim, scale, config=None):
+    """decode_attention in split-K Triton kernels; `config` overrides launch settings (the sweep)."""
+    b = qkv.shape[0]
+    group = heads // kv_heads
+    splits = meta.num_splits
+    fp8 = k_cache.dtype.itemsize == 1
+    launch = FP8_DECODE_CONFIG if fp8 else {"block_n": decode_block_n(b * kv_heads * splits, qkv.device)}
+    cfg = {**DECODE_CONFIG, **launch, **(config or {})}
+    out = torch.empty(b, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    if splits == 1:
+        part, lse = out, out
+    else:
+        part = torch.empty(b * heads * splits, head_dim, dtype=torch.float32, device=qkv.device)
+        lse = torch.empty(b * heads * splits, dtype=torch.float32, device=qkv.device)
+    _decode_kernel[(b, kv_heads, splits)](
+        qkv,
+        k_cache,
+        v_cache,
+        meta.page_table,
+        meta.rows_B,
+        meta.ctx_lens_B,
+        part,
+        lse,
+        qkv.stride(0),
+        k_cache.stride(0),
+        meta.page_table.stride(0),
+        out.stride(0),
+        scale,
+        cfg["min_chunk"],
+        H=heads,
+        D=head_dim,
+        G=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=cfg["block_n"],
+        PAGE=meta.page_size,
+        SPLITS=splits,
+        DIRECT=splits == 1,
+        PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
+        KV_F16=fp8 and bool(cfg["fp8_f16"]) and qkv.dtype == torch.bfloat16,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    if splits > 1:
+        _merge_kernel[(b, heads)](
+            part, lse, meta.ctx_lens_B, out, out.stride(0), cfg["min_chunk"], H=heads, D=head_dim, SPLITS=splits
+        )
+    return out
+
+
+def random_paged_case(device, dtype, b=5, h=12, hk=2, d=128, page=16, max_len=300, kv_dtype=None):
+    """A random paged KV cache with shuffled pages; returns (qkv, k_cache, v_cache, meta)."""
+    lens = torch.randint(1, max_len, (b,))
+    lens[0] = max_len
+    max_pages = -(-max_len // page)
+    perm = torch.randperm(b * max_pages) + 1
+    table = perm.view(b, max_pages).to(torch.int32)
+    slots = (b * max_pages + 1) * page
+    kc = torch.randn(slots, hk, d, device=device).to(kv_dtype or dtype)
+    vc = torch.randn(slots, hk, d, device=device).to(kv_dtype or dtype)
+    qkv = torch.randn(b, (h + 2 * hk) * d, device=device, dtype=dtype)
+    meta = StepMeta(
+        False,
+        torch.zeros(b, dtype=torch.long, device=device),
+        kv_cache=kc,
+        rows_B=torch.arange(b, device=device),
+        ctx_lens_B=lens.to(device=device, dtype=torch.int32),
+        page_table=table.to(device),
+        page_size=page,
+        max_ctx=int(lens.max()),
+    )
+    return qkv, kc, vc, meta
+
+
+def check_decode_attention(fn, device, dtype, kv_dtype=None) -> None:
+    # block_n 64 and 128: decode_block_n picks either by the batch
+    configs = [(1, None), (1, {"block_n": 64}), (4, None), (4, {"block_n": 64}), (8, {"min_chunk": 16})]
+    if kv_dtype is not None:  # an fp8 cache: its float16 default (FP8_DECODE_CONFIG) and the bf16 upcast
+        configs += [(1, {"fp8_f16": False}), (4, {"fp8_f16": False, "block_n": 64})]
+    for splits, config in configs:
+        qkv, kc, vc, meta = random_paged_case(device, dtype, kv_dtype=kv_dtype)
+        meta.num_splits = splits
+        got = fn(qkv, kc, vc, meta, 12, 2, 128, 128**-0.5, **({"config": config} if config else {}))
+        ref = decode_attention(qkv, kc, vc, meta, 12, 2, 128, 128**-0.5)
+        expect_near(got, ref, dtype, f"decode_attention splits={splits}")
