@@ -17,24 +17,23 @@ from minirl.observe.metrics import flops_params, peak_flops, train_flops
 def reduced_stats(prefix: str, x: torch.Tensor, dist: DistContext) -> dict[str, float]:
     """mean/max/min of the values of x on all ranks (exact: sums and counts are reduced)."""
     x = x.detach().double().flatten()
-    sums = dist.all_reduce(torch.stack([x.sum(), torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)]))
+    mean = global_mean(x, dist)
     big = torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
     hi = dist.all_reduce(x.max() if x.numel() else -big, "max")
     lo = dist.all_reduce(x.min() if x.numel() else big, "min")
-    return {
-        f"{prefix}/mean": float(sums[0] / sums[1].clamp(min=1)),
-        f"{prefix}/max": float(hi),
-        f"{prefix}/min": float(lo),
-    }
+    return {f"{prefix}/mean": mean, f"{prefix}/max": float(hi), f"{prefix}/min": float(lo)}
+
+
+def global_mean(x: torch.Tensor, dist: DistContext) -> float:
+    """The mean of the values of x on all ranks (0 without any), from one reduced sum and count."""
+    x = x.double()
+    count = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
+    sums = dist.all_reduce(torch.stack([x.sum(), count]))
+    return float(sums[0] / sums[1].clamp(min=1))
 
 
 def share(name: str, flags: torch.Tensor, dist: DistContext) -> dict[str, float]:
-    t = dist.all_reduce(
-        torch.stack(
-            [flags.double().sum(), torch.tensor(float(flags.numel()), dtype=torch.float64, device=flags.device)]
-        )
-    )
-    return {name: float(t[0] / t[1].clamp(min=1))}
+    return {name: global_mean(flags, dist)}
 
 
 def data_metrics(batch: RolloutBatch, dist: DistContext) -> dict[str, float]:

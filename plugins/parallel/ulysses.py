@@ -164,10 +164,9 @@ def ulysses_attention_forward(
         )
     q_nHD = query[0].transpose(0, 1)
     k_nKD, v_nKD = (_repeat_kv_to(t[0].transpose(0, 1), sp.size) for t in (key, value))
-    q_NhD = _SeqToHeads.apply(q_nHD, sp)
-    k_NkD, v_NkD = _SeqToHeads.apply(k_nKD, sp), _SeqToHeads.apply(v_nKD, sp)
+    q_NhD, k_NkD, v_NkD = (_AllToAll.apply(x, sp, True) for x in (q_nHD, k_nKD, v_nKD))
     out_NhD = varlen_attention(q_NhD, k_NkD, v_NkD, kwargs["cu_seq_lens_q"], int(kwargs["max_length_q"]), scaling)
-    return _HeadsToSeq.apply(out_NhD, sp).unsqueeze(0), None
+    return _AllToAll.apply(out_NhD, sp, False).unsqueeze(0), None
 
 
 def _repeat_kv_to(x_nKD: torch.Tensor, sp: int) -> torch.Tensor:
@@ -194,23 +193,15 @@ def _heads_to_seq(x_NhD: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(total // sp.size, sp.size * heads, dim)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """_seq_to_heads (to_heads) or _heads_to_seq, whose backward is the other one."""
+
     @staticmethod
-    def forward(ctx, x, sp):
-        ctx.sp = sp
-        return _seq_to_heads(x, sp)
+    def forward(ctx, x, sp, to_heads: bool):
+        ctx.sp, ctx.to_heads = sp, to_heads
+        return _seq_to_heads(x, sp) if to_heads else _heads_to_seq(x, sp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.sp), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sp):
-        ctx.sp = sp
-        return _heads_to_seq(x, sp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), ctx.sp), None
+        grad = grad.contiguous()
+        return (_heads_to_seq(grad, ctx.sp) if ctx.to_heads else _seq_to_heads(grad, ctx.sp)), None, None
