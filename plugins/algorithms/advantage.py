@@ -41,10 +41,6 @@ GRPO_EPS = 1e-6
 # ---------------------------------------------------------------------------------------------
 
 
-def _scores_B(inputs: AdvantageInputs) -> torch.Tensor:
-    return (inputs.token_rewards_BT * inputs.mask_BT).sum(-1)
-
-
 @dataclass(frozen=True)
 class _Groups:
     """Dense group index of each sequence (0..n−1), from the uid whatever its values or order."""
@@ -66,23 +62,23 @@ class _Groups:
         return out_G[self.idx_B]
 
 
-def _group_stats(s_B: torch.Tensor, groups: _Groups) -> dict[str, torch.Tensor]:
-    """Per-sequence view of its group's size, mean, unbiased std and all-equal flag."""
+def _scores_and_stats(inputs: AdvantageInputs) -> tuple[torch.Tensor, _Groups, dict[str, torch.Tensor]]:
+    """Each sequence's score (convention 1), its group and the per-sequence view of the group's
+    size, mean, unbiased std and all-equal flag."""
+    s_B = (inputs.token_rewards_BT * inputs.mask_BT).sum(-1)
+    groups = _Groups.of(inputs.group_B)
     count_B = groups.sum_B(torch.ones_like(s_B))
     mean_B = groups.sum_B(s_B) / count_B
     # Two-pass variance: Σ(s − mean)² is exact for equal scores, unlike Σs² − n·mean².
     var_B = groups.sum_B((s_B - mean_B) ** 2) / (count_B - 1.0).clamp(min=1.0)
     equal_B = (groups.extreme_B(s_B, "amax") == groups.extreme_B(s_B, "amin")) & (count_B > 1)
-    return {"count": count_B, "mean": mean_B, "std": var_B.sqrt(), "equal": equal_B}
+    return s_B, groups, {"count": count_B, "mean": mean_B, "std": var_B.sqrt(), "equal": equal_B}
 
 
-def _zero_equal_groups(adv_B: torch.Tensor, stats: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Exactly 0 for every member of a group of >= 2 equal scores (convention 4)."""
-    return torch.where(stats["equal"], torch.zeros_like(adv_B), adv_B)
-
-
-def _tile(adv_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    return adv_B.unsqueeze(-1) * mask_BT
+def _tile(adv_B: torch.Tensor, stats: dict[str, torch.Tensor], mask_BT: torch.Tensor) -> torch.Tensor:
+    """adv_B on every valid token; exactly 0 for every member of a group of >= 2 equal scores
+    (convention 4)."""
+    return torch.where(stats["equal"], torch.zeros_like(adv_B), adv_B).unsqueeze(-1) * mask_BT
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,26 +91,23 @@ def grpo(inputs: AdvantageInputs, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]
 
     cfg.norm_adv_by_std_in_grpo = False (Dr.GRPO): A_i = s_i − mean_g. Returns = advantages.
     """
-    s_B = _scores_B(inputs)
-    st = _group_stats(s_B, _Groups.of(inputs.group_B))
+    s_B, _, st = _scores_and_stats(inputs)
     single_B = st["count"] == 1
     mean_B = torch.where(single_B, torch.zeros_like(s_B), st["mean"])
     adv_B = s_B - mean_B
     if cfg.norm_adv_by_std_in_grpo:
         std_B = torch.where(single_B, torch.ones_like(s_B), st["std"])
         adv_B = adv_B / (std_B + GRPO_EPS)
-    adv_BT = _tile(_zero_equal_groups(adv_B, st), inputs.mask_BT)
+    adv_BT = _tile(adv_B, st, inputs.mask_BT)
     return adv_BT, adv_BT
 
 
 def rloo(inputs: AdvantageInputs, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """A_i = s_i − mean of the other n−1 scores = n/(n−1)·(s_i − mean_g); group of one: s_i."""
-    s_B = _scores_B(inputs)
-    st = _group_stats(s_B, _Groups.of(inputs.group_B))
+    s_B, _, st = _scores_and_stats(inputs)
     n_B = st["count"]
     loo_B = n_B / (n_B - 1.0).clamp(min=1.0) * (s_B - st["mean"])
-    adv_B = torch.where(n_B == 1, s_B, loo_B)
-    adv_BT = _tile(_zero_equal_groups(adv_B, st), inputs.mask_BT)
+    adv_BT = _tile(torch.where(n_B == 1, s_B, loo_B), st, inputs.mask_BT)
     return adv_BT, adv_BT
 
 
@@ -125,23 +118,19 @@ def opo(inputs: AdvantageInputs, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
     as grpo/rloo treat a group of one); a group whose lengths are all 0 gets baseline 0 (its
     advantages are masked to 0 anyway). Returns = advantages.
     """
-    s_B = _scores_B(inputs)
-    groups = _Groups.of(inputs.group_B)
-    st = _group_stats(s_B, groups)
+    s_B, groups, st = _scores_and_stats(inputs)
     len_B = inputs.mask_BT.sum(-1).to(s_B.dtype)
     baseline_B = groups.sum_B(len_B * s_B) / groups.sum_B(len_B).clamp(min=1.0)
     baseline_B = torch.where(st["count"] == 1, torch.zeros_like(s_B), baseline_B)
-    adv_BT = _tile(_zero_equal_groups(s_B - baseline_B, st), inputs.mask_BT)
+    adv_BT = _tile(s_B - baseline_B, st, inputs.mask_BT)
     return adv_BT, adv_BT
 
 
 def reinforce_plus_plus_baseline(inputs: AdvantageInputs, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """a_i = s_i − mean_g (group of one: s_i), tiled over valid tokens, then masked_whiten over
     the whole (global) batch. Returns = advantages."""
-    s_B = _scores_B(inputs)
-    st = _group_stats(s_B, _Groups.of(inputs.group_B))
-    a_B = torch.where(st["count"] == 1, s_B, s_B - st["mean"])
-    a_BT = _tile(_zero_equal_groups(a_B, st), inputs.mask_BT)
+    s_B, _, st = _scores_and_stats(inputs)
+    a_BT = _tile(torch.where(st["count"] == 1, s_B, s_B - st["mean"]), st, inputs.mask_BT)
     adv_BT = masked_whiten(a_BT, inputs.mask_BT, inputs.reduce)
     return adv_BT, adv_BT
 

@@ -84,18 +84,11 @@ class FullKL:
     needs_logits: bool = True
 
     def __call__(self, logits_NV: torch.Tensor, ref_logits_NV: torch.Tensor) -> torch.Tensor:
-        ref_logits_NV = ref_logits_NV.detach()
-        use_checkpoint = torch.is_grad_enabled() and logits_NV.requires_grad
-        chunks = []
-        for start in range(0, logits_NV.shape[0], self.chunk_size):
-            args = (
-                logits_NV[start : start + self.chunk_size],
-                ref_logits_NV[start : start + self.chunk_size],
-            )
-            if use_checkpoint:
-                chunks.append(checkpoint(_full_kl_chunk, *args, use_reentrant=False))
-            else:
-                chunks.append(_full_kl_chunk(*args))
+        pairs = zip(logits_NV.split(self.chunk_size), ref_logits_NV.detach().split(self.chunk_size))
+        if torch.is_grad_enabled() and logits_NV.requires_grad:
+            chunks = [checkpoint(_full_kl_chunk, x, ref, use_reentrant=False) for x, ref in pairs]
+        else:
+            chunks = [_full_kl_chunk(x, ref) for x, ref in pairs]
         return torch.cat(chunks) if chunks else logits_NV.new_zeros(0, dtype=torch.float32)
 
 

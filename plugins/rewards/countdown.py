@@ -15,6 +15,7 @@ that has no value). A trailing "= <integer>" (models like to write "3 + 4 = 7") 
 
 from __future__ import annotations
 
+import operator
 import re
 from fractions import Fraction
 from typing import Any, Union
@@ -23,6 +24,7 @@ MAX_TOKENS = 256  # bounds recursion depth and big-integer work on hostile input
 MAX_DIGITS = 12
 TOLERANCE = Fraction(1, 100_000)
 OPERATORS = {"+": "+", "-": "-", "−": "-", "*": "*", "×": "*", "/": "/", "÷": "/"}
+ARITHMETIC = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 TRAILING_RESULT = re.compile(r"=\s*-?\d+\s*$")
 
 # A parsed expression: an int literal, ("neg", node), or (op, left, right) with op in + - * /.
@@ -119,14 +121,7 @@ def evaluate(node: Node) -> Fraction:
         return Fraction(node)
     if node[0] == "neg":
         return -evaluate(node[1])
-    op, left, right = node[0], evaluate(node[1]), evaluate(node[2])
-    if op == "+":
-        return left + right
-    if op == "-":
-        return left - right
-    if op == "*":
-        return left * right
-    return left / right
+    return ARITHMETIC[node[0]](evaluate(node[1]), evaluate(node[2]))
 
 
 def literals(node: Node) -> list[int]:
