@@ -28,12 +28,16 @@ from minirl_plugins.engines.native.layers import sampling  # noqa: E402
 @pytest.fixture(scope="module")
 def kernels():
     with interpreter_fixes():
-        yield ops_mod.triton_kernels()
+        yield {name: fn for name, (fn, _check) in ops_mod.TRITON.items()}
+
+
+def check(name, fn, kv_dtype=None):
+    ops_mod.TRITON[name][1](fn, torch.device("cpu"), torch.float32, kv_dtype)
 
 
 @pytest.mark.parametrize("name", ["rmsnorm", "add_rmsnorm", "silu_mul", "rope_store", "decode_attention"])
 def test_kernel_matches_reference(kernels, name):
-    ops_mod.CHECKS[name](kernels[name], torch.device("cpu"), torch.float32)
+    check(name, kernels[name])
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -41,7 +45,7 @@ def test_kernel_matches_reference(kernels, name):
 def test_kernel_with_an_fp8_kv_cache_matches_reference(kernels, name, kv_dtype):
     """rollout.kv_cache_dtype = fp8: the kernels write the cache clamped and rounded as the torch
     reference does (same bytes), and decode reads the 8-bit values back as the reference does."""
-    ops_mod.CHECKS[name](kernels[name], torch.device("cpu"), torch.float32, kv_dtype)
+    check(name, kernels[name], kv_dtype)
 
 
 def test_self_check_accepts_a_kernel_and_names_why_it_rejects_one(kernels):
@@ -50,7 +54,7 @@ def test_self_check_accepts_a_kernel_and_names_why_it_rejects_one(kernels):
     cpu = torch.device("cpu")
 
     def verdict(fn):
-        return self_check(functools.partial(ops_mod.CHECKS["rmsnorm"], fn, cpu, torch.float32), cpu, "rejected")
+        return self_check(functools.partial(check, "rmsnorm", fn), cpu, "rejected")
 
     assert verdict(kernels["rmsnorm"]) is None
     off = verdict(lambda x, w, eps: kernels["rmsnorm"](x, w, eps) * 1.01)
@@ -59,7 +63,7 @@ def test_self_check_accepts_a_kernel_and_names_why_it_rejects_one(kernels):
 
 
 def test_sampler_matches_reference(kernels):
-    ops_mod.CHECKS["fast_sample"](kernels["fast_sample"], torch.device("cpu"), torch.float32)
+    check("fast_sample", kernels["fast_sample"])
 
 
 def test_sampler_frequencies(kernels):

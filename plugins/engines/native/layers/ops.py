@@ -38,27 +38,17 @@ class Ops:
         return self.decode_attention is not paged_attention.decode_attention
 
 
-CHECKS = {
-    "rmsnorm": norm.check_rmsnorm,
-    "add_rmsnorm": norm.check_add_rmsnorm,
-    "silu_mul": activation.check_silu_mul,
-    "rope_store": rotary.check_rope_store,
-    "prefill_attention": attention.check_prefill_attention,
-    "decode_attention": paged_attention.check_decode_attention,
-    "fast_sample": sampling.check_fast_sample,
+# op -> (its Triton implementation, the check that compares it with the torch reference)
+TRITON = {
+    "rmsnorm": (norm.rmsnorm_triton, norm.check_rmsnorm),
+    "add_rmsnorm": (norm.add_rmsnorm_triton, norm.check_add_rmsnorm),
+    "silu_mul": (activation.silu_mul_triton, activation.check_silu_mul),
+    "rope_store": (rotary.rope_store_triton, rotary.check_rope_store),
+    "decode_attention": (paged_attention.decode_attention_triton, paged_attention.check_decode_attention),
+    "fast_sample": (sampling.fast_sample, sampling.check_fast_sample),
 }
-
-
-def triton_kernels() -> dict[str, Callable]:
-    """Each op's Triton implementation (prefill attention has none: torch's varlen kernel)."""
-    return {
-        "rmsnorm": norm.rmsnorm_triton,
-        "add_rmsnorm": norm.add_rmsnorm_triton,
-        "silu_mul": activation.silu_mul_triton,
-        "rope_store": rotary.rope_store_triton,
-        "decode_attention": paged_attention.decode_attention_triton,
-        "fast_sample": sampling.fast_sample,
-    }
+# prefill attention has no Triton kernel: torch's varlen flash attention is its fast path
+VARLEN_PREFILL = (attention.prefill_attention_varlen, attention.check_prefill_attention)
 
 
 def select_ops(
@@ -68,14 +58,14 @@ def select_ops(
     ops = Ops()
     if device.type != "cuda":
         return ops
-    candidates = [("prefill_attention", attention.prefill_attention_varlen, "torch_varlen")]
+    candidates = [("prefill_attention", *VARLEN_PREFILL, "torch_varlen")]
     if use_triton and jit.UNAVAILABLE:
         warnings.warn(f"native engine: Triton unavailable ({jit.UNAVAILABLE}); using pure-torch kernels")
     elif use_triton:
-        candidates += [(name, fn, "triton") for name, fn in triton_kernels().items()]
-    for name, fn, label in candidates:
-        check = functools.partial(CHECKS[name], fn, device, dtype, kv_dtype or dtype)
-        problem = self_check(check, device, failed="rejected")
+        candidates += [(name, fn, check, "triton") for name, (fn, check) in TRITON.items()]
+    for name, fn, check, label in candidates:
+        run = functools.partial(check, fn, device, dtype, kv_dtype or dtype)
+        problem = self_check(run, device, failed="rejected")
         if problem is not None:
             warnings.warn(f"native engine: {name} kernel {label} {problem}; using the torch reference")
             continue
