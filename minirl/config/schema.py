@@ -130,17 +130,13 @@ class CriticModelConfig:
     fused_mlp: bool = False  # the critic's values passes with model.fused_mlp's kernel
 
 
-def _critic_optim() -> OptimConfig:
-    return OptimConfig(lr=1e-5)  # verl's critic default
-
-
 @dataclass(frozen=True)
 class CriticConfig:
     """The value model of PPO with GAE (built only when algorithm.adv_estimator needs values).
     A key left unset takes the actor's value, as in verl (minirl.critic.resolved)."""
 
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
-    optim: OptimConfig = field(default_factory=_critic_optim)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))  # verl's critic lr
     ppo_mini_batch_size: Optional[int] = None  # prompts per critic mini-batch (x rollout.n)
     ppo_micro_batch_size_per_gpu: Optional[int] = None  # sequences per micro-batch of the update
     use_dynamic_bsz: Optional[bool] = None

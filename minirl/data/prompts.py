@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 TRUNCATIONS = ("error", "left", "right", "middle")  # data.truncation (_fit_length); validation allows only these
 REQUIRED_COLUMNS = ("data_source", "reward_model")
+REENCODE = "re-encode the text as UTF-8 when writing the file"
 
 
 class DataError(UserError):
@@ -91,28 +92,27 @@ def _column(table, name: str, path: str) -> list:
         try:
             chunk_value.as_py()
         except UnicodeDecodeError as exc:
-            raise DataError(
-                f"{path}:{row}: field {name!r} holds bytes that are not UTF-8 ({exc.reason} at byte "
-                f"{exc.start}); re-encode the text as UTF-8 when writing the file"
-            ) from None
-    raise DataError(f"{path}: column {name!r} holds bytes that are not UTF-8; re-encode it as UTF-8")
+            rule = f"holds bytes that are not UTF-8 ({exc.reason} at byte {exc.start})"
+            raise _bad_field(f"{path}:{row}", name, f"{rule}; {REENCODE}") from None
+    raise DataError(f"{path}: column {name!r} holds bytes that are not UTF-8; {REENCODE}")
+
+
+def _bad_field(where: str, name: str, problem: str) -> DataError:
+    """`file:row: field 'name' <what is wrong>; <the fix>`."""
+    return DataError(f"{where}: field {name!r} {problem}")
 
 
 def _check_messages(messages: Any, where: str, key: str) -> list[dict]:
     """The prompt must be a non-empty list of {role: str, content: str} dicts."""
     if not isinstance(messages, list):
-        raise DataError(
-            f"{where}: field {key!r} must be a list of chat messages {{role, content}}, got "
-            f"{type(messages).__name__} {str(messages)[:60]!r}; rewrite the column as "
-            f"[{{'role': 'user', 'content': ...}}]"
-        )
+        got = f"{type(messages).__name__} {str(messages)[:60]!r}"
+        fix = "rewrite the column as [{'role': 'user', 'content': ...}]"
+        raise _bad_field(where, key, f"must be a list of chat messages {{role, content}}, got {got}; {fix}")
     if not messages:
-        raise DataError(f"{where}: field {key!r} is an empty list; every prompt needs a message")
+        raise _bad_field(where, key, "is an empty list; every prompt needs a message")
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
-            raise DataError(
-                f"{where}: field {key!r} message {i} must have string 'role' and 'content', got {str(msg)[:80]!r}"
-            )
+            raise _bad_field(where, key, f"message {i} must have string 'role' and 'content', got {str(msg)[:80]!r}")
     return messages
 
 
@@ -120,22 +120,20 @@ def _check_row(cols: dict[str, list], row: int, where: str, key: str) -> tuple[l
     """Validate one row; returns (messages, data_source, ground_truth, extra_info, ability)."""
     source = cols["data_source"][row]
     if not isinstance(source, str) or not source:
-        raise DataError(
-            f"{where}: field 'data_source' must be a non-empty string (it picks the reward function), got {source!r}"
-        )
+        rule = f"must be a non-empty string (it picks the reward function), got {source!r}"
+        raise _bad_field(where, "data_source", rule)
     messages = _check_messages(cols[key][row], where, key)
     reward_model = cols["reward_model"][row]
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
-        raise DataError(
-            f"{where}: field 'reward_model.ground_truth' is missing (reward_model = "
-            f"{str(reward_model)[:80]!r}); every row needs reward_model = {{style, ground_truth}}"
-        )
+        rule = f"is missing (reward_model = {str(reward_model)[:80]!r})"
+        fix = "every row needs reward_model = {style, ground_truth}"
+        raise _bad_field(where, "reward_model.ground_truth", f"{rule}; {fix}")
     extra = cols["extra_info"][row]
     if extra is not None and not isinstance(extra, dict):
-        raise DataError(f"{where}: field 'extra_info' must be a struct/dict or null, got {type(extra).__name__}")
+        raise _bad_field(where, "extra_info", f"must be a struct/dict or null, got {type(extra).__name__}")
     ability = cols["ability"][row]
     if ability is not None and not isinstance(ability, str):
-        raise DataError(f"{where}: field 'ability' must be a string, got {type(ability).__name__}")
+        raise _bad_field(where, "ability", f"must be a string, got {type(ability).__name__}")
     return messages, source, reward_model["ground_truth"], extra or {}, ability or ""
 
 
@@ -213,7 +211,7 @@ def load_prompts(
             messages, source, truth, extra, ability = _check_row(cols, row, where, key)
             ids = render_prompt(tokenizer, messages, where)
             if not ids:
-                raise DataError(f"{where}: field {key!r} renders to zero tokens; check the messages")
+                raise _bad_field(where, key, "renders to zero tokens; check the messages")
             stats.n_rows += 1
             if len(ids) > cfg.max_prompt_length:
                 if cfg.filter_overlong_prompts:

@@ -46,10 +46,6 @@ class RewardResult:
     def n_errors(self) -> int:
         return self.count("error")
 
-    @property
-    def errors_by_source(self) -> dict[str, int]:
-        return self.failures["error"]
-
 
 def _registered_names(registry: Any) -> list[str]:
     """Names in a minirl Registry (whose .items is a dict) or in a plain mapping."""

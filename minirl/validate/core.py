@@ -42,17 +42,13 @@ def validate(cfg: Config, pm, files: bool = True) -> None:
     """Raise one ConfigError that lists every problem, or return quietly. files=False skips the
     checks of data, model and output paths (--print-config: a config may be printed on a machine
     that does not hold the job's files)."""
-    problems = find_problems(cfg, pm, files)
-    if problems:
-        raise ConfigError(report(problems, cfg))
+    _raise(find_problems(cfg, pm, files), cfg)
 
 
 def check_world(cfg: Config, pm, world: int) -> None:
     """The layout rules again, for a launcher that learns the number of workers only when it
     starts (ray with trainer.device = 'auto' takes the GPUs of the cluster, not of this machine)."""
-    problems = layout.world_problems(cfg, pm, world)
-    if problems:
-        raise ConfigError(report(problems, cfg))
+    _raise(layout.layout_problems(cfg, pm, world), cfg)
 
 
 def find_problems(cfg: Config, pm, files: bool = True) -> list[Problem]:
@@ -65,6 +61,11 @@ def find_problems(cfg: Config, pm, files: bool = True) -> list[Problem]:
         for p in file_problems(cfg, pm):
             found.setdefault(f"{p.key}:{p.value}", p)
     return list(found.values())
+
+
+def _raise(problems: list[Problem], cfg: Config) -> None:
+    if problems:
+        raise ConfigError(report(problems, cfg))
 
 
 def report(problems: list[Problem], cfg: Config) -> str:

@@ -78,14 +78,11 @@ def batch_problems(cfg: Config, pm) -> list[Problem]:
     return out
 
 
-def layout_problems(cfg: Config, pm) -> list[Problem]:
-    return world_problems(cfg, pm, world_size(cfg))
-
-
-def world_problems(cfg: Config, pm, world: int) -> list[Problem]:
-    """sp divides the world; the batch and every mini-batch divide over the data-parallel ranks
-    (ranks take whole prompts); the reference and the critic run on the actor's mesh."""
-    sp = cfg.actor.ulysses_sequence_parallel_size
+def layout_problems(cfg: Config, pm, world: int | None = None) -> list[Problem]:
+    """sp divides the world (default: the one the config asks for); the batch and every mini-batch
+    divide over the data-parallel ranks (ranks take whole prompts); the reference and the critic
+    run on the actor's mesh."""
+    world, sp = world_size(cfg) if world is None else world, cfg.actor.ulysses_sequence_parallel_size
     if world < 1 or sp < 1:
         return []  # the range rules say so
     if world % sp:

@@ -298,7 +298,7 @@ def test_manager_counts_failing_functions_and_logs_once(caplog):
         result = manager.score(records, ["a", "7", "b", "c"])
         manager.score(records[:1], ["again"])
     assert result.scores == [0.0, 1.0, 0.0, 0.0]
-    assert result.n_errors == 3 and result.errors_by_source == {"boom": 2, "nan": 1}
+    assert result.n_errors == 3 and result.failures["error"] == {"boom": 2, "nan": 1}
     assert caplog.text.count("broken grader") == 1 and "data.parquet:0" in caplog.text
     assert "non-finite" in caplog.text
 
