@@ -1,6 +1,6 @@
 """Building a run's components from the config: the models, the data, the rollout engine, the
-losses, the updates and their micro-batching, and the loggers. The trainer calls these once, in order, before its loop
-(minirl/trainer.py); each takes only the sections it needs.
+losses, the updates and the micro-batching of every pass, and the loggers. The trainer calls
+these once, in order, before its loop (minirl/trainer.py); each takes only the sections it needs.
 """
 
 from __future__ import annotations
@@ -65,17 +65,18 @@ def critic_from_model(cfg: Config, model, optimizer, scheduler, dist: DistContex
     keys resolved (the values pass's forward_* keys, else its update's, else the actor's)."""
     c = resolved(cfg.critic, cfg.actor)
     values_micro = MicroBatching(c.forward_micro_batch_size_per_gpu, c.use_dynamic_bsz, c.forward_max_token_len_per_gpu)
-    return Critic(c, update(cfg, c, model, optimizer, dist, "critic/"), scheduler, values_micro)
+    return Critic(c, update_loop(cfg, c, model, optimizer, dist, "critic/"), scheduler, values_micro)
 
 
 def actor_update(cfg: Config, actor, optimizer, losses: actor_lib.Losses, dist: DistContext, on_policy: bool):
     """The actor's update; `on_policy`: the trainer skips the old-log-prob pass (Trainer.on_policy)."""
-    job = update(cfg, cfg.actor, actor, optimizer, dist, "actor/", cfg.actor.loss_scale_factor)
+    job = update_loop(cfg, cfg.actor, actor, optimizer, dist, "actor/", cfg.actor.loss_scale_factor)
     return actor_lib.ActorUpdate(job, cfg.actor, losses, actor_lib.logprob_temperature(cfg.rollout), on_policy)
 
 
-def update(cfg: Config, section, model, optimizer, dist: DistContext, prefix: str, loss_scale_factor=None) -> Update:
-    """An update loop from the ppo_* keys of `section` (actor, or the resolved critic)."""
+def update_loop(cfg: Config, section, model, optimizer, dist: DistContext, prefix: str, loss_scale_factor=None):
+    """An update loop (minirl.update.loop.Update) from the ppo_* keys of `section` (actor, or the
+    resolved critic); `prefix` names its metrics."""
     return Update(
         model,
         optimizer,
