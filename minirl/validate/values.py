@@ -133,18 +133,13 @@ RANGES: list[tuple[str, Callable[[Any], bool], str, str]] = [
 
 DTYPES = ("float32", "bfloat16", "float16")
 
-
-def fsdp_choices(section: str) -> list[tuple[str, tuple[str, ...]]]:
-    return [(f"{section}.fsdp_config.param_dtype", ("auto", *DTYPES)), (f"{section}.fsdp_config.reduce_dtype", DTYPES)]
-
-
 CHOICES: list[tuple[str, tuple[str, ...]]] = [
     ("model.dtype", DTYPES),
     ("data.truncation", TRUNCATIONS),
     ("actor.loss_agg_mode", tuple(LOSS_AGG_MODES)),
     ("actor.optim.warmup_style", ("constant", "cosine")),
-    *fsdp_choices("actor"),
-    *fsdp_choices("ref"),
+    *[(f"{section}.fsdp_config.param_dtype", ("auto", *DTYPES)) for section in ("actor", "ref")],
+    *[(f"{section}.fsdp_config.reduce_dtype", DTYPES) for section in ("actor", "ref")],
     ("rollout.dtype", ("auto", *DTYPES)),
     ("rollout.kv_cache_dtype", ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")),
     ("algorithm.kl_ctrl.type", ("fixed", "adaptive")),
