@@ -61,9 +61,8 @@ class RolloutBatch:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return {name: v for name, v in values.items() if isinstance(v, torch.Tensor)}
 
-    def seq_lens(self, idx: list[int] | None = None) -> list[int]:
-        idx = range(len(self)) if idx is None else idx
-        return [len(self.prompts[i]) + len(self.responses[i]) for i in idx]
+    def seq_lens(self) -> list[int]:
+        return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
 
     def select(self, idx: list[int]) -> RolloutBatch:
         t = torch.tensor(idx, dtype=torch.long)
@@ -143,7 +142,7 @@ class MicroBatching:
         return f"dynamic, <= {self.max_tokens} tokens/GPU" if self.dynamic else f"{self.per_gpu} sequences/GPU"
 
 
-def micro_batches_by_tokens(lens: list[int], budget: int, min_count: int = 1) -> list[list[int]]:
+def _by_tokens(lens: list[int], budget: int, min_count: int = 1) -> list[list[int]]:
     """Balanced partition into the fewest micro-batches whose token counts stay near `budget`.
 
     Longest-first onto the lightest bin (LPT). `min_count` lets data-parallel ranks agree on one
@@ -176,10 +175,10 @@ def split_micro(batch: RolloutBatch, micro: MicroBatching, agree=None, sp_size: 
         count = agree(len(parts)) if agree else len(parts)
         return parts + [[] for _ in range(count - len(parts))]
     lens, budget = batch.seq_lens(), micro.max_tokens * sp_size
-    parts = micro_batches_by_tokens(lens, budget)
+    parts = _by_tokens(lens, budget)
     count = agree(len(parts)) if agree else len(parts)
     if count > len(parts):
-        parts = micro_batches_by_tokens(lens, budget, min_count=count)
+        parts = _by_tokens(lens, budget, min_count=count)
     return parts + [[] for _ in range(count - len(parts))]
 
 

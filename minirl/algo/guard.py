@@ -22,6 +22,7 @@ import torch
 
 from minirl.batch import RolloutBatch
 from minirl.errors import UserError
+from minirl.protocols import Reducer
 
 # Where a non-finite value can first appear, in the order the step computes them. "reward"
 # (token scores), "old_log_prob", "ref" and "adv" are the trainer's phases whose outputs the
@@ -52,7 +53,7 @@ def nonfinite_step(loss: torch.Tensor, grad_norm: torch.Tensor, reduce) -> tuple
     return ("loss" if loss_bad else ("grad_norm" if grad_bad else "")), norm
 
 
-def first_nonfinite_input(batch: RolloutBatch, reduce=None) -> str:
+def first_nonfinite_input(batch: RolloutBatch, reduce: Reducer) -> str:
     """The phase of the first of the update's inputs holding NaN or inf ("" when all are finite),
     agreed over ranks by `reduce` (a sum over data-parallel ranks) with one host sync."""
     inputs = (  # in the order the step produces them
@@ -65,9 +66,7 @@ def first_nonfinite_input(batch: RolloutBatch, reduce=None) -> str:
     present = [(phase, x) for phase, x in inputs if x is not None]
     if not present:
         return ""
-    flags = torch.stack([(~torch.isfinite(x)).any().float() for _, x in present])
-    if reduce is not None:
-        flags = reduce(flags)
+    flags = reduce(torch.stack([(~torch.isfinite(x)).any().float() for _, x in present]))
     bad = [phase for (phase, _), flag in zip(present, flags.tolist()) if flag > 0]
     return bad[0] if bad else ""
 

@@ -19,7 +19,7 @@ from minirl.algo.stats import DeviceSums
 from minirl.batch import RolloutBatch, scatter_rows
 from minirl.dist.context import DistContext
 from minirl.errors import UserError
-from minirl.forward.packed import hidden_head, logprob_head, packed_forward
+from minirl.forward.packed import hidden_head, packed_forward, response_logprobs
 from minirl.update.loop import Update, run_update
 
 
@@ -112,8 +112,7 @@ def check_advantages(batch: RolloutBatch) -> None:
 
 def _micro_batch_loss(job: ActorUpdate, mismatch, dist, mb: RolloutBatch, norm: AggNorm, sums: DeviceSums):
     cfg, mask_BT, model = job.cfg, mb.mask_BT, job.update.model
-    head = logprob_head(job.temperature, with_entropy=True)
-    logp_R, ent_R = packed_forward(model, mb.prompts, mb.responses, dist.device, head)
+    logp_R, ent_R = response_logprobs(model, mb.prompts, mb.responses, job.temperature, dist.device, with_entropy=True)
     lens = [len(r) for r in mb.responses]
     logp_BT, ent_BT = scatter_rows(torch.stack([logp_R, ent_R], -1).float(), lens, mask_BT).unbind(-1)
     old_BT = logp_BT.detach() if job.on_policy else mb.old_log_probs_BT
