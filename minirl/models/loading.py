@@ -1,9 +1,11 @@
 """Build the policy model and its tokenizer from the `model` config section.
 
 `load_model(model_cfg, device, dtype)` loads a local Hugging Face directory (model.path) or builds
-a preset with random weights seeded by model.seed. Random presets are built on the meta device
-and initialised once on the target device, so a 1.5B model takes seconds on a GPU instead of the
-minutes of a CPU construction followed by a copy.
+a preset with random weights seeded by model.seed. The files and values the config names were
+checked up front (minirl.validate); what only the real load shows (a checkpoint that does not
+load, a tokenizer larger than the vocabulary) is checked here. Random presets are built on the
+meta device and initialised once on the target device, so a 1.5B model takes seconds on a GPU
+instead of the minutes of a CPU construction followed by a copy.
 """
 
 from __future__ import annotations
@@ -13,25 +15,23 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from minirl.dist.context import DistContext
 from minirl.errors import UserError, reraise_if_debug, wrapped
 from minirl.models.attention import ATTN_NAME, register_attention
 from minirl.models.presets import preset_config, preset_tokenizer
-from minirl.models.tokenizers import tokenizer_from_dir
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_model(model_cfg, device: torch.device | str, dtype: torch.dtype | str):
-    """Return (model, tokenizer): the causal LM on `device` in `dtype`, in eval mode.
+    """Return (model, tokenizer): the causal LM on `device` in `dtype` (or its name), in eval mode.
 
     model_cfg is the `model` section; attn_implementation defaults to "minirl" (packed varlen).
     Gradient checkpointing and sharding are applied later by plugins.
     """
     register_attention()
-    device, dtype = torch.device(device), _resolve_dtype(dtype)
+    device = torch.device(device)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype  # model.dtype: validated up front
     attn = _check_attn_implementation(model_cfg.attn_implementation or ATTN_NAME)
     if model_cfg.path:
         if model_cfg.seed:
@@ -66,15 +66,20 @@ def random_model(
 ) -> PreTrainedModel:
     """A causal LM with transformers' own init (normal(0, initializer_range), unit norms,
     recomputed RoPE buffers), drawn from `seed` without touching the global RNG state."""
-    register_attention()
     device = torch.device(device)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    model = _meta_model(config, dtype, attn_implementation)
     model.to_empty(device=device)  # storage only: the values come from the seeded init below
     with _seeded(device, seed):
         model.initialize_weights()
     model.tie_weights()
     return model
+
+
+def _meta_model(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str) -> PreTrainedModel:
+    """The model's structure on the meta device: no memory, no initialisation."""
+    register_attention()
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
 
 
 @contextlib.contextmanager
@@ -94,10 +99,9 @@ def _seeded(device: torch.device, seed: int):
 
 def pretrained_model(path: str, device: torch.device, dtype: torch.dtype, attn_implementation: str):
     """A local Hugging Face checkpoint; never touches the network."""
-    p = check_model_dir(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(p), local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
+            str(Path(path).expanduser()), local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
         )
     except torch.OutOfMemoryError:
         raise
@@ -107,34 +111,6 @@ def pretrained_model(path: str, device: torch.device, dtype: torch.dtype, attn_i
             f"model.path = {path!r}: loading the checkpoint", exc, "check config.json and the weights"
         ) from exc
     return model.to(device)
-
-
-def check_model_dir(path: str) -> Path:
-    """The directory behind model.path, or a UserError that says what is missing."""
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise UserError(
-            f"model.path = {path!r} is not a directory; set it to a local Hugging Face "
-            "model directory, or leave it empty to use model.preset"
-        )
-    if not (p / "config.json").is_file():
-        raise UserError(
-            f"model.path = {path!r} has no config.json; point it at the directory "
-            "that holds config.json and the *.safetensors weights"
-        )
-    if not any(p.glob("*.safetensors")) and not any(p.glob("pytorch_model*.bin")):
-        raise UserError(
-            f"model.path = {path!r} has no weights (*.safetensors); download the checkpoint's weight files into it"
-        )
-    return p
-
-
-def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise UserError(f"model.dtype = {dtype!r} is not a dtype; choose one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
 
 
 def _check_attn_implementation(name: str) -> str:
@@ -149,13 +125,21 @@ def _check_attn_implementation(name: str) -> str:
     return name
 
 
-def load_tokenizer(model_cfg) -> PreTrainedTokenizerBase:
+def load_tokenizer(model_cfg):
     """model.tokenizer if set, else the tokenizer in model.path, else the preset's built-in one."""
     if model_cfg.tokenizer:
         return tokenizer_from_dir(model_cfg.tokenizer, "model.tokenizer")
     if model_cfg.path:
         return tokenizer_from_dir(model_cfg.path, "model.path")
     return preset_tokenizer(model_cfg.preset)
+
+
+def tokenizer_from_dir(path: str, key: str):
+    """A local Hugging Face tokenizer directory; an error names `key`, the config key that pointed here."""
+    try:
+        return AutoTokenizer.from_pretrained(str(Path(path).expanduser()), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise UserError(f"{key} = {path!r}: the tokenizer there does not load ({err})") from err
 
 
 def load_model_for_rank(model_cfg, dist: DistContext, dtype: torch.dtype):
@@ -168,10 +152,6 @@ def load_model_for_rank(model_cfg, dist: DistContext, dtype: torch.dtype):
     """
     if dist.world_size == 1 or dist.rank == 0 or not model_cfg.path:
         return load_model(model_cfg, dist.device, dtype)
-    register_attention()
     config = AutoConfig.from_pretrained(model_cfg.path, local_files_only=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=model_cfg.attn_implementation or ATTN_NAME, dtype=dtype
-        )
+    model = _meta_model(config, dtype, model_cfg.attn_implementation or ATTN_NAME)
     return model.eval(), load_tokenizer(model_cfg)

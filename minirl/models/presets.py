@@ -15,13 +15,12 @@ from typing import Callable
 
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
-from minirl.errors import UserError
 from minirl.models.tokenizers import BYTE_EOS_ID, BYTE_VOCAB_SIZE, byte_tokenizer, qwen2_tokenizer
 
 
 @dataclass(frozen=True)
 class Preset:
-    config: Callable[..., PretrainedConfig]  # (**overrides) -> a fresh config
+    config: Callable[[], PretrainedConfig]  # a fresh config on every call
     tokenizer: Callable[[], object]
 
 
@@ -41,19 +40,19 @@ TINY_SHAPE = dict(
 )
 
 
-def _tiny(**overrides) -> PretrainedConfig:
+def _tiny() -> PretrainedConfig:
     """Qwen2 shape in miniature (untied like R1-Distill-1.5B)."""
     family = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False)
-    return Qwen2Config(**{**TINY_SHAPE, **family, **overrides})
+    return Qwen2Config(**TINY_SHAPE, **family)
 
 
-def _qwen3_tiny(**overrides) -> PretrainedConfig:
+def _qwen3_tiny() -> PretrainedConfig:
     """Qwen3 in miniature: q/k RMSNorm, no qkv bias, head_dim 32 != 64/4, tied embeddings."""
     family = dict(head_dim=32, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
-    return Qwen3Config(**{**TINY_SHAPE, **family, "use_sliding_window": False, **overrides})
+    return Qwen3Config(**TINY_SHAPE, **family, use_sliding_window=False)
 
 
-def _llama3_tiny(**overrides) -> PretrainedConfig:
+def _llama3_tiny() -> PretrainedConfig:
     """Llama 3.2 in miniature: tied embeddings and the "llama3" frequency-scaled RoPE."""
     rope = dict(
         rope_type="llama3",
@@ -64,10 +63,10 @@ def _llama3_tiny(**overrides) -> PretrainedConfig:
         original_max_position_embeddings=256,
     )
     family = dict(rope_parameters=rope, rms_norm_eps=1e-5, tie_word_embeddings=True)
-    return LlamaConfig(**{**TINY_SHAPE, **family, "attention_bias": False, "mlp_bias": False, **overrides})
+    return LlamaConfig(**TINY_SHAPE, **family, attention_bias=False, mlp_bias=False)
 
 
-def _qwen2_1_5b(**overrides) -> PretrainedConfig:
+def _qwen2_1_5b() -> PretrainedConfig:
     """DeepSeek-R1-Distill-Qwen-1.5B's config.json, key for key (bos in config.json is 151643;
     its tokenizer and generation_config.json use <｜begin▁of▁sentence｜> = 151646)."""
     return Qwen2Config(
@@ -91,7 +90,6 @@ def _qwen2_1_5b(**overrides) -> PretrainedConfig:
         use_cache=True,
         bos_token_id=151643,
         eos_token_id=151643,
-        **overrides,
     )
 
 
@@ -103,21 +101,12 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def _get(name: str) -> Preset:
-    if name not in PRESETS:
-        raise UserError(
-            f"model.preset = {name!r} is not a preset; choose one of {sorted(PRESETS)}, "
-            "or set model.path to a local Hugging Face model directory"
-        )
-    return PRESETS[name]
-
-
-def preset_config(name: str, **overrides) -> PretrainedConfig:
-    """A fresh transformers config of the named preset (callers may mutate it), built with
-    `overrides` in place of the preset's values (a test's smaller vocabulary, say)."""
-    return _get(name).config(**overrides)
+def preset_config(name: str) -> PretrainedConfig:
+    """A fresh transformers config of the named preset (callers may mutate it). model.preset is
+    one of PRESETS' names: checked up front (minirl.validate.files)."""
+    return PRESETS[name].config()
 
 
 def preset_tokenizer(name: str):
     """The preset's built-in tokenizer: the byte tokenizer, or Qwen2's vocabulary for qwen2-*."""
-    return _get(name).tokenizer()
+    return PRESETS[name].tokenizer()

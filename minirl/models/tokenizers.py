@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from minirl.errors import UserError
 
@@ -36,7 +36,7 @@ CHATML_TEMPLATE = (
 )
 
 
-def byte_tokenizer(model_max_length: int = 2048) -> PreTrainedTokenizerFast:
+def byte_tokenizer() -> PreTrainedTokenizerFast:
     """256 byte tokens (id = byte value) + <|endoftext|> (eos, pad), <|im_start|>, <|im_end|>."""
     table = _bytes_to_unicode()
     vocab = {table[b]: b for b in range(256)}
@@ -49,7 +49,7 @@ def byte_tokenizer(model_max_length: int = 2048) -> PreTrainedTokenizerFast:
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
         chat_template=CHATML_TEMPLATE,
-        model_max_length=model_max_length,
+        model_max_length=2048,
         clean_up_tokenization_spaces=False,
     )
 
@@ -223,28 +223,3 @@ def _save_atomically(tokenizer: PreTrainedTokenizerFast, target: Path) -> None:
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# choosing a tokenizer from the model config
-# ---------------------------------------------------------------------------------------------
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def tokenizer_from_dir(path: str, key: str) -> PreTrainedTokenizerBase:
-    """A local Hugging Face tokenizer directory; errors name the config key that pointed here."""
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise UserError(
-            f"{key} = {path!r} is not a directory; set it to a local Hugging Face model or tokenizer directory"
-        )
-    if not any((p / name).is_file() for name in _TOKENIZER_FILES):
-        raise UserError(
-            f"{key} = {path!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
-            "set model.tokenizer to a directory that has them"
-        )
-    try:
-        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise UserError(f"{key} = {path!r}: the tokenizer there does not load ({err})") from err

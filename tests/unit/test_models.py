@@ -51,10 +51,8 @@ def test_tiny_presets_fit_the_byte_tokenizer(name):
     assert sum(p.numel() for p in _meta_model(name).parameters()) < 200_000
 
 
-def test_unknown_preset_names_the_key_and_lists_presets():
-    """A typo in model.preset says which key is wrong and what the choices are."""
-    with pytest.raises(ValueError, match=r"model\.preset = 'qwen2-7b'.*qwen2-1\.5b.*tiny"):
-        preset_config("qwen2-7b")
+def test_the_presets_are_the_four_documented_ones():
+    """model.preset offers these (a typo is caught up front: minirl.validate.files)."""
     assert set(PRESETS) == {"tiny", "llama3-tiny", "qwen3-tiny", "qwen2-1.5b"}
 
 
@@ -85,11 +83,10 @@ def test_random_weights_are_hf_init_and_seeded(name):
 
 
 def test_dtype_and_attn_implementation_follow_the_config():
-    """model.dtype and model.attn_implementation reach the built model; bad values name the key."""
+    """model.dtype and model.attn_implementation reach the built model; an unknown attention
+    names the key (model.dtype is checked up front: minirl.validate.values)."""
     model, _ = load_model(ModelConfig(preset="tiny", attn_implementation="eager"), "cpu", "bfloat16")
     assert model.dtype == torch.bfloat16 and model.config._attn_implementation == "eager"
-    with pytest.raises(ValueError, match=r"model\.dtype = 'fp8'"):
-        load_model(ModelConfig(preset="tiny"), "cpu", "fp8")
     with pytest.raises(ValueError, match=r"model\.attn_implementation = 'flash'"):
         load_model(ModelConfig(preset="tiny", attn_implementation="flash"), "cpu", "float32")
 
@@ -110,14 +107,13 @@ def test_local_directory_round_trip(tmp_path):
 
 
 def test_local_directory_errors_name_model_path(tmp_path):
-    """Each missing piece of a checkpoint directory gives a message naming model.path."""
-    with pytest.raises(ValueError, match=r"model\.path = .*not a directory"):
-        load_model(ModelConfig(path=str(tmp_path / "missing")), "cpu", "float32")
-    with pytest.raises(ValueError, match=r"model\.path = .*no config\.json"):
-        load_model(ModelConfig(path=str(tmp_path)), "cpu", "float32")
-    preset_config("tiny").save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"model\.path = .*no weights"):
-        load_model(ModelConfig(path=str(tmp_path)), "cpu", "float32")
+    """A checkpoint directory that does not load gives a message naming model.path and the
+    cause, even when nothing checked it up front (minirl.validate.files does, with the fix)."""
+    (tmp_path / "empty").mkdir()
+    preset_config("tiny").save_pretrained(tmp_path / "no_weights")
+    for name in ("missing", "empty", "no_weights"):
+        with pytest.raises(ValueError, match=r"model\.path = .*loading the checkpoint failed"):
+            load_model(ModelConfig(path=str(tmp_path / name)), "cpu", "float32")
 
 
 @pytest.mark.gpu
