@@ -25,9 +25,16 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class SignalHandler(abc.ABC):
-    """Context manager base: `_handle(signum, frame)` handles SIGTERM and SIGINT inside the
-    `with` block (main thread only: Python delivers signals there), and the previous handlers
-    come back on exit. The trainer, the spawn supervisor and the Ray driver subclass it."""
+    """Inside its `with` block, SIGTERM and SIGINT call `_request` (main thread only: Python
+    delivers signals there); the previous handlers come back on exit. `signum` is the first
+    signal, `count` the requests so far; a repeat within `repeat_window_s` of the first is not
+    counted (see the module doc). The trainer, the spawn supervisor and the Ray driver subclass it."""
+
+    repeat_window_s = REPEAT_WINDOW_S
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.count, self._first_at = 0, 0.0
 
     def __enter__(self):
         self._previous: dict[int, object] = {}
@@ -40,31 +47,33 @@ class SignalHandler(abc.ABC):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    @abc.abstractmethod
-    def _handle(self, signum: int, frame) -> None:
-        """Called (in the main thread) on SIGTERM or SIGINT inside the `with` block."""
-
-
-class StopRequest(SignalHandler):
-    """Turns the first SIGTERM/SIGINT into a request the loop honours."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._first_at = 0.0
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
 
     def _handle(self, signum: int, frame) -> None:
         now = time.monotonic()
-        if self.signum is None:
+        if self.count and now - self._first_at < self.repeat_window_s:
+            return
+        if not self.count:
             self.signum, self._first_at = signum, now
-            print(
-                f"minirl: got {signal.Signals(signum).name}: finishing this step, then a checkpoint "
-                "(send it again to stop at once)",
-                file=sys.stderr,
-                flush=True,
-            )
-        elif now - self._first_at >= REPEAT_WINDOW_S:
+        self.count += 1
+        self._request(signum)
+
+    @abc.abstractmethod
+    def _request(self, signum: int) -> None:
+        """Called (in the main thread) for each counted signal; `self.count` says which one."""
+
+
+class StopRequest(SignalHandler):
+    """Turns the first SIGTERM/SIGINT into a request the loop honours; a second exits at once."""
+
+    def _request(self, signum: int) -> None:
+        if self.count > 1:
             print(f"minirl: second {signal.Signals(signum).name}: stopping now", file=sys.stderr, flush=True)
             os._exit(128 + signum)
+        text = f"got {self.name}: finishing this step, then a checkpoint (send it again to stop at once)"
+        print(f"minirl: {text}", file=sys.stderr, flush=True)
 
     def agreed(self, device: torch.device) -> int | None:
         """The signal number if any rank was signalled (a collective: every rank must call)."""

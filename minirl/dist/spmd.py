@@ -1,13 +1,10 @@
-"""The process group and the (dp, sp) mesh of one rank; starting the ranks is minirl.dist.launchers'.
+"""The process group and the (dp, sp) mesh of one rank (minirl.dist.launchers start the ranks).
 
-Every launcher (local, torchrun, ray) tells each rank what torchrun tells its workers
-(MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK), so from
-`init_from_env` on every start runs the same code. A job of one process needs no launcher's
-workers: `single_process` gives it no process group on CPU and a one-rank group and mesh on CUDA,
-so one GPU runs the same FSDP2 mixed-precision path as eight.
-
-Every collective times out after trainer.collective_timeout_s, so a rank that dies or hangs
-turns into an error on the others instead of a hang.
+Every launcher (local, torchrun, ray) sets torchrun's variables (MASTER_ADDR/PORT, RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK), so every start runs `init_from_env`. One
+process needs no workers: `single_process` gives it no process group on CPU and a one-rank group
+and mesh on CUDA, so one GPU runs the same FSDP2 mixed-precision path as eight. Collectives time
+out after trainer.collective_timeout_s: a rank that dies or hangs is an error on the others.
 """
 
 from __future__ import annotations
@@ -21,30 +18,14 @@ import torch.distributed as tdist
 
 from minirl.dist.context import DistContext, resolve_device
 
-# ---------------------------------------------------------------------------------------------
-# the job's layout
-# ---------------------------------------------------------------------------------------------
-
-
-def check_layout(cfg, world: int) -> None:
-    """The mesh's one assumption, sp dividing the world. The validation pass (minirl.validate.layout)
-    refuses every layout a user could get wrong, so a failure here is a launcher's bug (a world
-    other than the validated one); the data loader asserts the batch's split over dp itself."""
-    sp = cfg.actor.ulysses_sequence_parallel_size
-    assert sp >= 1 and world % sp == 0, f"actor.ulysses_sequence_parallel_size {sp} does not divide the world {world}"
-
 
 def build_mesh(device_type: str, world: int, sp: int):
     """The 2-D mesh (dp, sp): rank = dp_rank * sp + sp_rank, so an sp group is adjacent ranks
     (on one node: GPUs that share the fastest links carry the all-to-alls)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    assert sp >= 1 and world % sp == 0, f"validation checks that sp {sp} divides the world {world}"
     return init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
-
-
-# ---------------------------------------------------------------------------------------------
-# inside a worker
-# ---------------------------------------------------------------------------------------------
 
 
 def under_torchrun() -> bool:
@@ -71,7 +52,6 @@ def init_rank(
     device_index: int | None = None,
 ) -> DistContext:
     device = resolve_device(cfg.trainer.device, local_rank if device_index is None else device_index)
-    check_layout(cfg, world)
     init_process_group(device, cfg.trainer.collective_timeout_s, local_world, init_method, rank, world)
     sp = cfg.actor.ulysses_sequence_parallel_size
     mesh = build_mesh(device.type, world, sp)

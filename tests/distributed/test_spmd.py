@@ -106,31 +106,6 @@ def test_a_user_error_in_a_worker_is_one_line(tmp_path, capfd, monkeypatch):
     assert "minirl: error: (rank 1) data.train_files = []" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize(
-    "overrides, match",
-    [
-        (
-            ["actor.ulysses_sequence_parallel_size=3"],
-            r"actor\.ulysses_sequence_parallel_size = 3 does not divide the world size 4",
-        ),
-        (["data.train_batch_size=6"], r"data\.train_batch_size = 6 does not divide over 4 data-parallel ranks"),
-        (
-            ["actor.ppo_mini_batch_size=2", "actor.ulysses_sequence_parallel_size=1"],
-            r"actor\.ppo_mini_batch_size = 2 .* multiple of 4",
-        ),
-        (
-            ["actor.ulysses_sequence_parallel_size=2", "ref.ulysses_sequence_parallel_size=4"],
-            r"ref\.ulysses_sequence_parallel_size = 4",
-        ),
-    ],
-)
-def test_layout_errors_name_the_key_and_the_fix(overrides, match):
-    """A world size that the batch or the sp degree cannot be split over is a user error."""
-    cfg = _cfg("data.train_batch_size=8", "actor.ppo_mini_batch_size=8", *overrides)
-    with pytest.raises(UserError, match=match):
-        spmd.check_layout(cfg, 4)
-
-
 def test_torchrun_environment_is_detected(monkeypatch):
     """Under torchrun the CLI must not spawn workers of its own."""
     monkeypatch.delenv("RANK", raising=False)

@@ -11,43 +11,35 @@ import torch
 
 from minirl.dist import spmd
 from minirl.dist.context import DistContext, resolve_device
-from minirl.errors import Stopped, UserError
 from minirl.dist.launchers.report import EXIT_USER_ERROR
 from minirl.dist.launchers.spawn import spawn
+from minirl.errors import Stopped, UserError
 
 
-def job_world(cfg) -> tuple[str, int]:
-    """(device type, number of worker processes) that the config asks for on this machine."""
+def job_world(cfg) -> int:
+    """The number of worker processes the config asks for on this machine (validated: one node,
+    no more GPUs than the machine has)."""
     t = cfg.trainer
-    device = resolve_device(t.device).type
-    if t.nnodes > 1:
-        raise UserError(
-            f"trainer.nnodes = {t.nnodes}: the local launcher starts the processes of one machine; "
-            "use trainer.launcher = 'ray' (or 'auto') for several nodes, or torchrun on each node"
-        )
-    if device != "cuda":
-        return device, t.world_size
-    world = t.n_gpus_per_node
-    if world > torch.cuda.device_count():
-        raise UserError(
-            f"trainer.n_gpus_per_node = {world}, but this machine has "
-            f"{torch.cuda.device_count()} CUDA device(s); lower trainer.n_gpus_per_node"
-        )
-    return device, world
+    assert t.nnodes == 1, "the local launcher starts one machine's processes"
+    if resolve_device(t.device).type != "cuda":
+        return t.world_size
+    assert t.n_gpus_per_node <= torch.cuda.device_count(), "more GPUs asked for than this machine has"
+    return t.n_gpus_per_node
 
 
 def launch_local(cfg, pm, job) -> int:
     """One worker per device (trainer.n_gpus_per_node on CUDA, trainer.world_size on CPU),
     supervised; one device runs in this process."""
-    _, world = job_world(cfg)
+    world = job_world(cfg)
     if world > 1:
-        spmd.check_layout(cfg, world)  # fail once, here, rather than once per worker
         return spawn(_job_entry, world, (cfg, job))
     return run_in_place(cfg, pm, job, lambda: spmd.single_process(cfg))
 
 
 def launch_torchrun(cfg, pm, job) -> int:
     """Under torchrun: RANK, WORLD_SIZE and the rest are set; this process is one rank."""
+    # the environment is a fact of the process that runs the job, not of the config, so it is
+    # checked here, where it is read
     if not spmd.under_torchrun():
         raise UserError(
             "trainer.launcher = 'torchrun', but RANK and WORLD_SIZE are not set: start the job with "

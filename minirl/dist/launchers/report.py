@@ -49,16 +49,10 @@ def lost_peer(exc: BaseException) -> bool:
 
 def print_report(rank: int, report: Report) -> int:
     """Print the failed (or stopped) rank's report once; returns the job's exit status."""
-    if report.kind == "stopped":
-        print(f"minirl: {report.text}", file=sys.stderr, flush=True)
-    elif report.kind == "user":
-        print(f"minirl: error: (rank {rank}) {report.text}", file=sys.stderr, flush=True)
-    elif report.kind == "died":
-        print(f"minirl: worker rank {rank} died: {report.text}; all workers stopped", file=sys.stderr, flush=True)
-    else:
-        print(
-            f"minirl: worker rank {rank} failed; all workers stopped. Its traceback:\n{report.text}",
-            file=sys.stderr,
-            flush=True,
-        )
+    text = {
+        "stopped": report.text,
+        "user": f"error: (rank {rank}) {report.text}",
+        "died": f"worker rank {rank} died: {report.text}; all workers stopped",
+    }.get(report.kind, f"worker rank {rank} failed; all workers stopped. Its traceback:\n{report.text}")
+    print(f"minirl: {text}", file=sys.stderr, flush=True)
     return report.exit_code

@@ -22,33 +22,24 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from minirl.dist.launchers.report import Report, print_report, report_of
+from minirl.dist.launchers.report import EXIT_CRASH, Report, print_report, report_of
 from minirl.dist.signals import SignalHandler
 from minirl.dist.spmd import free_port
 
 _STOP_GRACE_S = 5.0  # how long a stopped worker may take to exit before it is killed
 
 
-def spawn(fn: Callable[..., Any], world: int, args: tuple = (), env: dict[str, str] | None = None) -> int:
-    """Run fn(rank, *args) in `world` fresh processes that form one process group's environment.
-
-    Returns 0 when all succeed. When one fails, the others are stopped, its error is printed
-    (a UserError as one line, anything else with its traceback) and the status is 2 or 1.
-    fn and args must pickle (a module-level function; a frozen config does).
-    """
+def spawn(fn: Callable[..., Any], world: int, args: tuple = ()) -> int:
+    """Run fn(rank, *args) in `world` fresh processes that form one process group's environment;
+    0 when all succeed, else the failed worker's status after its error is printed. fn and args
+    must pickle (a module-level function; a frozen config does)."""
     ctx = multiprocessing.get_context("spawn")  # fork would copy CUDA and thread state
     error_dir = tempfile.mkdtemp(prefix="minirl-errors-")
-    base_env = dict(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        NODE_RANK="0",
-        **(env or {}),
-    )
+    world_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "0"}
+    world_env.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     procs = [
         ctx.Process(
-            target=_worker_main, args=(fn, rank, args, base_env, error_dir, os.getpid()), name=f"minirl-rank{rank}"
+            target=_worker_main, args=(fn, rank, args, world_env, error_dir, os.getpid()), name=f"minirl-rank{rank}"
         )
         for rank in range(world)
     ]
@@ -94,11 +85,13 @@ class _ForwardSignals(SignalHandler):
     checkpoint), a second as SIGKILL. Kubernetes signals only the container's first process, so
     the workers would otherwise never hear of it."""
 
-    def __init__(self, procs: list):
-        self.procs, self.count = procs, 0
+    repeat_window_s = 0.0  # every signal counts; the workers' own handlers tell repeats apart
 
-    def _handle(self, signum, frame) -> None:
-        self.count += 1
+    def __init__(self, procs: list):
+        super().__init__()
+        self.procs = procs
+
+    def _request(self, signum: int) -> None:
         for p in self.procs:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGTERM if self.count == 1 else signal.SIGKILL)
@@ -133,10 +126,9 @@ def _report(rank: int, exitcode: int, error_dir: str) -> int:
     if rank not in reports and reports:
         rank = min(reports, key=lambda r: reports[r]["time"])
     if rank not in reports:  # killed by a signal (the OOM killer, say): nothing was written
-        print(f"minirl: worker rank {rank} died with exit code {exitcode}; all workers stopped", file=sys.stderr)
-        return 1
+        return print_report(rank, Report("died", f"exit code {exitcode}", EXIT_CRASH))
     found = reports[rank]
-    return print_report(rank, Report(found["kind"], found["text"], found.get("exit_code", exitcode)))
+    return print_report(rank, Report(found["kind"], found["text"], found["exit_code"]))
 
 
 def _stop(procs: list) -> None:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from minirl.dist import spmd
 from minirl.dist.launchers import ray_address
 from minirl.dist.launchers.report import EXIT_CRASH, Report, print_report
-from minirl.dist.signals import REPEAT_WINDOW_S, SignalHandler
+from minirl.dist.signals import SignalHandler
+from minirl.validate.core import check_world
 from minirl_plugins.launchers.ray import cluster
 from minirl_plugins.launchers.ray.worker import RankActor
 
@@ -46,7 +46,7 @@ def launch(cfg, pm, job) -> int:
     pgs, ranks = [], []
     try:
         shape = job_shape(t)
-        spmd.check_layout(cfg, shape.world)  # once, here, rather than once per rank
+        check_world(cfg, pm, shape.world)  # with trainer.device = 'auto' the world is the cluster's GPUs
         pgs = cluster.reserve(shape, t.ray_placement_timeout_s)
         ranks = start(cluster.slots(pgs), shape.use_gpu)
         return watch(ranks, cfg, job)
@@ -98,9 +98,7 @@ def watch(ranks: list[Rank], cfg, job) -> int:
     refs = {r.actor.run.remote(cfg, job, os.getcwd()): r for r in ranks}
     with _StopSignals() as stop:
         rank, report = _first_failure(refs, stop)
-    if report is None:
-        return 0
-    return print_report(rank, report)
+    return 0 if report is None else print_report(rank, report)
 
 
 def _learn_pids(ranks: list[Rank]) -> tuple[int, Report] | None:
@@ -119,7 +117,7 @@ def _first_failure(refs: dict, stop: _StopSignals) -> tuple[int, Report | None]:
 
     A rank whose collective lost its peer is a consequence: the loop waits up to PEER_GRACE_S
     for the report of the rank that caused it (an actor death is noticed a moment later)."""
-    pending, failures, stopped, first_at = dict(refs), [], None, None
+    pending, failures, causes, stopped, first_at = dict(refs), [], [], None, None
     while pending:
         if stop.kill_now:
             return -1, Report("stopped", f"second {stop.name}: every rank killed", 128 + stop.signum)
@@ -135,14 +133,10 @@ def _first_failure(refs: dict, stop: _StopSignals) -> tuple[int, Report | None]:
                 continue
             failures.append((r.slot.rank, report))
             first_at = first_at or time.monotonic()
-        if failures and (_has_cause(failures) or time.monotonic() - first_at > PEER_GRACE_S):
+        causes = [f for f in failures if f[1].kind != "peer"]
+        if causes or (failures and time.monotonic() - first_at > PEER_GRACE_S):
             break
-    causes = [f for f in failures if f[1].kind != "peer"]
     return (causes or failures or [stopped or (-1, None)])[0]
-
-
-def _has_cause(failures: list) -> bool:
-    return any(report.kind != "peer" for _, report in failures)
 
 
 def _outcome(ref, r: Rank, stop: _StopSignals) -> Report | None:
@@ -169,28 +163,20 @@ def _send_signal(pid: int, signum: int) -> None:
 
 class _StopSignals(SignalHandler):
     """SIGTERM/SIGINT to the driver: the first reaches every rank as SIGTERM (by a task on the
-    rank's node, which may be another machine), the second kills every actor."""
+    rank's node, which may be another machine), the second kills every actor. The handler only
+    sets flags: the Ray calls wait for the watch loop."""
 
     def __init__(self):
-        self.signum, self.count, self.sent, self.first_at = 0, 0, False, 0.0
+        super().__init__()
+        self.sent = False
 
     @property
     def kill_now(self) -> bool:
         return self.count > 1
 
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name if self.signum else ""
-
-    def _handle(self, signum, frame) -> None:
-        # only flags: the Ray calls wait for the loop. A repeat within a second is the same signal
-        # delivered twice (minirl.dist.signals), not a second request
-        now = time.monotonic()
-        if not self.signum:
-            self.signum, self.count, self.first_at = signum, 1, now
+    def _request(self, signum: int) -> None:
+        if self.count == 1:
             print(f"minirl: got {self.name}: every rank finishes its step and checkpoints", file=sys.stderr, flush=True)
-        elif now - self.first_at >= REPEAT_WINDOW_S:
-            self.count += 1
 
     def forward(self, ranks: list[Rank]) -> None:
         if not self.signum or self.sent:
