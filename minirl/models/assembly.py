@@ -21,30 +21,30 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_o
 
 def assemble_actor(pm, model: torch.nn.Module, cfg, dist: DistContext) -> torch.nn.Module:
     """cfg is the whole config: the hooks get their own sections (actor, model)."""
-    pm.hook.minirl_apply_sequence_parallel(model=model, cfg=cfg.actor, mesh=dist.mesh)
-    pm.hook.minirl_apply_activation_checkpointing(model=model, cfg=cfg.model)
-    speed_up(model, cfg.model)
-    wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=cfg.actor, mesh=dist.mesh)
-    return model if wrapped is None else wrapped
+    return _assemble(pm, model, cfg.actor, cfg.model, dist)
 
 
 def assemble_critic(pm, model: torch.nn.Module, critic_cfg, dist: DistContext) -> torch.nn.Module:
     """The value model through the actor's recipe; the hooks get the critic's sections (critic,
     critic.model), which carry the same key names as the actor's."""
-    pm.hook.minirl_apply_sequence_parallel(model=model, cfg=critic_cfg, mesh=dist.mesh)
-    pm.hook.minirl_apply_activation_checkpointing(model=model, cfg=critic_cfg.model)
-    speed_up(model, critic_cfg.model, "critic.model")
-    wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=critic_cfg, mesh=dist.mesh)
-    return model if wrapped is None else wrapped
+    return _assemble(pm, model, critic_cfg, critic_cfg.model, dist, "critic.model")
 
 
 def assemble_reference(pm, model: torch.nn.Module, ref_cfg, dist: DistContext, model_cfg=None) -> torch.nn.Module:
     """model_cfg: the [model] section (the reference is the actor's model, sped up as it is);
-    None leaves the reference as it is, neither compiled nor fused (tests that build one)."""
-    pm.hook.minirl_apply_sequence_parallel(model=model, cfg=ref_cfg, mesh=dist.mesh)
+    None leaves the reference as it is, neither compiled nor fused (tests that build one). A
+    frozen model needs no activation checkpointing."""
+    return _assemble(pm, model, ref_cfg, model_cfg, dist, checkpointing=False)
+
+
+def _assemble(pm, model, parallel_cfg, model_cfg, dist, section="model", checkpointing=True) -> torch.nn.Module:
+    """parallel_cfg: actor, ref or critic; model_cfg: [model] or [critic.model], named by `section`."""
+    pm.hook.minirl_apply_sequence_parallel(model=model, cfg=parallel_cfg, mesh=dist.mesh)
+    if checkpointing:
+        pm.hook.minirl_apply_activation_checkpointing(model=model, cfg=model_cfg)
     if model_cfg is not None:
-        speed_up(model, model_cfg)
-    wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=ref_cfg, mesh=dist.mesh)
+        speed_up(model, model_cfg, section)
+    wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=parallel_cfg, mesh=dist.mesh)
     return model if wrapped is None else wrapped
 
 

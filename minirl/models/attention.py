@@ -1,16 +1,11 @@
 """minirl's attention for packed sequences, registered with transformers as `attn_implementation="minirl"`.
 
 Training and log-prob forwards run one packed row with no padding: input_ids [1, N], position_ids
-restarting at 0 for every sequence, and the cumulative sequence lengths. Build the extra forward
-kwargs with `packed_forward_kwargs(seq_lens)` (stand_in_mask: see there):
-
-    out = model(input_ids=ids_1N, **packed_forward_kwargs(seq_lens, ids_1N.device, stand_in_mask=True))
-
-transformers hands `cu_seq_lens_q` / `max_length_q` (its FlashAttentionKwargs) through every
-decoder layer to the attention function, which calls `varlen_attention` (minirl/models/varlen.py,
-its backends): the one core function, which a sequence-parallel (Ulysses) wrapper wraps and
-installs per model with `set_varlen_core`. Calls without cu_seq_lens (generate, padded batches)
-take a plain SDPA path.
+restarting at 0 for every sequence, and the cumulative sequence lengths, all from
+`packed_forward_kwargs(seq_lens)`. transformers hands `cu_seq_lens_q` / `max_length_q` through
+every decoder layer to the attention function, which calls the varlen core: `varlen_attention`
+(minirl/models/varlen.py), or the wrapper sequence parallelism installs with `set_varlen_core`.
+Calls without cu_seq_lens (generate, padded batches) take a plain SDPA path.
 
 Shape legend: N packed tokens, S sequences, H query heads, K key/value heads, D head dim,
 B batch rows, Q query length, L key length.
@@ -28,6 +23,7 @@ from minirl.models.varlen import repeat_kv, varlen_attention
 
 ATTN_NAME = "minirl"
 CORE_ATTR = "minirl_varlen_core"  # per-layer override of the core function (sequence parallelism)
+STAND_IN_MASK_SHAPE = (1, 1, 0, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -42,19 +38,16 @@ def packed_forward_kwargs(
 ) -> dict:
     """The kwargs that make a Hugging Face causal LM treat one [1, N] row as S separate sequences.
 
-    position_ids restart at 0 per sequence (so RoPE matches the unpacked forward); cu_seq_lens_q/k
-    are int32 boundaries [S+1] (what varlen kernels take); max_length_q/k are Python ints so no
-    kernel call has to synchronise to find them; use_cache=False keeps the forward from storing
-    every layer's keys and values in a cache nobody reads.
+    position_ids restart at 0 per sequence (RoPE as in the unpacked forward); cu_seq_lens_q/k are
+    int32 boundaries [S+1]; max_length_q/k are Python ints, so no kernel call syncs to find them;
+    use_cache=False stores no keys and values that nobody reads.
 
-    stand_in_mask: for a model whose attention reads the boundaries from cu_seq_lens alone and
-    never the mask (minirl's, Ulysses'), the kwargs also carry an `attention_mask` of shape
-    STAND_IN_MASK_SHAPE: a 4-D mask with no elements. transformers hands a 4-D mask to the layers
-    as already prepared, so it builds none and skips its packed-sequence detection, which reads a
-    value back from the device (`(packed_sequence_mask[:, -1] == 0).all()`) in every forward: a
-    host sync that let the device run dry at the start of each micro-batch (docs/benchmarks.md).
-    Any other attention would fail on the empty shape rather than attend across sequences; sdpa
-    and eager models get no stand-in and build their masks from the position_ids.
+    stand_in_mask: for an attention that reads the boundaries from cu_seq_lens alone (minirl's,
+    Ulysses'), also pass an empty 4-D `attention_mask` (STAND_IN_MASK_SHAPE). transformers takes a
+    4-D mask as prepared, so it skips its packed-sequence detection, which reads a value back from
+    the device in every forward: a host sync that let the device run dry at the start of each
+    micro-batch (docs/benchmarks-history.md). Any other attention fails on the empty shape rather
+    than attend across sequences; sdpa and eager models get no stand-in.
     """
     lens_S = torch.as_tensor(seq_lens, dtype=torch.int64).cpu()
     if lens_S.ndim != 1 or lens_S.numel() == 0 or bool((lens_S <= 0).any()):
@@ -78,9 +71,6 @@ def packed_forward_kwargs(
     return kwargs
 
 
-STAND_IN_MASK_SHAPE = (1, 1, 0, 0)
-
-
 def register_attention() -> None:
     """Register "minirl" with transformers' attention and mask interfaces (idempotent).
 
@@ -89,12 +79,9 @@ def register_attention() -> None:
     attention function turns into an SDPA mask itself.
     """
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME, minirl_attention_forward)
-    try:
-        from transformers.masking_utils import AttentionMaskInterface
-    except ImportError:  # transformers < 4.53 builds masks in each model instead
-        return
     AttentionMaskInterface.register(ATTN_NAME, padding_mask_only)
 
 
@@ -213,7 +200,7 @@ def _padded_sdpa(query, key, value, attention_mask, scale) -> torch.Tensor:
     if attention_mask is not None and attention_mask.ndim == 4:  # a caller's prepared mask
         mask = attention_mask[..., :kv_len]
     elif attention_mask is not None:
-        mask = _causal_padding_mask(attention_mask[:, -kv_len:].bool(), q_len)
+        mask = _causal_padding_mask(attention_mask[:, -kv_len:].bool(), q_len, kv_len, query.device)
     elif q_len == kv_len:
         is_causal = q_len > 1
     elif q_len > 1:
@@ -222,14 +209,12 @@ def _padded_sdpa(query, key, value, attention_mask, scale) -> torch.Tensor:
     return out_BHQD.transpose(1, 2).contiguous()
 
 
-def _causal_padding_mask(pad_BL, q_len, kv_len=None, device=None) -> torch.Tensor:
-    """Boolean [B|1, 1, Q, L]: causal (bottom-right aligned) and not padding.
+def _causal_padding_mask(pad_BL, q_len, kv_len, device) -> torch.Tensor:
+    """Boolean [B|1, 1, Q, L]: causal (bottom-right aligned) and not padding (pad_BL, or None).
 
     Every query may also see itself, so a padding query never has an all-masked row: SDPA would
     return NaN there, and NaN values times zero weights would leak into real tokens' outputs.
     """
-    kv_len = pad_BL.shape[1] if pad_BL is not None else kv_len
-    device = pad_BL.device if pad_BL is not None else device
     q_pos_Q1 = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
     k_pos_1L = torch.arange(kv_len, device=device)[None, :]
     allowed_QL = k_pos_1L <= q_pos_Q1

@@ -1,32 +1,12 @@
 """Regional torch.compile (model.compile_layers): each decoder layer's forward is compiled, the
 attention kernel call stays eager.
 
-A decoder layer is a few GEMMs (cuBLAS already runs them near the matmul ceiling) surrounded by
-element-wise work: two RMSNorms in float32, rotary embeddings, SiLU·mul, residual adds, each an
-eager kernel that reads and writes the whole activation. Inductor fuses them into a few kernels
-(forward and backward). Compiling a layer rather than the model keeps the compile short (all
-layers share one graph: parameters are graph inputs, not constants) and leaves FSDP2's hooks,
-activation checkpointing and the packed varlen attention outside the graph: the attention core
-is a graph break (minirl.models.attention calls it through torch.compiler.disable), so its
-Python-int boundaries never become part of a guard.
-
-Shapes: a packed micro-batch's length differs every call, so layers are compiled with dynamic
-shapes from the start (one graph, no recompile per length).
-
-Rounding: inductor emulates eager's bf16 rounding between the ops it fuses
-(emulate_precision_casts). Without it, a fused kernel keeps some intermediates in float32 that
-eager rounds to bf16, and which ones depends on the graph: the training graph (which must save
-activations for backward) and the inference graph (log-prob passes) round differently. The
-reference and the actor then disagree at identical weights (a KL of about 1e-3 per token at step
-1 of the h200 profile, 0 in eager mode), and so would a prev-log-prob pass and the update.
-
-Rotary layout: Hugging Face attentions transpose q and k to [B, H, N, D] before the rotary
-embedding; with a dynamic N, inductor's fused kernel for that layout indexes through divisions
-by N. A compiled layer's attention applies the same rotary function to the [B, N, H, D] view
-(`unsqueeze_dim=2`) and transposes the result back: the same element-wise operations on the same
-values, so the same bits, with only constant divisors in the kernel's index arithmetic. (The
-profile of a whole run had found the rotary kernel slow; a single layer on the H200 runs both
-layouts equally fast, the seq-major one 1% faster forward + backward: docs/benchmarks.md.)
+Inductor fuses the element-wise work between a layer's GEMMs (RMSNorms, rotary embeddings,
+SiLU·mul, residual adds). Compiling each layer rather than the model keeps the compile short (all
+layers share one graph, parameters being graph inputs) and leaves FSDP2's hooks, activation
+checkpointing and the varlen attention core (a graph break) outside the graph. Layers compile with
+dynamic shapes: a packed micro-batch's length differs every call. The design at length:
+docs/architecture.md, "Regional compilation".
 """
 
 from __future__ import annotations
@@ -40,6 +20,9 @@ import torch
 
 from minirl.errors import UserError
 
+# Round like eager bf16 between fused ops: otherwise the training graph and the inference graph keep
+# different intermediates in float32, and the reference and the actor disagree at identical weights
+# (a KL of about 1e-3 per token at step 1 of the h200 profile, 0 in eager mode).
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 _STANDARD_ROTARY = ("q", "k", "cos", "sin", "unsqueeze_dim")  # apply_rotary_pos_emb's parameters
 
@@ -75,8 +58,11 @@ def uncompile_layers(model: torch.nn.Module) -> None:
 
 
 def seq_major_rotary(attn: torch.nn.Module | None) -> bool:
-    """Give `attn` its class's forward with the rotary embedding applied in [B, N, H, D] layout
-    (module docstring); False, and nothing changed, for an attention whose module has no
+    """Give `attn` its class's forward with the rotary embedding applied to the [B, N, H, D] view
+    of q and k, transposed back after: the same operations on the same values, so the same bits;
+    with a dynamic N, inductor's kernel for Hugging Face's [B, H, N, D] layout indexes through
+    divisions by N, this one by constants only (on the H200 both run about equally fast,
+    docs/benchmarks-history.md). False, and nothing changed, for an attention whose module has no
     `apply_rotary_pos_emb` with exactly the parameters (q, k, cos, sin, unsqueeze_dim)."""
     forward = getattr(type(attn), "forward", None)
     if attn is None or not isinstance(forward, types.FunctionType):

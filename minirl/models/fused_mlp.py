@@ -1,29 +1,16 @@
 """SiLU·mul in the gate/up GEMM's epilogue, for the gradient-free forwards (model.fused_mlp).
 
-A Llama-family MLP is down(silu(x Wgᵀ) · x Wuᵀ). Hugging Face runs it as two cuBLAS GEMMs, each
-writing an M×I bf16 tensor, and one element-wise kernel (fused by model.compile_layers) that reads
-both back and writes their product: 3·M·I·2 bytes that exist only to be read once. Here one Triton
-kernel multiplies a row tile of x by the same column tile of Wg and of Wu (two float32
-accumulators sharing the x tile, loaded by TMA) and writes only silu(g)·u.
+A Llama-family MLP is down(silu(x Wgᵀ) · x Wuᵀ). Hugging Face writes both M×I GEMM outputs and
+reads them back to multiply them; one Triton kernel (minirl/kernels/fused_mlp.py) writes only
+silu(g)·u. It rounds as eager bf16 does, so it differs from the unfused forward only where the
+GEMMs' float32 sums, taken in another order, round differently: on the 1.5B shape at M = 28,000
+none did (dev/bench_mlp.py; docs/benchmarks-history.md). Gradient-free forwards only (log-prob
+and value passes): the backward needs g and u, which the kernel never writes. The design at
+length: docs/architecture.md.
 
-Bits: the epilogue rounds as eager bf16 does (g and u to bf16, silu in float32 to bf16, the
-product in float32 to bf16), so it differs from the unfused forward only where the two GEMMs'
-float32 sums, taken in another order, round to different bf16 values. On the 1.5B shape at
-M = 28,000 none did (scripts/bench_mlp.py; docs/benchmarks.md).
-
-Scope: gradient-free forwards only (log-prob and value passes). With gradients, the backward needs
-g and u, which this kernel never writes, so the update keeps Hugging Face's MLP. Used when x and
-both weights are contiguous bf16 on a CUDA device where the kernel runs and agrees with the
-unfused computation (kernel_problem, checked once when the forwards are installed), the hidden
-size is a multiple of BLOCK_K and the intermediate size of BLOCK_N; anything else runs the
-module's own forward. The checks read tensor properties and the grad mode only, so under
-model.compile_layers they become guards of the compiled layer (one graph with gradients, one
-without), and the kernel is a custom op the graph calls as it is.
-
-Activation checkpointing: minirl's (non-reentrant) runs the checkpointed forward with gradients
-on, so the forward and its recomputation both take the unfused path. A reentrant checkpoint runs
-the forward without gradients: it would take the kernel there and the unfused path when it
-recomputes, and the recomputed values could differ in a rounding.
+Activation checkpointing: minirl's (non-reentrant) runs the forward and its recomputation with
+gradients on, both unfused; a reentrant one would take the kernel in the forward and the unfused
+path when it recomputes, which could differ in a rounding.
 """
 
 from __future__ import annotations
@@ -68,10 +55,7 @@ def unfuse_mlps(model: torch.nn.Module) -> None:
 @functools.cache
 def kernel_problem() -> str | None:
     """Why the kernel cannot run on this machine's current CUDA device, or None when it can.
-    Checked once (minirl.kernels.selfcheck): the kernel runs on a small input (a partial row tile
-    included) and must agree with the unfused computation, so a GPU whose shared memory cannot
-    hold its tiles, or a triton that cannot build it, falls back instead of failing in the first
-    log-prob pass."""
+    Checked once (minirl.kernels.selfcheck) on a small input, a partial row tile included."""
     if not torch.cuda.is_available():
         return "there is no CUDA device"
     if torch.cuda.get_device_capability() < (9, 0):
@@ -116,7 +100,9 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def kernel_applies(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> bool:
     """No gradients; contiguous bf16 CUDA tensors whose data start 16-byte aligned (TMA); at least
-    one row; shapes the tiles divide."""
+    one row; shapes the tiles divide. Tensor properties and the grad mode only, so under
+    model.compile_layers they become the compiled layer's guards (one graph with gradients, one
+    without), and the kernel is a custom op the graph calls as it is."""
     tensors = (x, wg, wu)
     return (
         not torch.is_grad_enabled()

@@ -1,8 +1,7 @@
 """The varlen core: causal attention within each of the packed sequences of one row, by backend.
 
-minirl.models.attention calls `varlen_attention` for every packed forward; sequence parallelism
-(plugins/parallel/ulysses.py) wraps it. Backends: flash-attn's varlen kernel when the package is installed,
-else torch's varlen attention (CUDA, half precision), else exact per-segment SDPA (the CPU, float32).
+minirl.models.attention calls `varlen_attention` for every packed forward, sequence parallelism
+(plugins/parallel/ulysses.py) wraps it, and the native engine's prefill names a backend.
 
 Shape legend: N packed tokens, S sequences, H query heads, K key/value heads, D head dim.
 """
@@ -30,16 +29,16 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Causal attention within each of S packed sequences; returns [N, H, D].
 
-    backend: "flash_attn" | "torch" | "sdpa", or None to pick the fastest available for q.
+    backend: "flash_attn" (flash-attn's varlen kernel), "torch" (torch's varlen attention), both
+    CUDA and half precision only, or "sdpa" (exact per-segment SDPA); None: the first available.
     """
-    name = backend or pick_backend(q)
+    name = backend or _pick_backend(q)
     if name not in _BACKENDS:
         raise ValueError(f"unknown varlen attention backend {name!r}; choose one of {sorted(_BACKENDS)}")
     return _BACKENDS[name](q, k, v, cu_seqlens, max_seqlen, scale)
 
 
-def pick_backend(q: torch.Tensor) -> str:
-    """flash-attn, then torch's varlen kernel (both CUDA + half precision only), else per-segment SDPA."""
+def _pick_backend(q: torch.Tensor) -> str:
     if q.is_cuda and q.dtype in _HALF:
         if _flash_attn_varlen() is not None:
             return "flash_attn"
@@ -80,17 +79,16 @@ def _torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scale):
 
 
 def _aten_flash_gqa(q, k, v, cu, max_seqlen, scale):
-    """The flash kernel torch's varlen_attn runs, called with fewer key/value heads than query
-    heads, which it supports (each KV head serves its group; the backward sums the group's
-    gradients). torch 2.11's varlen_attn has no enable_gqa, and repeating the keys and values
-    instead is a strided copy of both: 4% of a compiled layer's forward on 30k tokens
-    (docs/benchmarks.md), plus a sum in the backward."""
+    """The flash kernel torch's varlen_attn runs, which takes fewer key/value heads than query
+    heads. torch 2.11's varlen_attn has no enable_gqa, and repeating the keys and values is a
+    strided copy: 4% of a compiled layer's forward on 30k tokens (docs/benchmarks-history.md)."""
     flash = torch.ops.aten._flash_attention_forward
     return flash(q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True, False, scale=scale)[0]
 
 
 def _segment_sdpa(q, k, v, cu_seqlens, max_seqlen, scale):
-    """Exact reference: one causal SDPA per sequence. One host sync (the boundaries) per call."""
+    """Exact: one causal SDPA per sequence (the CPU path, and the GPU kernels' reference). One
+    host sync (the boundaries) per call."""
     bounds = cu_seqlens.tolist()
     q_HND = q.transpose(0, 1)
     k_HND = repeat_kv(k, q.shape[1]).transpose(0, 1)
