@@ -7,13 +7,11 @@ with `recompute=True`, wraps each chunk in activation checkpointing so backward 
 chunk's logits instead of keeping them: the peak is a few chunk × V float32 tensors.
 
 All log-probs are of temperature-scaled logits (logits / rollout temperature, docs/algorithms.md),
-computed in float32 whatever the model dtype.
-
-Two implementations of a chunk's statistics: the plain PyTorch one below (the reference, and the
-CPU path) and a fused Triton one (`minirl/kernels/logprob.py`: one streaming kernel forward, one
-backward, no float32 [n, V] tensor), chosen on CUDA when its kernels compile and pass a check
-against the plain path (else a warning and the plain path). MINIRL_LOGPROB_IMPL =
-auto | fused | plain (read at import; or set `logprob.IMPL`, or pass impl=) forces either.
+computed in float32 whatever the model dtype. A chunk's statistics come from plain PyTorch
+(`_chunk_stats`: the reference, and the CPU path) or from the fused Triton kernels
+(minirl/kernels/logprob.py: no float32 [n, V] tensor), chosen on CUDA when they pass a check
+against the plain path. MINIRL_LOGPROB_IMPL = auto | fused | plain (read at import; or set
+`logprob.IMPL`, or pass impl=) forces either.
 
 Shape legend: N packed token positions, V vocabulary, H hidden size.
 """
@@ -35,7 +33,7 @@ from minirl.kernels.selfcheck import expect_close, self_check
 # float32 copies of a chunk (2,048 × 151,936 × 4 B = 1.2 GB each). Without gradients on the fused
 # kernels a chunk's logits live only in the head's dtype while its statistics are taken, and
 # longer chunks run the head's GEMM a little faster (8,192 × 151,936 bf16 = 2.5 GB;
-# docs/benchmarks.md).
+# docs/benchmarks-history.md).
 CHUNK, CHUNK_FUSED_NO_GRAD = 2048, 8192
 IMPLS = ("auto", "fused", "plain")
 IMPL = os.environ.get("MINIRL_LOGPROB_IMPL", "auto")  # auto: fused on CUDA when its kernels check out
@@ -44,8 +42,7 @@ IMPL = os.environ.get("MINIRL_LOGPROB_IMPL", "auto")  # auto: fused on CUDA when
 @functools.cache
 def fused_works(device: str) -> bool:
     """The fused kernels import, compile and agree with the plain path on a small problem on
-    `device` (minirl.kernels.selfcheck, once per device): a broken triton costs speed, never
-    correctness."""
+    `device` (minirl.kernels.selfcheck, once per device)."""
     problem = self_check(lambda: _check_fused(device), device)
     if problem is not None:
         warnings.warn(f"fused log-prob kernels on {device} {problem}; using the plain torch path")
@@ -53,25 +50,15 @@ def fused_works(device: str) -> bool:
 
 
 def _check_fused(device: str) -> None:
-    from minirl.kernels.logprob import fused_logprob_entropy
-
     gen = torch.Generator().manual_seed(0)
     z_nV = (4 * torch.randn(5, 9000, generator=gen)).to(device)  # rows of several blocks
     labels_n = torch.tensor([0, 8999, 3, 4500, 77], device=device)
     got, ref = [], []
-    for fn, out in ((fused_logprob_entropy, got), (_chunk_stats_of_logits, ref)):
+    for stats, out in ((_chunk_stats_fused, got), (_chunk_stats, ref)):
         z = z_nV.clone().requires_grad_()
-        logp_n, ent_n = fn(z, labels_n, 0.7, True)
+        logp_n, ent_n = stats(z, labels_n, torch.nn.Identity(), 0.7, True)  # the "hidden" states are the logits
         out += [logp_n, ent_n, *torch.autograd.grad(logp_n.sum() - 0.5 * ent_n.sum(), [z])]
     expect_close(got, ref, rtol=1e-4, atol=1e-4, problem="disagree with the plain path")
-
-
-def _chunk_stats_of_logits(z_nV, labels_n, temperature, with_entropy):
-    return _chunk_stats(z_nV, labels_n, _identity, temperature, with_entropy)
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
 
 
 def use_fused(device: torch.device, impl: str | None = None) -> bool:
@@ -84,41 +71,6 @@ def use_fused(device: torch.device, impl: str | None = None) -> bool:
     return impl == "fused"
 
 
-def _check_temperature(temperature: float) -> None:
-    if not temperature > 0:
-        raise ValueError(
-            f"temperature = {temperature!r}: log-probs are of logits / temperature, so it must be "
-            "> 0; for greedy rollouts (rollout.temperature = 0) score the tokens at temperature 1"
-        )
-
-
-def logprobs_from_logits(logits_NV: torch.Tensor, labels_N: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / T)[label], in float32: the reference implementation (materialises
-    the full float32 log-softmax; use chunked_logprobs on the hot path)."""
-    _check_temperature(temperature)
-    logp_NV = torch.log_softmax(logits_NV.float() / temperature, dim=-1)
-    return logp_NV.gather(-1, labels_N.long().unsqueeze(-1)).squeeze(-1)
-
-
-def entropy_from_logits(logits_NV: torch.Tensor) -> torch.Tensor:
-    """H = logsumexp(z) − Σ softmax(z)·z per position, in float32 (docs/algorithms.md §5).
-
-    This form needs no log of a probability, so it stays finite where softmax underflows to 0.
-    Pass temperature-scaled logits.
-    """
-    z_NV = _shift_max(logits_NV.float())
-    lse_N = torch.logsumexp(z_NV, dim=-1)
-    p_NV = torch.exp(z_NV - lse_N.unsqueeze(-1))
-    return lse_N - (p_NV * z_NV).sum(-1)
-
-
-def _shift_max(z_NV: torch.Tensor) -> torch.Tensor:
-    # Both results are invariant to z − c; subtracting the row max keeps logsumexp and Σ p·z
-    # small, so their difference (a small entropy) does not cancel catastrophically in float32.
-    # Detached: the invariance makes the gradient through the max exactly 0.
-    return z_NV - z_NV.amax(dim=-1, keepdim=True).detach()
-
-
 def _chunk_stats(
     hidden_nH: torch.Tensor,
     labels_n: torch.Tensor,
@@ -126,10 +78,15 @@ def _chunk_stats(
     temperature: float,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    z_nV = _shift_max(head(hidden_nH).float() / temperature)
+    """logp = z[label] − logsumexp(z) and H = logsumexp(z) − Σ softmax(z)·z (docs/algorithms.md §5)
+    for z = head(hidden) / T in float32; H needs no log of a probability, so it stays finite where
+    softmax underflows to 0."""
+    z_nV = head(hidden_nH).float() / temperature
+    # Subtracting the row max (both results are invariant to it) keeps logsumexp and Σ p·z small, so
+    # their difference does not cancel catastrophically; detached, as its gradient is exactly 0.
+    z_nV = z_nV - z_nV.amax(dim=-1, keepdim=True).detach()
     lse_n = torch.logsumexp(z_nV, dim=-1)
-    # z[label] − logsumexp(z) equals log_softmax(z)[label] without allocating the log-softmax.
-    logp_n = z_nV.gather(-1, labels_n.long().unsqueeze(-1)).squeeze(-1) - lse_n
+    logp_n = z_nV.gather(-1, labels_n.long().unsqueeze(-1)).squeeze(-1) - lse_n  # no [n, V] log-softmax
     if not with_entropy:
         return logp_n, torch.zeros_like(logp_n)
     p_nV = torch.exp(z_nV - lse_n.unsqueeze(-1))
@@ -165,16 +122,18 @@ def chunked_logprobs(
     parameters receive gradients through the closure.
     recompute=True: each chunk runs under torch.utils.checkpoint (use_reentrant=False), so
     backward recomputes its logits; only the hidden chunk is kept. recompute=False keeps every
-    chunk's float32 intermediates for backward (as much memory as the unchunked form: use it
-    only for small vocabularies; the fused path keeps each chunk's logits in the head's dtype).
+    chunk's float32 intermediates (as much memory as the unchunked form: small vocabularies only).
     Under torch.no_grad checkpointing is skipped, it saves nothing.
     chunk_size: positions per chunk; None: CHUNK_FUSED_NO_GRAD on the fused path without
     gradients, else CHUNK.
-    impl: "auto" (fused Triton kernels on CUDA when they check out, else plain torch), "fused",
-    "plain"; None reads the module's IMPL (env MINIRL_LOGPROB_IMPL).
+    impl: "auto", "fused", "plain", or None for the module's IMPL (module docstring).
     Returns (logp_N, entropy_N or None), float32.
     """
-    _check_temperature(temperature)
+    if not temperature > 0:
+        raise ValueError(
+            f"temperature = {temperature!r}: log-probs are of logits / temperature, so it must be "
+            "> 0; for greedy rollouts (rollout.temperature = 0) score the tokens at temperature 1"
+        )
     fused = use_fused(hidden_NH.device, impl)
     if chunk_size is None:
         chunk_size = CHUNK_FUSED_NO_GRAD if fused and not torch.is_grad_enabled() else CHUNK

@@ -135,10 +135,7 @@ def _forward(z_nV: torch.Tensor, labels_n: torch.Tensor, inv_t: float, with_entr
         _fwd_kernel[(n,)](
             z_nV,
             labels_n,
-            stats[0],
-            stats[1],
-            stats[2],
-            stats[3],
+            *stats,  # logp, H, m, log d
             vocab,
             z_nV.stride(0),
             inv_t,
@@ -176,8 +173,9 @@ def _backward(z_nV, labels_n, stats, inv_t, g_logp_n, g_ent_n):
 
 
 class FusedLogprobEntropy(torch.autograd.Function):
-    """(z [n, V], labels [n], T, with_entropy) -> (logp [n], H [n]) in float32; H is zeros (and
-    not differentiable) when with_entropy is False. Saves z itself (no copy) and 16 bytes a row."""
+    """(z [n, V], labels [n], T, with_entropy) -> (logp [n], H [n]): log softmax(z / T)[label] and
+    the entropy of softmax(z / T) in float32, from z in any float dtype; H is zeros (and not
+    differentiable) when with_entropy is False. Saves z itself (no copy) and 16 bytes a row."""
 
     @staticmethod
     def forward(ctx, z_nV, labels_n, temperature, with_entropy):
@@ -205,8 +203,4 @@ class FusedLogprobEntropy(torch.autograd.Function):
         return _backward(z_nV, labels_n, stats, ctx.inv_t, g_logp_n, g_ent_n), None, None, None
 
 
-def fused_logprob_entropy(
-    z_nV: torch.Tensor, labels_n: torch.Tensor, temperature: float, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log softmax(z / T)[label] and the entropy of softmax(z / T), float32, from z in any float dtype."""
-    return FusedLogprobEntropy.apply(z_nV, labels_n, temperature, with_entropy)
+fused_logprob_entropy = FusedLogprobEntropy.apply

@@ -7,9 +7,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirl.forward.logprob import chunked_logprobs, entropy_from_logits, logprobs_from_logits
+from minirl.forward.logprob import chunked_logprobs
 
 FAST = settings(max_examples=25, deadline=None)
+IDENTITY = torch.nn.Identity()  # a "head" that makes chunked_logprobs take the logits themselves
+
+
+def _reference(logits_NV, labels_N, temperature):
+    """log_softmax(logits / T)[label] and −Σ p log p, the plain way: the full float32 [N, V] log-softmax."""
+    logp_NV = torch.log_softmax(logits_NV.float() / temperature, dim=-1)
+    return logp_NV.gather(-1, labels_N.long().unsqueeze(-1)).squeeze(-1), -(logp_NV.exp() * logp_NV).sum(-1)
 
 
 def _problem(seed: int, n: int, hidden: int = 8, vocab: int = 37):
@@ -37,9 +44,7 @@ def test_chunked_logprobs_match_reference_values_and_gradients(seed, n, chunk, t
     must give the values and the gradients (to the hidden states and to the head weight) of
     log_softmax(head(h) / T) + gather; the entropy too when asked for."""
     head, h_NH, y_N, w_N = _problem(seed, n)
-    logits = head(h_NH)
-    ref_logp = logprobs_from_logits(logits, y_N, temperature)
-    ref_ent = entropy_from_logits(logits.float() / temperature)
+    ref_logp, ref_ent = _reference(head(h_NH), y_N, temperature)
     ref_loss = (w_N * ref_logp).sum() + (ref_ent.sum() if with_entropy else 0.0)
     ref_grads = torch.autograd.grad(ref_loss, [h_NH, head.weight])
 
@@ -66,7 +71,7 @@ def test_entropy_matches_float64_reference(seed, n, scale):
     logits = scale * torch.randn(n, 50, generator=gen)
     p64 = torch.softmax(logits.double(), -1)
     ref = -(p64 * torch.log_softmax(logits.double(), -1)).sum(-1)
-    got = entropy_from_logits(logits)
+    _, got = chunked_logprobs(logits, IDENTITY, torch.zeros(n, dtype=torch.long), with_entropy=True)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5)
     assert bool((got > -1e-5).all()) and bool((got < torch.log(torch.tensor(50.0)) + 1e-5).all())
@@ -75,12 +80,12 @@ def test_entropy_matches_float64_reference(seed, n, scale):
 @FAST
 @given(seed=st.integers(0, 2**31 - 1), temperature=st.floats(0.2, 3.0))
 def test_logprobs_from_bfloat16_logits_are_float32_of_scaled_logits(seed, temperature):
-    """The reference casts to float32 *before* dividing by the temperature: the result must equal
+    """Logits are cast to float32 *before* the division by the temperature: the result must equal
     the float64 log-softmax of the (bf16-rounded) logits / T."""
     gen = torch.Generator().manual_seed(seed)
     logits = (3 * torch.randn(6, 40, generator=gen)).to(torch.bfloat16)
     labels = torch.randint(0, 40, (6,), generator=gen)
-    got = logprobs_from_logits(logits, labels, temperature)
+    got, _ = chunked_logprobs(logits, IDENTITY, labels, temperature)
     ref = torch.log_softmax(logits.double() / temperature, -1).gather(-1, labels[:, None]).squeeze(-1)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
@@ -109,7 +114,7 @@ def test_no_grad_path_and_empty_input():
     head, h_NH, y_N, _ = _problem(1, n=5)
     with torch.no_grad():
         logp, ent = chunked_logprobs(h_NH, head, y_N, 0.7, chunk_size=2, with_entropy=True)
-        ref = logprobs_from_logits(head(h_NH), y_N, 0.7)
+        ref, _ = _reference(head(h_NH), y_N, 0.7)
     torch.testing.assert_close(logp, ref)
     assert not logp.requires_grad and ent.shape == (5,)
     empty, empty_ent = chunked_logprobs(h_NH[:0], head, y_N[:0], 1.0, with_entropy=True)
@@ -121,8 +126,6 @@ def test_bad_temperature_and_chunk_size_are_user_errors():
     head, h_NH, y_N, _ = _problem(2, n=3)
     with pytest.raises(ValueError, match="temperature"):
         chunked_logprobs(h_NH, head, y_N, 0.0)
-    with pytest.raises(ValueError, match="temperature"):
-        logprobs_from_logits(head(h_NH), y_N, 0.0)
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_logprobs(h_NH, head, y_N, 1.0, chunk_size=0)
 
@@ -132,7 +135,6 @@ def test_golden_uniform_logits():
     any temperature."""
     logits = torch.zeros(3, 8)
     labels = torch.tensor([0, 3, 7])
-    torch.testing.assert_close(
-        logprobs_from_logits(logits, labels, 0.5), torch.full((3,), -torch.log(torch.tensor(8.0)))
-    )
-    torch.testing.assert_close(entropy_from_logits(logits), torch.full((3,), torch.log(torch.tensor(8.0))))
+    logp, ent = chunked_logprobs(logits, IDENTITY, labels, 0.5, with_entropy=True)
+    torch.testing.assert_close(logp, torch.full((3,), -torch.log(torch.tensor(8.0))))
+    torch.testing.assert_close(ent, torch.full((3,), torch.log(torch.tensor(8.0))))
