@@ -72,11 +72,7 @@ def use_fused(device: torch.device, impl: str | None = None) -> bool:
 
 
 def _chunk_stats(
-    hidden_nH: torch.Tensor,
-    labels_n: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor],
-    temperature: float,
-    with_entropy: bool,
+    hidden_nH: torch.Tensor, labels_n: torch.Tensor, head: Callable, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logp = z[label] − logsumexp(z) and H = logsumexp(z) − Σ softmax(z)·z (docs/algorithms.md §5)
     for z = head(hidden) / T in float32; H needs no log of a probability, so it stays finite where
@@ -93,13 +89,7 @@ def _chunk_stats(
     return logp_n, lse_n - (p_nV * z_nV).sum(-1)
 
 
-def _chunk_stats_fused(
-    hidden_nH: torch.Tensor,
-    labels_n: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor],
-    temperature: float,
-    with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_stats_fused(hidden_nH, labels_n, head, temperature, with_entropy) -> tuple[torch.Tensor, torch.Tensor]:
     """_chunk_stats with the softmax math in two Triton kernels; the head's GEMM stays cuBLAS."""
     from minirl.kernels.logprob import fused_logprob_entropy
 

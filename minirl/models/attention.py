@@ -32,9 +32,7 @@ STAND_IN_MASK_SHAPE = (1, 1, 0, 0)
 
 
 def packed_forward_kwargs(
-    seq_lens: Sequence[int] | torch.Tensor,
-    device: torch.device | str | None = None,
-    stand_in_mask: bool = False,
+    seq_lens: Sequence[int] | torch.Tensor, device: torch.device | str | None = None, stand_in_mask: bool = False
 ) -> dict:
     """The kwargs that make a Hugging Face causal LM treat one [1, N] row as S separate sequences.
 
@@ -86,11 +84,7 @@ def register_attention() -> None:
 
 
 def padding_mask_only(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs,
+    batch_size: int, q_length: int, kv_length: int, attention_mask: torch.Tensor | None = None, **kwargs
 ) -> torch.Tensor | None:
     """transformers' mask hook for "minirl": the 2-D padding mask [B, L], or None without padding."""
     if attention_mask is None:

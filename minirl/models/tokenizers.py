@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from minirl.errors import UserError
 
@@ -38,7 +39,7 @@ CHATML_TEMPLATE = (
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """256 byte tokens (id = byte value) + <|endoftext|> (eos, pad), <|im_start|>, <|im_end|>."""
-    table = _bytes_to_unicode()
+    table = bytes_to_unicode()  # byte -> the visible character ByteLevel pre-tokenizers emit for it
     vocab = {table[b]: b for b in range(256)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -52,20 +53,6 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
         model_max_length=2048,
         clean_up_tokenization_spaces=False,
     )
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """The byte-level BPE alphabet: printable bytes map to themselves, the others to code points
-    from 256 up, so every byte is one visible character (what ByteLevel pre-tokenizers emit)."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,7 +123,7 @@ def qwen2_tokenizer() -> PreTrainedTokenizerFast:
 def convert_qwen2_tokenizer(ranks_path: Path) -> PreTrainedTokenizerFast:
     """tiktoken BPE ranks -> a byte-level `tokenizers` BPE with Qwen2's split and NFC normaliser."""
     ranks = load_tiktoken_ranks(ranks_path)
-    table = _bytes_to_unicode()
+    table = bytes_to_unicode()
     to_str = lambda b: "".join(table[x] for x in b)  # noqa: E731
     vocab = {to_str(token): rank for token, rank in ranks.items()}
     merges = [(to_str(a), to_str(b)) for a, b in _merges_from_ranks(ranks)]

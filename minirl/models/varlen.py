@@ -40,10 +40,7 @@ def varlen_attention(
 
 def _pick_backend(q: torch.Tensor) -> str:
     if q.is_cuda and q.dtype in _HALF:
-        if _flash_attn_varlen() is not None:
-            return "flash_attn"
-        if _torch_varlen() is not None:
-            return "torch"
+        return "flash_attn" if _flash_attn_varlen() is not None else "torch"
     return "sdpa"
 
 
@@ -58,18 +55,10 @@ def _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale):
 
 def _torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scale):
     fn = _torch_varlen()
-    if fn is None:
-        raise ValueError("varlen backend 'torch' needs torch >= 2.10 (torch.nn.attention.varlen)")
-    params = inspect.signature(fn).parameters
-    kwargs: dict = {"scale": scale}
-    # torch 2.10 spells causality is_causal=True; later releases window_size=(-1, 0).
-    if "window_size" in params:
-        kwargs["window_size"] = (-1, 0)
-    else:
-        kwargs["is_causal"] = True
+    kwargs: dict = {"scale": scale, "window_size": (-1, 0)}  # (-1, 0): causal
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
+        if "enable_gqa" in inspect.signature(fn).parameters:
             kwargs["enable_gqa"] = True
         elif q.is_cuda:
             return _aten_flash_gqa(q, k, v, cu, max_seqlen, scale)
@@ -116,12 +105,9 @@ def _flash_attn_varlen() -> Callable | None:
     return flash_attn_varlen_func
 
 
-@functools.lru_cache(maxsize=1)
-def _torch_varlen() -> Callable | None:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
+def _torch_varlen() -> Callable:
+    from torch.nn.attention.varlen import varlen_attn  # torch >= 2.11, as minirl requires
+
     return varlen_attn
 
 

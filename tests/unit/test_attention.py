@@ -78,18 +78,13 @@ def test_varlen_attention_cpu_matches_written_out_attention():
 
 
 def _fake_kernel(expect_heads_equal: bool):
-    """Stand-ins with the signatures of torch's varlen_attn (2.10: is_causal; 2.11: window_size;
-    2.13: window_size + enable_gqa) and flash-attn, computing with the exact CPU path."""
+    """Stand-ins with the signatures of torch's varlen_attn (2.11: window_size; 2.13: window_size +
+    enable_gqa) and flash-attn, computing with the exact CPU path."""
     import minirl.models.varlen as attn
 
     def check(q, k, cu_q, cu_k, max_q, max_k):
         assert cu_q.dtype == torch.int32 and cu_q is cu_k and max_q == max_k
         assert (k.shape[1] == q.shape[1]) == expect_heads_equal
-
-    def torch_210(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, scale=None):
-        check(q, k, cu_q, cu_k, max_q, max_k)
-        assert is_causal
-        return attn._segment_sdpa(q, k, v, cu_q, max_q, scale)
 
     def torch_211(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
         check(q, k, cu_q, cu_k, max_q, max_k)
@@ -105,10 +100,10 @@ def _fake_kernel(expect_heads_equal: bool):
         assert causal and dropout_p == 0.0
         return attn._segment_sdpa(q, k, v, cu_q, max_q, softmax_scale)
 
-    return {"torch_210": torch_210, "torch_211": torch_211, "torch_213": torch_213, "flash": flash}
+    return {"torch_211": torch_211, "torch_213": torch_213, "flash": flash}
 
 
-@pytest.mark.parametrize("kernel", ["torch_210", "torch_211", "torch_213", "flash"])
+@pytest.mark.parametrize("kernel", ["torch_211", "torch_213", "flash"])
 def test_kernel_adapters_pass_causal_gqa_and_int32_boundaries(kernel, monkeypatch):
     """The CUDA kernels cannot run here, so fakes with their signatures check what minirl passes
     them: causality spelled per torch version, GQA natively or by repeating heads, int32 cu."""
@@ -256,10 +251,9 @@ def test_register_is_idempotent_and_unsupported_options_are_errors():
 
 
 def _cuda_backends():
-    from minirl.models.varlen import _flash_attn_varlen, _torch_varlen
+    from minirl.models.varlen import _flash_attn_varlen
 
-    names = [n for n, ok in (("flash_attn", _flash_attn_varlen()), ("torch", _torch_varlen())) if ok]
-    return names or ["missing"]
+    return ["torch"] + (["flash_attn"] if _flash_attn_varlen() is not None else [])
 
 
 def _max_err(x, ref):
@@ -272,8 +266,6 @@ def _max_err(x, ref):
 def test_cuda_varlen_kernels_match_segment_sdpa_bf16(backend):
     """Each CUDA varlen kernel is as close to exact float32 attention as bf16 per-segment SDPA
     is, forward and backward (bf16 rounding alone makes direct comparisons flaky)."""
-    if backend == "missing":
-        pytest.skip("neither flash-attn nor torch.nn.attention.varlen is available")
     torch.manual_seed(0)
     seq_lens = [100, 1, 257, 64, 33]
     n, cu = sum(seq_lens), packed_forward_kwargs(seq_lens, device="cuda")["cu_seq_lens_q"]
@@ -299,8 +291,6 @@ def test_cuda_torch_varlen_gqa_equals_repeated_heads():
     kernel on the same values) and the gradients agree to bf16 rounding of the group sums."""
     import minirl.models.varlen as attn
 
-    if attn._torch_varlen() is None:
-        pytest.skip("torch.nn.attention.varlen is not available")
     torch.manual_seed(0)
     seq_lens = [100, 1, 257, 64, 33]
     n, cu = sum(seq_lens), packed_forward_kwargs(seq_lens, device="cuda")["cu_seq_lens_q"]
