@@ -1,34 +1,21 @@
-"""Where a run writes and what it resumes from (trainer.resume_mode), decided once at start.
-
-- `auto` (default): the newest complete checkpoint of the run directory, else a fresh start;
-- `resume_path`: the checkpoint trainer.resume_from_path names;
-- `disable`: a fresh start.
-A fresh start never touches a previous run's output: a run directory that already holds one is
-left as it is and the run goes to the next free `<name>-2`, `<name>-3`, ...; `auto` looks at the
-newest of these. One line says which of these happened.
-
-A resume whose checkpoint was written with different values of keys that change the math is
-refused with the keys listed (trainer.resume_ignore_config_changes = true overrides); keys that
-only change speed, memory, logging or the run's length may differ.
+"""Where a run writes and what it resumes from (trainer.resume_mode), decided once at start, and
+the config check of a resume (README.md, Resuming). A fresh start never touches a previous run's
+output: it goes to the next free `<name>-2`, `<name>-3`, ...; `auto` resumes the newest of these.
+A resume is refused when a key that changes the math differs from the checkpoint's (the keys of
+speed, memory, logging and the run's length, FREE_KEYS, may differ).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as tdist
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 only
-    import tomli as tomllib
-
 from minirl.checkpoint import store
-from minirl.config.load import flatten
+from minirl.config.load import flatten, tomllib  # tomli on Python 3.10
 from minirl.errors import UserError
 
 MODES = ("auto", "disable", "resume_path")
@@ -85,9 +72,10 @@ def plan_run(trainer_cfg, dist) -> RunPlan:
 
 
 def _plan(t) -> RunPlan:
-    run_dir = _newest_of_family(os.path.join(t.default_local_dir, t.experiment_name))
-    if t.resume_mode not in MODES:
-        raise UserError(f"trainer.resume_mode = {t.resume_mode!r}: use one of {', '.join(MODES)}")
+    assert t.resume_mode in MODES, "validation checks trainer.resume_mode"
+    base = os.path.join(t.default_local_dir, t.experiment_name)
+    family = _family(base)
+    run_dir = next((d for d in reversed(family) if os.path.isdir(d)), base)  # the newest fresh start
     if t.resume_mode == "resume_path":
         return _plan_from_path(t, run_dir)
     found = store.complete_checkpoints(run_dir)
@@ -96,15 +84,14 @@ def _plan(t) -> RunPlan:
         return RunPlan(run_dir, path, f"resuming from step {step}: {path} (trainer.resume_mode = 'auto')")
     if not _holds_output(run_dir):
         return RunPlan(run_dir, None, f"starting fresh in {run_dir} (no checkpoint to resume)")
-    fresh = _next_free(run_dir)
+    fresh = f"{base}-{len(family) + 1}"
     why = "trainer.resume_mode = 'disable'" if t.resume_mode == "disable" else "it has no complete checkpoint"
     return RunPlan(fresh, None, f"starting fresh in {fresh}: {run_dir} holds a previous run ({why}), left untouched")
 
 
 def _plan_from_path(t, run_dir: str) -> RunPlan:
     path = t.resume_from_path
-    if not path:
-        raise UserError("trainer.resume_mode = 'resume_path' needs trainer.resume_from_path: a ckpt_<step> directory")
+    assert path, "validation checks that resume_mode = 'resume_path' has a path"
     if not os.path.isdir(path):
         raise UserError(f"trainer.resume_from_path = {path!r} is not a directory; point it at a ckpt_<step> directory")
     step = int(store.verify(path)["step"])
@@ -134,33 +121,8 @@ def _family(base: str) -> list[str]:
     return members
 
 
-def _newest_of_family(base: str) -> str:
-    existing = [d for d in _family(base) if os.path.isdir(d)]
-    return existing[-1] if existing else base
-
-
-def _next_free(run_dir: str) -> str:
-    base = run_dir.rsplit("-", 1)[0] if _is_family_member(run_dir) else run_dir
-    return f"{base}-{len(_family(base)) + 1}"
-
-
-def _is_family_member(run_dir: str) -> bool:
-    head, _, tail = run_dir.rpartition("-")
-    return bool(head) and tail.isdigit() and int(tail) >= 2 and os.path.isdir(head)
-
-
-# ---------------------------------------------------------------------------------------------
-# the config a checkpoint was written with
-# ---------------------------------------------------------------------------------------------
-
-
 def check_config(
-    saved_toml: str,
-    current: dict,
-    path: str,
-    ignore: bool,
-    defaults: dict | None = None,
-    unused: tuple[str, ...] = (),
+    saved_toml: str, current: dict, path: str, ignore: bool, defaults: dict | None = None, unused: tuple[str, ...] = ()
 ) -> list[str]:
     """The math-changing differences; raises unless `ignore` (then the caller reports them).
     `defaults` and `unused`: as config_differences takes them."""
@@ -193,7 +155,6 @@ def config_differences(
         if a != b and not (_is_nan(a) and _is_nan(b)):
             diffs.append(f"{key} = {a!r} (checkpoint) vs {b!r} (now)")
     return diffs
-
 
 
 def _is_nan(x: Any) -> bool:

@@ -1,15 +1,12 @@
-"""What a full checkpoint holds, and writing and reading it on every rank.
+"""Writing and reading a full checkpoint on every rank (docs/architecture.md, Checkpoints and resume).
 
-    ckpt_<step>/
-      .metadata, __<r>_<i>.distcp actor (and critic) parameters and optimizer state: torch.distributed.checkpoint,
-                                  each rank writes its own shards (no funnel through rank 0), and a
-                                  load reshards them to the current mesh (another dp size works)
-      rng/rank<r>.pt              each rank's random streams: torch CPU (and CUDA), python, numpy
-      trainer_state.json          step, data position, LR scheduler, KL controller, ... (rank 0)
-      config.toml                 the config the checkpoint was written with (rank 0)
-      manifest.json               last: every file and its size (minirl.checkpoint.store)
-
-The trainer decides what goes into trainer_state.json; this module only moves bytes and tensors.
+ckpt_<step>/
+  .metadata, __<r>_<i>.distcp   models and optimizers (torch.distributed.checkpoint): each rank
+                                writes its own shards, a load reshards them to the current mesh
+  rng/rank<r>.pt                each rank's random streams: torch CPU (and CUDA), python, numpy
+  trainer_state.json            what the trainer puts there (rank 0)
+  config.toml                   the config the checkpoint was written with (rank 0)
+  manifest.json                 last: every file and its size (minirl.checkpoint.store)
 """
 
 from __future__ import annotations
@@ -49,17 +46,18 @@ class Checkpointable:
     optimizer: torch.optim.Optimizer
     others: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = field(default_factory=dict)
 
+    def _pairs(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
+        return {"": (self.model, self.optimizer), **{f"{k}_": v for k, v in self.others.items()}}
+
     def state_dicts(self) -> dict[str, Any]:
         """The DCP state: every model's and optimizer's (sharded) state dict by key."""
-        pairs = {"": (self.model, self.optimizer), **{f"{k}_": v for k, v in self.others.items()}}
         state = {}
-        for prefix, (model, optimizer) in pairs.items():
+        for prefix, (model, optimizer) in self._pairs().items():
             state[f"{prefix}model"], state[f"{prefix}optim"] = get_state_dict(model, optimizer)
         return state
 
     def load_state_dicts(self, state: dict[str, Any]) -> None:
-        pairs = {"": (self.model, self.optimizer), **{f"{k}_": v for k, v in self.others.items()}}
-        for prefix, (model, optimizer) in pairs.items():
+        for prefix, (model, optimizer) in self._pairs().items():
             set_state_dict(
                 model, optimizer, model_state_dict=state[f"{prefix}model"], optim_state_dict=state[f"{prefix}optim"]
             )
@@ -111,11 +109,6 @@ def read_config(path: str) -> str:
         return f.read()
 
 
-# ---------------------------------------------------------------------------------------------
-# parameters and optimizer state (torch.distributed.checkpoint)
-# ---------------------------------------------------------------------------------------------
-
-
 def _no_dist() -> bool:
     return not (tdist.is_available() and tdist.is_initialized())
 
@@ -126,18 +119,8 @@ WRITE_THREADS = int(os.environ.get("MINIRL_CKPT_WRITE_THREADS", "4"))
 
 def _dcp_save(parts: Checkpointable, path: str) -> None:
     writer = dcp.FileSystemWriter(path, thread_count=WRITE_THREADS, sync_files=True)
-    with _single_process_quiet():
+    with _quiet_dcp(reading=False):
         dcp.save(parts.state_dicts(), storage_writer=writer, no_dist=_no_dist())
-
-
-@contextlib.contextmanager
-def _dcp_logs_off():
-    """A failed DCP read logs its tracebacks before raising; the raised error is what we report."""
-    logging.disable(logging.ERROR)
-    try:
-        yield
-    finally:
-        logging.disable(logging.NOTSET)
 
 
 def _last_line(exc: BaseException) -> str:
@@ -147,18 +130,23 @@ def _last_line(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _single_process_quiet():
-    """DCP warns that it assumes one process when there is no process group: so do we."""
+def _quiet_dcp(reading: bool):
+    """DCP warns that it assumes one process when there is no process group (so do we), and a
+    failed read logs its tracebacks before raising (the raised error is what we report)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
-        yield
+        logging.disable(logging.ERROR if reading else logging.NOTSET)
+        try:
+            yield
+        finally:
+            logging.disable(logging.NOTSET)
 
 
 def _dcp_load(parts: Checkpointable, path: str) -> None:
     # the target state dicts give DCP the current sharding; it reads each rank's slices
     state = parts.state_dicts()
     try:
-        with _single_process_quiet(), _dcp_logs_off():
+        with _quiet_dcp(reading=True):
             dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
     except (Exception, CheckpointException) as exc:  # DCP's own exception is a BaseException
         raise UserError(
@@ -167,11 +155,6 @@ def _dcp_load(parts: Checkpointable, path: str) -> None:
             "from an older checkpoint"
         ) from None
     parts.load_state_dicts(state)
-
-
-# ---------------------------------------------------------------------------------------------
-# random streams
-# ---------------------------------------------------------------------------------------------
 
 
 def _rng_bytes(device: torch.device) -> bytes:

@@ -1,16 +1,10 @@
 """The checkpoints of a run directory on disk: which are complete, atomic writes, retention.
 
-Layout of `<run_dir>`:
-    ckpt_<step>/          a complete checkpoint (it only ever appears through a rename)
-      manifest.json       written last: every other file with its size
-    .tmp_ckpt_<step>/     a checkpoint being written; never read, removed at the next start
-    latest                the name of the newest complete checkpoint (informational: the scan
-                          of ckpt_* directories with a manifest decides)
-
-A write goes: temporary directory -> every file fsynced -> manifest -> rename -> fsync of the
-run directory -> `latest` replaced -> older checkpoints beyond trainer.max_ckpt_to_keep deleted.
-A process killed anywhere in that sequence leaves the previous complete checkpoint untouched.
-The run directory must be one filesystem that every rank sees (a shared one across nodes).
+A checkpoint `ckpt_<step>/` is complete when it has its manifest.json (written last, listing every
+file with its size). It only ever appears through the rename of a fully written and fsynced
+`.tmp_ckpt_<step>/`, so a process killed anywhere leaves the previous one complete. `latest` names
+the newest (informational: the scan decides). The run directory must be one filesystem that
+every rank sees (a shared one across nodes).
 """
 
 from __future__ import annotations
@@ -97,17 +91,15 @@ def publish(tmp_dir: str, run_dir: str, step: int, keep: int) -> str:
     return final
 
 
-def prune(run_dir: str, keep: int) -> list[str]:
+def prune(run_dir: str, keep: int) -> None:
     """Delete the oldest complete checkpoints so that `keep` remain (keep = 0: delete none)."""
     if keep <= 0:
-        return []
-    doomed = [path for _, path in complete_checkpoints(run_dir)[:-keep]]
-    for path in doomed:
+        return
+    for _, path in complete_checkpoints(run_dir)[:-keep]:
         # the manifest goes first: a deletion cut short leaves an incomplete directory, never a
         # checkpoint that looks complete but is missing files
         os.remove(os.path.join(path, MANIFEST))
         shutil.rmtree(path)
-    return doomed
 
 
 def verify(path: str) -> dict:

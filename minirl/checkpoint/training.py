@@ -17,13 +17,10 @@ from minirl.errors import UserError
 
 @dataclass
 class TrainingState:
-    """Everything the next step depends on besides the config.
-
-    parts: the models and optimizers (DCP shards); schedulers: LR schedulers by name ("actor",
-    "critic"); loader: the prompt loader (its data position: `drawn` batches, one per step, or
-    more with dynamic sampling);
-    kl_ctrl: the adaptive KL controller or None; guard: the non-finite step guard.
-    """
+    """Everything the next step depends on besides the config: the models and optimizers (DCP
+    shards), LR schedulers by name, the prompt loader (its data position: `drawn` batches, more
+    than one a step with dynamic sampling), the non-finite step guard, the adaptive KL controller
+    (or None) and other components' JSON-able state."""
 
     parts: ckpt_state.Checkpointable
     schedulers: dict[str, Any]

@@ -103,10 +103,10 @@ TABLE_ROWS = (
 )
 
 
-def summary_table(history: list[dict[str, float]], skip_first: bool = True, first_step: int = 1) -> str:
-    """The seed-style table: each metric's mean over steps (the first step this process ran is
+def summary_table(history: list[dict[str, float]], first_step: int = 1) -> str:
+    """The end-of-run table: each metric's mean over steps (the first step this process ran is
     warm-up); history[0] is step `first_step` (later than 1 after a resume)."""
-    rows = history[1:] if skip_first and len(history) > 1 else history
+    rows = history[1:] if len(history) > 1 else history
     lines = [f"{'metric':26s} {'value':>12s}  {'unit':10s} counts", "-" * 78]
     for label, key, unit, counts in TABLE_ROWS:
         values = [r[key] for r in rows if key in r]

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from minirl import hookimpl
 from minirl.errors import UserError
+from minirl.observe.runs.read import parse_line
 
 CONSOLE_KEYS = (
     ("score/mean", "score"),
@@ -55,10 +56,11 @@ class JsonlLogger:
 
     def resume(self, step: int) -> None:
         self.file.close()
-        kept = [line for line in _read_lines(self.path) if _line_step(line) is not None and _line_step(line) <= step]
+        with open(self.path) as f:
+            kept = [line for line in f if (record := parse_line(line)) and record["step"] <= step]
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
-            f.writelines(line + "\n" for line in kept)
+            f.writelines(line.rstrip("\n") + "\n" for line in kept)
         os.replace(tmp, self.path)
         self.file = open(self.path, "a")
 
@@ -73,21 +75,6 @@ class JsonlLogger:
 
 def _finite_or_none(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
-
-
-def _read_lines(path: str) -> list[str]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [line.rstrip("\n") for line in f if line.strip()]
-
-
-def _line_step(line: str) -> int | None:
-    """The step of a metrics line; None for a line cut short by a crash."""
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 class TensorboardLogger:

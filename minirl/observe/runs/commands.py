@@ -12,24 +12,24 @@ COMPARE_HELP = "the end-of-run table of several runs side by side, with differen
 REPORT_HELP = "PNG figures of one or more runs' curves (score, length, KL, grad norm, phase times, throughput)"
 
 
+def _parser(command: str, description: str, names: str, steps: str, steps_help: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m minirl {command}", description=description)
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (each with metrics.jsonl)")
+    p.add_argument("--names", help=f"comma-separated {names} names, one per run (default: directory names)")
+    p.add_argument("--steps", default=steps, help=f"FIRST:LAST, inclusive, either end optional ({steps_help})")
+    return p
+
+
 def compare_parser() -> argparse.ArgumentParser:
     from minirl.observe.runs.compare import RENDERERS
 
-    p = argparse.ArgumentParser(prog="python -m minirl compare", description=COMPARE_HELP)
-    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (each with metrics.jsonl)")
-    p.add_argument("--names", help="comma-separated column names, one per run (default: directory names)")
-    p.add_argument(
-        "--steps", default="2:", help="FIRST:LAST, inclusive, either end optional (default 2: step 1 is warm-up)"
-    )
+    p = _parser("compare", COMPARE_HELP, "column", "2:", "default 2: step 1 is warm-up")
     p.add_argument("--format", choices=sorted(RENDERERS), default="text")
     return p
 
 
 def report_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minirl report", description=REPORT_HELP)
-    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (each with metrics.jsonl)")
-    p.add_argument("--names", help="comma-separated legend names, one per run (default: directory names)")
-    p.add_argument("--steps", default="0:", help="FIRST:LAST, inclusive, either end optional (default: all)")
+    p = _parser("report", REPORT_HELP, "legend", "0:", "default: all")
     p.add_argument("--out", help="directory for the PNGs (default: RUN/figures for one run, ./figures for several)")
     return p
 

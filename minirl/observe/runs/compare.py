@@ -1,11 +1,9 @@
 """`python -m minirl compare RUN_A RUN_B ...`: the end-of-run table, one column per run.
 
-The rows are the end-of-run table's (minirl.observe.metrics.TABLE_ROWS) plus the train score and the last
-validation score; each cell is the run's mean over the chosen steps (by default 2 on: step 1 is
-warm-up, as in the end-of-run table). Every run after the first gets a column of its relative
-difference to the first, marked better or worse (less time is better, more throughput or score is
-better; response length is neither). A metric a run did not log is `—`. Below the table: the
-config keys whose values differ between the runs.
+Rows: the end-of-run table's (minirl.observe.metrics.TABLE_ROWS), the train score and the last
+validation score, each a run's mean over the chosen steps (default 2 on: step 1 is warm-up).
+Every later run gets its relative difference to the first, marked better or worse; a metric a
+run did not log is `—`. Below the table: the config keys whose values differ between the runs.
 """
 
 from __future__ import annotations
@@ -16,15 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from minirl.observe.metrics import TABLE_ROWS
-from minirl.observe.runs.read import Run, config_differences, mean_of, select
+from minirl.observe.runs.read import Run, config_differences, select
 
 MISSING = "—"
 # (label, key, unit, how the chosen steps become one number)
-EXTRA_ROWS = (
+ROWS = tuple((label, key, unit, "mean") for label, key, unit, _ in TABLE_ROWS) + (
     ("score", "score/mean", "", "mean"),
     ("val score", "val/score/mean", "", "last"),
 )
-ROWS = tuple((label, key, unit, "mean") for label, key, unit, _ in TABLE_ROWS) + EXTRA_ROWS
 
 
 def direction(key: str) -> int:
@@ -44,16 +41,13 @@ class Row:
     values: list[float | None]  # one per run
     changes: list[float | None]  # relative to the first run, one per later run
 
-    def verdict(self, change: float | None) -> str:
-        sign = direction(self.key) * (change or 0.0)
-        return "better" if sign > 0 else "worse" if sign < 0 else ""
-
 
 def value_of(records: list[dict[str, Any]], key: str, how: str) -> float | None:
-    if how == "last":
-        values = [r[key] for r in records if r.get(key) is not None]
-        return float(values[-1]) if values else None
-    return mean_of(records, key)
+    """The mean (or the last) of `key` over the records that logged it (not null); None if none did."""
+    values = [float(r[key]) for r in records if r.get(key) is not None]
+    if not values:
+        return None
+    return values[-1] if how == "last" else sum(values) / len(values)
 
 
 def relative(value: float | None, base: float | None) -> float | None:
@@ -96,8 +90,8 @@ def fmt(value: float | None) -> str:
 def fmt_change(row: Row, change: float | None) -> str:
     if change is None:
         return MISSING
-    verdict = row.verdict(change)
-    return f"{100 * change:+.1f}%" + (f" {verdict}" if verdict else "")
+    sign = direction(row.key) * change
+    return f"{100 * change:+.1f}%" + (" better" if sign > 0 else " worse" if sign < 0 else "")
 
 
 def fmt_config(value: Any, missing: str = MISSING) -> str:

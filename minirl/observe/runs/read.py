@@ -15,12 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 only
-    import tomli as tomllib
-
-from minirl.config.load import flatten
+from minirl.config.load import flatten, tomllib  # tomli on Python 3.10
 from minirl.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
@@ -76,7 +71,7 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            record = _parse_line(line)
+            record = parse_line(line)
             if record is None:
                 warn(f"{path} line {number}: not a whole JSON record with a 'step' (cut short?); skipped")
                 continue
@@ -84,7 +79,8 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _parse_line(line: str) -> dict[str, Any] | None:
+def parse_line(line: str) -> dict[str, Any] | None:
+    """One metrics.jsonl record; None for a line that is not one (cut short by a crash)."""
     try:
         record = json.loads(line)
     except ValueError:
@@ -107,11 +103,6 @@ def read_config(path: str) -> dict[str, Any]:
         return {}
 
 
-# ---------------------------------------------------------------------------------------------
-# choosing steps
-# ---------------------------------------------------------------------------------------------
-
-
 def parse_steps(spec: str) -> tuple[int, int | None]:
     """'2:' -> (2, None), '5:10' -> (5, 10), ':10' -> (0, 10), '7' -> (7, 7); both ends inclusive."""
     text = spec.strip()
@@ -132,12 +123,6 @@ def parse_steps(spec: str) -> tuple[int, int | None]:
 def select(records: list[dict[str, Any]], steps: tuple[int, int | None]) -> list[dict[str, Any]]:
     first, last = steps
     return [r for r in records if r["step"] >= first and (last is None or r["step"] <= last)]
-
-
-def mean_of(records: list[dict[str, Any]], key: str) -> float | None:
-    """The mean of `key` over the records that have it (null excluded); None when none has it."""
-    values = [float(r[key]) for r in records if r.get(key) is not None]
-    return sum(values) / len(values) if values else None
 
 
 def config_differences(runs: list[Run]) -> list[tuple[str, list[Any]]]:

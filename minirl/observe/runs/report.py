@@ -1,11 +1,8 @@
 """`python -m minirl report RUN [RUN ...] [--out DIR]`: PNG figures of runs' curves against step.
 
-One file per topic; several runs share each axes, one line per run, with a legend. Phase times are
-a stacked area per step, one axes per run (stacks do not overlay). A metric no run logged leaves
-its axes saying so, so every figure keeps the same layout whatever the runs logged.
-
-matplotlib is an optional extra (`pip install 'minirl[plot]'`), imported only here, and only the
-object-oriented API (Figure, no pyplot): no global state and no display backend.
+One file per topic, one line per run; phase times stack per step, one axes per run. A metric no
+run logged leaves its axes saying so, so every figure keeps its layout. matplotlib (the `plot`
+extra) is imported only here, through its object-oriented API: no pyplot state, no display.
 """
 
 from __future__ import annotations
@@ -61,12 +58,10 @@ def write_report(runs: list[Run], out_dir: str) -> list[str]:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as exc:
         raise UserError(f"--out {out_dir}: cannot create it ({exc}); choose a writable directory") from None
-    paths = []
+    paths = {name: os.path.join(out_dir, f"{name}.png") for name in figures}
     for name, fig in figures.items():
-        path = os.path.join(out_dir, f"{name}.png")
-        fig.savefig(path, dpi=DPI)
-        paths.append(path)
-    return paths
+        fig.savefig(paths[name], dpi=DPI)
+    return list(paths.values())
 
 
 def new_figure(n_axes: int):
