@@ -1,9 +1,8 @@
 """Crash injection for the resume tests: the process SIGKILLs itself at a named point.
 
-MINIRL_TEST_CRASH = "POINT:STEP[:RANK]" (comma-separated for several), with POINT one of
-`after_step` (after the step's metrics are logged) and `checkpoint` (inside the checkpoint write,
-after the parameter and optimizer shards, before the rest). Without RANK every rank dies there.
-Nothing reads the variable outside these calls; it has no effect when unset.
+MINIRL_TEST_CRASH = "POINT:STEP[:RANK]", comma-separated for several; POINT is `after_step` (its
+metrics logged) or `checkpoint` (between the parameter and optimizer shards and the rest).
+Without RANK every rank dies there; unset, nothing happens.
 """
 
 from __future__ import annotations

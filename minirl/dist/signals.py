@@ -1,11 +1,9 @@
-"""Stopping on SIGTERM / SIGINT: finish the current step, write a checkpoint, exit non-zero.
+"""Stopping on SIGTERM / SIGINT: finish the current step, write a checkpoint, exit 128 + signal.
 
-Schedulers (SLURM, Kubernetes) send SIGTERM some time before they kill; Ctrl-C sends SIGINT. The
-first signal only sets a flag; the loop looks at it after each step, all ranks agree (one tiny
-all-reduce, since a signal may reach the ranks at different moments), and the trainer saves and
-raises `Stopped`. A second signal, a second or more after the first, exits at once. A signal
-delivered twice within that second counts once: a scheduler that signals every process and our
-supervisor forwarding the same signal must not look like an impatient user.
+The first signal only sets a flag; after each step the ranks agree on it (one all-reduce: a
+signal may reach them at different moments), and the trainer saves and raises `Stopped`. A
+second signal, a second or more after the first, exits at once; one delivered twice within that
+second (by the scheduler to every process and by our forwarding) counts once.
 """
 
 from __future__ import annotations

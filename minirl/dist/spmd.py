@@ -43,13 +43,7 @@ def init_from_env(cfg, device_index: int | None = None) -> DistContext:
 
 
 def init_rank(
-    cfg,
-    rank: int,
-    world: int,
-    local_rank: int,
-    local_world: int,
-    init_method: str,
-    device_index: int | None = None,
+    cfg, rank: int, world: int, local_rank: int, local_world: int, init_method: str, device_index: int | None = None
 ) -> DistContext:
     device = resolve_device(cfg.trainer.device, local_rank if device_index is None else device_index)
     init_process_group(device, cfg.trainer.collective_timeout_s, local_world, init_method, rank, world)
@@ -67,12 +61,7 @@ def init_process_group(
     world: int = -1,
 ) -> None:
     """gloo on CPU, NCCL on CUDA (one device per local rank); collectives time out."""
-    kwargs = {
-        "timeout": datetime.timedelta(seconds=timeout_s),
-        "init_method": init_method,
-        "rank": rank,
-        "world_size": world,
-    }
+    kwargs = dict(timeout=datetime.timedelta(seconds=timeout_s), init_method=init_method, rank=rank, world_size=world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         # a timed-out NCCL collective tears the process down instead of blocking it forever

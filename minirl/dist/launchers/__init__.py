@@ -1,18 +1,23 @@
-"""Launchers: how the ranks of a job are started. Every rank then runs the same job.
+"""Launchers: how the ranks of a job are started, and how a rank's end is told to the user.
 
 A launcher is a registered component (`minirl_launchers` hook): launcher(cfg, pm, job) -> exit
-status, where job(cfg, pm, dist) is what each rank runs. Built in: `local` (this process, or one
-spawned worker per device of this machine; minirl.dist.launchers.local), `torchrun` (this process is
-one of torchrun's workers) and, as a plugin, `ray` (several nodes; minirl_plugins.launchers.ray).
-
-Every launcher ends in `minirl.dist.spmd.init_from_env`: from there on the code is the same.
+status, where job(cfg, pm, dist) is what each rank runs. Built in: `local` and `torchrun`
+(minirl.dist.launchers.local) and, as a plugin, `ray` (minirl_plugins.launchers.ray). Every
+launcher ends in `minirl.dist.spmd.init_from_env`: from there on the code is the same. A worker
+turns its exception into a `Report`, and the launcher prints the first failed rank's once.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import traceback
+from dataclasses import dataclass
+
+from minirl.errors import Stopped, UserError
 
 AUTO = "auto"
+EXIT_CRASH, EXIT_USER_ERROR = 1, 2
 
 
 def ray_address(trainer_cfg) -> str:
@@ -44,3 +49,45 @@ def launch(cfg, pm, job) -> int:
     (0, 1 for a crash, 2 for a user error, 128 + signal for a run stopped after its checkpoint)."""
     name, _ = choose(cfg.trainer)
     return pm["launchers"].get(name)(cfg, pm, job)
+
+
+@dataclass(frozen=True)
+class Report:
+    """kind: user | crash | peer (a collective that lost its peer) | died (no report: the process
+    or its node died) | stopped (a signal, after the checkpoint)."""
+
+    kind: str
+    text: str
+    exit_code: int
+
+
+def report_of(exc: BaseException) -> Report:
+    """The report of the exception a rank's job raised (inside an `except` block)."""
+    if isinstance(exc, UserError):
+        return Report("user", str(exc), EXIT_USER_ERROR)
+    if isinstance(exc, Stopped):
+        return Report("stopped", str(exc), exc.exit_code)
+    kind = "peer" if lost_peer(exc) else "crash"
+    return Report(kind, traceback.format_exc(), EXIT_CRASH)
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """A collective that failed because another rank went away: a consequence, not the cause, so
+    a launcher that sees one waits a moment for the report of the rank that caused it."""
+    import torch.distributed as tdist
+
+    text = str(exc)
+    if isinstance(exc, getattr(tdist, "DistNetworkError", ())):
+        return True
+    return "gloo" in text and ("Connection closed by peer" in text or "Connection reset by peer" in text)
+
+
+def print_report(rank: int, report: Report) -> int:
+    """Print the failed (or stopped) rank's report once; returns the job's exit status."""
+    text = {
+        "stopped": report.text,
+        "user": f"error: (rank {rank}) {report.text}",
+        "died": f"worker rank {rank} died: {report.text}; all workers stopped",
+    }.get(report.kind, f"worker rank {rank} failed; all workers stopped. Its traceback:\n{report.text}")
+    print(f"minirl: {text}", file=sys.stderr, flush=True)
+    return report.exit_code

@@ -11,7 +11,7 @@ import torch
 
 from minirl.dist import spmd
 from minirl.dist.context import DistContext, resolve_device
-from minirl.dist.launchers.report import EXIT_USER_ERROR
+from minirl.dist.launchers import EXIT_USER_ERROR
 from minirl.dist.launchers.spawn import spawn
 from minirl.errors import Stopped, UserError
 

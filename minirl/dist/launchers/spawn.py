@@ -1,9 +1,7 @@
-"""The supervisor of the local launcher: one fresh process per rank on this machine.
-
-The first worker that fails makes the supervisor stop all others (they may sit in a collective
-with it) and print its report once. Reports travel through files, not pipes, so a long
-traceback cannot block a dying worker. SIGTERM/SIGINT are forwarded to the workers, and a
-worker whose supervisor died (kill -9) exits within a second.
+"""The supervisor of the local launcher: one fresh process per rank on this machine. The first
+worker that fails makes it stop all others (they may sit in a collective with it) and print its
+report once; reports travel through files, not pipes, so a long traceback cannot block a dying
+worker. SIGTERM/SIGINT are forwarded; a worker whose supervisor died exits within a second.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from minirl.dist.launchers.report import EXIT_CRASH, Report, print_report, report_of
+from minirl.dist.launchers import EXIT_CRASH, Report, print_report, report_of
 from minirl.dist.signals import SignalHandler
 from minirl.dist.spmd import free_port
 

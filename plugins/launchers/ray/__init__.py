@@ -1,8 +1,5 @@
-"""The `ray` launcher: the same SPMD job on the nodes of a Ray cluster (docs/multinode.md).
-
-Ray is imported only when this launcher runs; without it the error names the extra to
-install. minirl_plugins.launchers.ray.driver holds the launcher, .cluster the placement
-groups, .worker the actor every rank lives in.
+"""The `ray` launcher: the same SPMD job on the nodes of a Ray cluster (docs/multinode.md). Ray is
+imported only when this launcher runs; without it the error names the extra to install.
 """
 
 from __future__ import annotations

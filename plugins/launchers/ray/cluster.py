@@ -1,9 +1,7 @@
-"""The Ray side of a job's resources: connect, reserve one placement group per node, order the
-ranks by node, find the rendezvous address, and give everything back.
-
-One STRICT_PACK placement group per node, one bundle per rank (a GPU, or a CPU worker for a CPU
-run), as verl does. Ranks are ordered by the node each group landed on (its IP, then its id), so
-the ranks of one node are contiguous and the order is stable across restarts.
+"""The Ray side of a job's resources (docs/multinode.md, What the launcher does): connect, reserve
+one STRICT_PACK placement group per node with a bundle per rank, order the ranks by node (IP,
+then id: a node's ranks are contiguous, the order stable across restarts), find the rendezvous
+address, and give everything back.
 """
 
 from __future__ import annotations
@@ -108,34 +106,28 @@ def reserve(shape: Shape, timeout_s: float) -> list:
 def seen_resources() -> str:
     """The alive nodes with their GPU/CPU totals, and what is free now, for error messages."""
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    parts = [
-        f"{n['NodeManagerAddress']} ({n['NodeID'][:8]}): {_count(n['Resources'], 'GPU')} GPU, "
-        f"{_count(n['Resources'], 'CPU')} CPU"
-        for n in nodes
-    ]
-    free = ray.available_resources()
-    free_now = f"free now {_count(free, 'GPU')} GPU, {_count(free, 'CPU')} CPU"
-    return f"{len(nodes)} alive node(s) [{'; '.join(parts)}], {free_now}"
+    parts = [_describe(f"{n['NodeManagerAddress']} ({n['NodeID'][:8]}): ", n["Resources"]) for n in nodes]
+    return f"{len(nodes)} alive node(s) [{'; '.join(parts)}], {_describe('free now ', ray.available_resources())}"
 
 
-def _count(resources: dict, key: str) -> str:
-    return f"{resources.get(key, 0):g}"
+def _describe(prefix: str, resources: dict) -> str:
+    return f"{prefix}{resources.get('GPU', 0):g} GPU, {resources.get('CPU', 0):g} CPU"
 
 
 def slots(pgs: list) -> list[Slot]:
     """Ranks in node order: the ranks of one node are contiguous, rank 0 on the first node."""
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-    bundles = []  # (node ip, node id, pg index, bundle index)
-    for i, pg in enumerate(pgs):
-        for b, node_id in sorted(placement_group_table(pg)["bundles_to_node_id"].items()):
-            bundles.append((ips.get(node_id, ""), node_id, i, b))
-    bundles.sort()
+    bundles = sorted(
+        (ips.get(node_id, ""), node_id, i, b)
+        for i, pg in enumerate(pgs)
+        for b, node_id in placement_group_table(pg)["bundles_to_node_id"].items()
+    )
     node_ids = list(dict.fromkeys(node_id for _, node_id, _, _ in bundles))
-    per_node = {n: sum(1 for _, m, _, _ in bundles if m == n) for n in node_ids}
-    out, seen = [], dict.fromkeys(node_ids, 0)
+    out = []
     for rank, (ip, node_id, i, b) in enumerate(bundles):
-        out.append(Slot(rank, node_ids.index(node_id), seen[node_id], per_node[node_id], pgs[i], b, node_id, ip))
-        seen[node_id] += 1
+        on_node = [bundle for bundle in bundles if bundle[1] == node_id]
+        local_rank = on_node.index((ip, node_id, i, b))
+        out.append(Slot(rank, node_ids.index(node_id), local_rank, len(on_node), pgs[i], b, node_id, ip))
     return out
 
 

@@ -1,10 +1,7 @@
-"""The ray launcher's driver: reserve the cluster, start one actor per rank, watch them.
-
-Failure handling is the local launcher's: the first rank that fails (its Python error, its
-user error, its actor or node dying) is reported once with its rank; every other actor is
-killed (they are stuck in a collective with it); the placement groups are removed; the exit
-status is non-zero. SIGTERM/SIGINT to the driver reach every rank as SIGTERM (each finishes its
-step and checkpoints); a second one kills them all.
+"""The ray launcher's driver (docs/multinode.md): reserve the cluster, start one actor per rank,
+watch them. The first rank that fails is reported once, every other actor is killed (they are
+stuck in a collective with it) and the placement groups are removed. SIGTERM/SIGINT to the
+driver reach every rank as SIGTERM (each finishes its step and checkpoints); a second kills all.
 """
 
 from __future__ import annotations
@@ -18,8 +15,7 @@ from dataclasses import dataclass
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from minirl.dist.launchers import ray_address
-from minirl.dist.launchers.report import EXIT_CRASH, Report, print_report
+from minirl.dist.launchers import EXIT_CRASH, Report, print_report, ray_address
 from minirl.dist.signals import SignalHandler
 from minirl.validate.core import check_world
 from minirl_plugins.launchers.ray import cluster

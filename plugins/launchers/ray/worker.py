@@ -1,9 +1,7 @@
-"""The actor one rank lives in. The launcher sets the rank's environment (RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR/PORT) in the actor's runtime_env, so it is
-there before torch starts; `run` then goes through `init_from_env` like every other launcher.
-
-A plain synchronous actor on purpose: `run` executes on the process's main thread, where the
-trainer's SIGTERM/SIGINT handler (minirl.dist.signals) can be installed.
+"""The actor one rank lives in. Its runtime_env sets torchrun's variables before torch starts, so
+`run` goes through `init_from_env` like every other launcher. A plain synchronous actor on
+purpose: `run` executes on the main thread, where the trainer's SIGTERM/SIGINT handler can be
+installed.
 """
 
 from __future__ import annotations
@@ -11,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from minirl.dist.launchers.report import Report, report_of
+from minirl.dist.launchers import Report, report_of
 
 
 class RankActor:
