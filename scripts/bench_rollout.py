@@ -23,12 +23,14 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
 from minirl.config.schema import RolloutConfig
 from minirl.protocols import EngineContext, SamplingParams
 from minirl_plugins.engines.native import build_native_engine, weights_checksum
+from minirl_plugins.engines.native.layers import paged_attention
 
 BANDWIDTH = 4.28e12
 # w3: the 32 x 8 x 1,024 training workload's generation (32 prompts x 8 samples, gsm8k prompts of
@@ -82,25 +84,68 @@ def prompts_for(batch, prompt_len, vocab, seed=0):
     return torch.randint(0, vocab, (batch, prompt_len), generator=gen).tolist()
 
 
-def run_native(engine, prompts, new_tokens, device) -> dict:
+def decode_weight_bytes(hf) -> int:
+    """Weight bytes one decode step reads: every parameter but an untied input embedding table,
+    of which it reads one row per sequence."""
+    embed = hf.get_input_embeddings().weight
+    untied = embed is not hf.get_output_embeddings().weight
+    return (sum(p.numel() for p in hf.parameters()) - embed.numel() * untied) * embed.element_size()
+
+
+@dataclass
+class StepRecord:
+    """What a step read, and device events around it."""
+
+    kind: str
+    rows: int
+    kv_tokens: int  # summed over the steps: tokens whose K and V the steps read
+    steps: int
+    start: object = None
+    end: object = None
+
+
+def record_steps(runner, records: list) -> None:
+    """Wrap the runner's prefill and decode (instance attributes over the methods; `del` them to
+    undo) so that each step appends its StepRecord."""
+    for kind in ("prefill", "decode"):
+        setattr(runner, kind, recorded(runner, kind, getattr(runner, kind), records))
+
+
+def recorded(runner, kind: str, step, records: list):
+    def run(batch, sampler):
+        seqs, k = batch.seqs, getattr(batch, "num_steps", 1)
+        # seqs' num_cached already counts the k scheduled tokens: step j reads num_cached - k + j + 1
+        kv = k * sum(s.num_cached for s in seqs) - len(seqs) * k * (k - 1) // 2 if kind == "decode" else 0
+        rec = StepRecord(kind, len(seqs), kv, k)
+        if runner.device.type == "cuda":
+            rec.start, rec.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            rec.start.record()
+        result = step(batch, sampler)
+        if rec.end is not None:
+            rec.end.record()
+        records.append(rec)
+        return result
+
+    return run
+
+
+def run_native(engine, prompts, new_tokens, device, weight_bytes) -> dict:
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
-    engine.runner.profile.records.clear()
-    engine.runner.profile.enabled = True
+    records = []
+    record_steps(engine.runner, records)
     sync(device)
     start = time.perf_counter()
     out = engine.generate(prompts, params)
     sync(device)
     wall = time.perf_counter() - start
-    engine.runner.profile.enabled = False
+    del engine.runner.prefill, engine.runner.decode
     generated = sum(len(c.token_ids) for c in out)
     assert generated == len(prompts) * new_tokens
-    return {"wall_s": wall, "tokens": generated, "tokens_per_s": generated / wall, **roofline(engine, device)}
+    res = {"wall_s": wall, "tokens": generated, "tokens_per_s": generated / wall}
+    return {**res, **roofline(engine, records, weight_bytes, device)}
 
 
-def roofline(engine, device) -> dict:
-    spec, records = engine.spec, engine.runner.profile.records
-    weight_bytes = spec.num_parameters() - spec.vocab_size * spec.hidden_size * (not spec.tie_word_embeddings)
-    weight_bytes *= engine.dtype.itemsize
+def roofline(engine, records, weight_bytes, device) -> dict:
     decode = [r for r in records if r.kind == "decode"]
     floor = sum(r.steps * weight_bytes + r.kv_tokens * engine.runner.kv_bytes_per_token for r in decode) / BANDWIDTH
     res = {
@@ -180,7 +225,7 @@ def micro(engine, device, batch, ctx, path) -> list[str]:
     pos = torch.full((batch,), ctx - 1, device=device)
     cos, sin = engine.runner.rope
     case = paged_case(spec, batch, ctx, device, dt, kv_dtype=engine.runner.kv.dtype)
-    case[3].num_splits = engine.runner._num_splits(batch)
+    case[3].num_splits = paged_attention.num_splits(batch, spec.num_kv_heads, device)
     w = layer.self_attn
     timed = {
         "qkv_proj (addmm)": lambda: torch.nn.functional.linear(x, w.qkv_weight, w.qkv_bias),
@@ -189,22 +234,9 @@ def micro(engine, device, batch, ctx, path) -> list[str]:
         "down_proj": lambda: torch.nn.functional.linear(h_mid, layer.mlp.down_proj.weight),
         "lm_head": lambda: engine.model.compute_logits(x),
         "add_rmsnorm": lambda: ops.add_rmsnorm(x, res, layer.input_layernorm.weight, 1e-6),
-        "rope_store": lambda: ops.rope_store(
-            qkv,
-            pos,
-            cos,
-            sin,
-            case[3].slot_mapping_N,
-            case[1],
-            case[2],
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_dim,
-        ),
+        "rope_store": lambda: ops.rope_store(qkv, pos, cos, sin, case[3].slot_mapping_N, *case[1:3], spec.heads),
         "silu_mul": lambda: ops.silu_mul(gu),
-        "decode_attention": lambda: ops.decode_attention(
-            case[0], case[1], case[2], case[3], spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5
-        ),
+        "decode_attention": lambda: ops.decode_attention(*case, spec.heads, spec.head_dim**-0.5),
         "sample (fused)": lambda: ops.fast_sample(logits, engine.runner.sample_params, engine.runner.sample_seed),
     }
     lines = [f"-- decode ops, batch {batch}, context {ctx} (us; graph replay; bytes = weights/KV read)"]
@@ -218,23 +250,14 @@ def micro(engine, device, batch, ctx, path) -> list[str]:
     return lines
 
 
-def paged_case(spec, batch, ctx, device, dtype, page=16, kv_dtype=None):
-    """One layer's paged KV cache (in kv_dtype, default dtype) with shuffled pages, every row at
-    `ctx` tokens."""
-    from minirl_plugins.engines.native.layers.meta import StepMeta
-
-    pages_per_row = -(-ctx // page)
-    table = (torch.randperm(batch * pages_per_row, device=device) + 1).view(batch, pages_per_row).to(torch.int32)
-    shape = ((batch * pages_per_row + 1) * page, spec.num_kv_heads, spec.head_dim)
-    kc = torch.randn(shape, device=device, dtype=dtype).to(kv_dtype or dtype)
-    vc = torch.randn(shape, device=device, dtype=dtype).to(kv_dtype or dtype)
-    qkv = torch.randn(batch, spec.q_size + 2 * spec.kv_size, device=device, dtype=dtype)
-    lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
-    slots = table[:, -1].long() * page + (ctx - 1) % page
-    meta = StepMeta(
-        False, slots, None, rows_B=torch.arange(batch, device=device), ctx_lens_B=lens, page_table=table, page_size=page
-    )
-    return qkv, kc, vc, meta
+def paged_case(spec, batch, ctx, device, dtype, kv_dtype):
+    """One layer's paged KV cache with shuffled pages (random_paged_case), every row at `ctx`
+    tokens and writing its last token's slot."""
+    case = paged_attention.random_paged_case(device, dtype, batch, spec.heads, max_len=ctx, kv_dtype=kv_dtype)
+    meta = case[3]
+    meta.ctx_lens_B.fill_(ctx)
+    meta.slot_mapping_N = meta.page_table[:, -1].long() * meta.page_size + (ctx - 1) % meta.page_size
+    return case
 
 
 LAUNCHES = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 3))  # block_n, warps, stages
@@ -256,12 +279,10 @@ def sweep_attention(engine, device, path, shapes=((128, 512), (512, 1280))) -> l
     """Decode attention launch settings against KV bytes read, at (batch, context) shapes."""
     import triton.testing
 
-    from minirl_plugins.engines.native.layers import ops_triton
-
     spec, kv_dtype = engine.spec, engine.runner.kv.dtype
     lines = ["-- decode attention sweep: batch ctx splits block_n warps stages min_chunk [f16] -> us, TB/s"]
     best = {}
-    heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
+    heads = (spec.heads, spec.head_dim**-0.5)
     for batch, ctx in shapes:
         case = paged_case(spec, batch, ctx, device, engine.dtype, kv_dtype=kv_dtype)
         kv_bytes = 2 * batch * ctx * spec.num_kv_heads * spec.head_dim * kv_dtype.itemsize
@@ -269,7 +290,7 @@ def sweep_attention(engine, device, path, shapes=((128, 512), (512, 1280))) -> l
             cfg = dict(setting)
             case[3].num_splits = cfg.pop("splits")
             try:
-                fn = lambda case=case, cfg=cfg: ops_triton.decode_attention(*case, *heads, config=cfg)  # noqa: E731
+                fn = lambda case=case, cfg=cfg: paged_attention.decode_attention_triton(*case, *heads, config=cfg)
                 fn()
                 us = triton.testing.do_bench_cudagraph(fn) * 1e3
             except Exception as exc:  # a config that does not compile (resources)
@@ -372,12 +393,13 @@ def main() -> int:
         traceback.print_exc()
         print(f"diagnostics failed: {exc}", flush=True)
     results["weights"] = weight_load(engine, hf, device)
+    weight_bytes = decode_weight_bytes(hf)
     print("ops:", engine.ops.chosen, "| weights:", results["weights"], flush=True)
     for name in args.workloads.split(","):
         batch, prompt_len, new = WORKLOADS[name]
         prompts = prompts_for(batch, prompt_len, config.vocab_size)
-        run_native(engine, prompts, 4, device)  # warm-up: compiles kernels, captures this batch's graph
-        res = {"native": run_native(engine, prompts, new, device)}
+        run_native(engine, prompts, 4, device, weight_bytes)  # warm-up: compiles kernels, captures this batch's graph
+        res = {"native": run_native(engine, prompts, new, device, weight_bytes)}
         print(name, "native", res["native"], flush=True)
         if name in args.hf.split(","):
             hf_new = min(new, args.hf_max_new_tokens) if name == "w2" else new

@@ -1,13 +1,11 @@
-"""Runs prefill and decode steps on the device: KV cache, device-side sequence state, CUDA graphs.
+"""Runs prefill and decode steps on the device: the KV cache, device-side row state, CUDA graphs.
 
-Decode reads everything per-row from device state indexed by the sequence's row: its length
-(`seq_lens`), its last sampled token (`last_tok`) and its page-table row. The host only sends the
-batch's row ids and the few new page-table entries, so no step waits for a token to be read
-back: a decode batch runs k steps back to back (pages for all k allocated up front), and the
-engine reads each batch's tokens while the next one runs. The decode step - forward, logits and,
-with the fused sampler, sampling - is captured in a CUDA graph per batch bucket on first use
-(padded rows point at a scratch row whose page is page 0), and re-captured after
-release_memory().
+Decode reads each row's state on the device (its length `seq_lens`, last token `last_tok`, its
+page-table row), so the host sends only row ids and new page-table entries and no step waits for
+a read-back: a decode batch runs k steps back to back (pages for all k allocated up front), and
+the engine reads its tokens while the next batch runs. The decode step (forward, logits and,
+with the fused sampler, sampling) is captured in a CUDA graph per batch bucket on first use
+(padded rows point at a scratch row whose page is page 0), and again after release().
 
 Shape legend: B decode rows, N packed prefill tokens, S prefilled sequences, V vocabulary.
 """
@@ -17,7 +15,7 @@ from __future__ import annotations
 import bisect
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,43 +24,36 @@ from minirl_plugins.engines.native.config import EngineConfig
 from minirl_plugins.engines.native.engine.block_manager import cdiv
 from minirl_plugins.engines.native.engine.sampler import SamplerState
 from minirl_plugins.engines.native.engine.scheduler import DecodeBatch, PrefillBatch
-from minirl_plugins.engines.native.layers.meta import StepMeta, multiprocessors
+from minirl_plugins.engines.native.layers.meta import StepMeta
 from minirl_plugins.engines.native.layers.ops import Ops
+from minirl_plugins.engines.native.layers.paged_attention import num_splits
 from minirl_plugins.engines.native.layers.rotary import cos_sin_cache, inv_frequencies
 from minirl_plugins.engines.native.models.decoder import DecoderLM
 
 
 @dataclass
 class StepResult:
-    """Sampled tokens of one step, on their way to the host."""
+    """Sampled tokens and log-probs [rows, steps] of one step, on their way to the host."""
 
     seqs: list
     tokens: torch.Tensor
     logprobs: torch.Tensor
     event: torch.cuda.Event | None = None
 
+    @classmethod
+    def copy_to_host(cls, seqs, tokens, logprobs) -> "StepResult":
+        """Start the copies without waiting (into pinned memory from CUDA); a copy even on the
+        CPU, since the next batch reuses the output buffers."""
+        host = [x.to("cpu", non_blocking=True, copy=True) for x in (tokens, logprobs)]
+        event = torch.cuda.Event() if tokens.is_cuda else None
+        if event is not None:
+            event.record()
+        return cls(seqs, *host, event)
+
     def fetch(self) -> tuple[list[list[int]], list[list[float]]]:
         if self.event is not None:
             self.event.synchronize()
         return self.tokens.tolist(), self.logprobs.tolist()
-
-
-@dataclass
-class StepRecord:
-    """For the benchmark: what a step read, and device events around it."""
-
-    kind: str
-    rows: int
-    kv_tokens: int  # summed over the steps: tokens whose K and V the steps read
-    steps: int = 1
-    start: object = None
-    end: object = None
-
-
-@dataclass
-class Profile:
-    records: list[StepRecord] = field(default_factory=list)
-    enabled: bool = False
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -73,9 +64,8 @@ def graph_buckets(max_bs: int) -> list[int]:
 class ModelRunner:
     def __init__(self, model: DecoderLM, cfg: EngineConfig, ops: Ops, device, dtype):
         self.model, self.cfg, self.ops, self.device, self.dtype = model, cfg, ops, device, dtype
+        self.spec = spec = model.spec
         self.kv_dtype = cfg.kv_cache_dtype or dtype
-        spec = model.spec
-        self.spec = spec
         self.rope = cos_sin_cache(inv_frequencies(spec.rope, spec.head_dim), cfg.max_model_len, device)
         self.page = cfg.page_size
         self.dummy_row = cfg.max_num_seqs  # padded graph rows use it; its page is page 0
@@ -98,7 +88,6 @@ class ModelRunner:
         self.out_step = torch.zeros((), dtype=torch.int64, device=device)
         self.arange = torch.arange(self.row_ids.numel(), device=device)
         self.pool = None
-        self.profile = Profile()
         self.capture_stats = {"graph_captures": 0, "graph_capture_s": 0.0}  # cumulative
 
     # ---------------------------------------------------------------------------- memory
@@ -118,44 +107,22 @@ class ModelRunner:
         return max(2, min(int(budget) // (self.kv_bytes_per_token * self.page), self.useful_pages()))
 
     def useful_pages(self) -> int:
-        """Pages that the rows in flight can use at most: every row at max_model_len plus the one
-        free page per running row that the scheduler keeps back when it admits a prompt, and the
-        scratch page. Rows in flight are max_num_seqs, or fewer when one generate call never asks
-        for more (max_batch_rows): a batch of 256 rows of 2,048 tokens fills 15 GB of a 1.5B
-        model's cache, not the 60 GB that half of an H200 would give it. A larger call (validation
-        over a big set) then runs in waves."""
+        """Pages the rows in flight can use at most: each row at max_model_len, the free page per
+        running row the scheduler keeps back, the scratch page. Rows are max_batch_rows when one
+        call asks for no more (docs/architecture.md: 15 GB used of a 60 GB budget otherwise)."""
         rows = min(self.cfg.max_num_seqs, self.cfg.max_batch_rows or self.cfg.max_num_seqs)
         return rows * (cdiv(self.cfg.max_model_len, self.page) + 1) + 1
 
-    def allocate_kv(self) -> None:
-        if self.kv is not None:
-            return
-        if not self.num_pages:
-            self.num_pages = self.plan_num_pages()
+    def new_kv(self, num_slots: int) -> torch.Tensor:
+        """A zeroed KV cache [2, layers, num_slots, KV heads, head dim]."""
         s = self.spec
-        self.kv = torch.zeros(
-            2,
-            s.num_layers,
-            self.num_pages * self.page,
-            s.num_kv_heads,
-            s.head_dim,
-            dtype=self.kv_dtype,
-            device=self.device,
-        )
+        shape = (2, s.num_layers, num_slots, s.num_kv_heads, s.head_dim)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
-    @torch.inference_mode()
-    def full_logits(self, tokens: list[int]) -> torch.Tensor:
-        """logits_TV of every position of one sequence, through the prefill path (tests, scoring).
-
-        Uses a scratch KV buffer, so the engine's cache and state are untouched.
-        """
-        s, n = self.spec, len(tokens)
-        kv = torch.zeros(2, s.num_layers, n, s.num_kv_heads, s.head_dim, dtype=self.kv_dtype, device=self.device)
-        pos = torch.arange(n, device=self.device)
-        cu = torch.tensor([0, n], dtype=torch.int32, device=self.device)
-        meta = StepMeta(True, pos, kv, cu_seqlens_S1=cu, max_seqlen=n)
-        h = self.model(torch.tensor(tokens, device=self.device), pos, meta, self.rope)
-        return self.model.compute_logits(h)
+    def allocate_kv(self) -> None:
+        if self.kv is None:
+            self.num_pages = self.num_pages or self.plan_num_pages()
+            self.kv = self.new_kv(self.num_pages * self.page)
 
     def release(self) -> None:
         """Drop the KV cache and the graphs (they point into it) and return the memory."""
@@ -166,6 +133,16 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
+    @torch.inference_mode()
+    def full_logits(self, tokens: list[int]) -> torch.Tensor:
+        """logits_TV of every position of one sequence through the prefill path, over a scratch
+        KV cache: the engine's cache and state are untouched."""
+        n = len(tokens)
+        pos = torch.arange(n, device=self.device)
+        cu = torch.tensor([0, n], dtype=torch.int32, device=self.device)
+        meta = StepMeta(True, pos, self.new_kv(n), cu_seqlens_S1=cu, max_seqlen=n)
+        return self.model.compute_logits(self.model(torch.tensor(tokens, device=self.device), pos, meta, self.rope))
+
     def new_sampler(self, params, seed: int) -> SamplerState:
         return SamplerState(params, seed, self.device, self.ops.fast_sample, (self.sample_params, self.sample_seed))
 
@@ -174,11 +151,10 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, batch: PrefillBatch, sampler: SamplerState) -> StepResult:
         host = self._prefill_inputs(batch)
-        dev = {k: self._upload(v) for k, v in host.items() if isinstance(v, np.ndarray)}
-        rows = dev["rows"]
-        self.page_table[rows, : host["table"].shape[1]] = dev["table"]
-        record = self._start("prefill", len(host["ids"]))
-        meta = StepMeta(True, dev["slots"], self.kv, cu_seqlens_S1=dev["cu"], max_seqlen=max(host["lens"]))
+        dev = {k: self._upload(v) for k, v in host.items()}
+        rows, max_seqlen = dev["rows"], int(np.diff(host["cu"]).max())
+        self.page_table[rows, : dev["table"].shape[1]] = dev["table"]
+        meta = StepMeta(True, dev["slots"], self.kv, cu_seqlens_S1=dev["cu"], max_seqlen=max_seqlen)
         h = self.model(dev["ids"], dev["positions"], meta, self.rope)
         logits = self.model.compute_logits(h[dev["last"]])
         if batch.copies:
@@ -186,45 +162,32 @@ class ModelRunner:
         tokens, logprobs = sampler.sample(logits[dev["sample_rows"]])
         self.last_tok[rows] = tokens
         self.seq_lens[rows] = dev["seq_lens"]
-        self._end(record)
-        return self._result(batch.seqs, tokens[:, None], logprobs[:, None])
+        return StepResult.copy_to_host(batch.seqs, tokens[:, None], logprobs[:, None])
 
-    def _prefill_inputs(self, batch: PrefillBatch) -> dict:
-        ids, positions, slots, lens, rows, seq_lens, sample_rows, tables = [], [], [], [], [], [], [], []
-        for g, group in enumerate(batch.groups):
-            tokens = group.tokens
-            pos = np.arange(len(tokens))
-            pages = np.asarray(group.seqs[0].pages, dtype=np.int64)
-            ids.append(np.asarray(tokens, dtype=np.int64))
-            positions.append(pos)
-            slots.append(pages[pos // self.page] * self.page + pos % self.page)
-            lens.append(len(tokens))
-            for seq in group.seqs:
-                rows.append(seq.row)
-                seq_lens.append(len(tokens))
-                sample_rows.append(g)
-                tables.append(seq.pages)
-        width = max(len(t) for t in tables)
-        table = np.zeros((len(tables), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
+    def _prefill_inputs(self, batch: PrefillBatch) -> dict[str, np.ndarray]:
+        """Packed ids, positions and KV slots of the groups' tokens; per sequence its row, length,
+        page-table row and the group whose last logits it samples from."""
+        groups, seqs = batch.groups, batch.seqs
+        lens = np.array([len(g.tokens) for g in groups])
+        per_group = [len(g.seqs) for g in groups]
+        positions = np.concatenate([np.arange(n) for n in lens])
+        pages = np.concatenate([np.asarray(g.seqs[0].pages)[np.arange(n) // self.page] for g, n in zip(groups, lens)])
+        width = max(len(s.pages) for s in seqs)
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         return dict(
-            ids=np.concatenate(ids),
-            positions=np.concatenate(positions),
-            slots=np.concatenate(slots),
+            ids=np.concatenate([np.asarray(g.tokens, dtype=np.int64) for g in groups]),
+            positions=positions,
+            slots=pages * self.page + positions % self.page,
             cu=cu,
             last=cu[1:].astype(np.int64) - 1,
-            rows=np.asarray(rows, dtype=np.int64),
-            seq_lens=np.asarray(seq_lens, dtype=np.int32),
-            sample_rows=np.asarray(sample_rows, dtype=np.int64),
-            table=table,
-            lens=lens,
+            rows=np.array([s.row for s in seqs], dtype=np.int64),
+            seq_lens=np.repeat(lens.astype(np.int32), per_group),
+            sample_rows=np.repeat(np.arange(len(groups)), per_group),
+            table=np.array([s.pages + [0] * (width - len(s.pages)) for s in seqs], dtype=np.int32),
         )
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        s = self.spec
-        pages = self.kv.view(2, s.num_layers, self.num_pages, self.page, s.num_kv_heads, s.head_dim)
+        pages = self.kv.unflatten(2, (self.num_pages, self.page))
         src, dst = (self._upload(np.asarray(c, dtype=np.int64)) for c in zip(*copies))
         pages[:, :, dst] = pages[:, :, src]
 
@@ -235,15 +198,11 @@ class ModelRunner:
         if batch.page_updates:
             r, c, p = (self._upload(np.asarray(x, dtype=np.int64)) for x in zip(*batch.page_updates))
             self.page_table[r, c] = p.to(torch.int32)
-        rows = np.fromiter((s.row for s in batch.seqs), dtype=np.int64, count=n)
-        record = self._start("decode", n, batch.seqs, k)
         bucket = self._bucket(n)
         width = bucket or n
-        if bucket:
-            padded = np.full(bucket, self.dummy_row, dtype=np.int64)
-            padded[:n] = rows
-            rows = padded
-        self._upload_into(self.row_ids[:width], rows)
+        rows = np.full(width, self.dummy_row, dtype=np.int64)
+        rows[:n] = [s.row for s in batch.seqs]
+        self.row_ids[:width].copy_(self._host(rows), non_blocking=True)
         if sampler.fused is not None:
             self.out_step.zero_()
             for _ in range(k):
@@ -253,29 +212,13 @@ class ModelRunner:
         else:
             steps = [self._sample_step(n, width, bucket, sampler) for _ in range(k)]
             tokens, logprobs = (torch.stack(x, dim=1) for x in zip(*steps))
-        self._end(record)
-        return self._result(batch.seqs, tokens, logprobs)
+        return StepResult.copy_to_host(batch.seqs, tokens, logprobs)
 
     def _sample_step(self, n, width, bucket, sampler):
         logits = self._run_step(width, bucket, fused=False)[:n]
         tokens, logprobs = sampler.sample(logits)
         self.last_tok[self.row_ids[:n]] = tokens
         return tokens, logprobs
-
-    def _run_step(self, width: int, bucket: int | None, fused: bool):
-        if bucket is None:
-            return self._decode_forward(width, fused)
-        key = (bucket, fused)
-        if key not in self.graphs:
-            try:
-                self._capture(key)
-            except Exception as exc:  # a capture failure costs speed, not the rollout
-                warnings.warn(f"native engine: CUDA graph capture failed ({exc}); decoding eagerly")
-                self.use_graphs = False
-                return self._decode_forward(width, fused)
-        graph, logits = self.graphs[key]
-        graph.replay()
-        return logits
 
     def _decode_forward(self, n: int, fused: bool) -> torch.Tensor | None:
         """One decode step for rows row_ids[:n], all inputs read from device state (graphable).
@@ -295,7 +238,7 @@ class ModelRunner:
             ctx_lens_B=ctx,
             page_table=self.page_table,
             page_size=self.page,
-            num_splits=self._num_splits(n),
+            num_splits=num_splits(n, self.spec.num_kv_heads, self.device),
         )
         h = self.model(self.last_tok[rows], pos, meta, self.rope)
         self.seq_lens[rows] = ctx
@@ -311,23 +254,27 @@ class ModelRunner:
         self.out_step += 1
         return None
 
-    def _num_splits(self, n: int) -> int:
-        """Split-K factor of decode attention: one program per row and KV head once those fill
-        the GPU's multiprocessors (the fastest in the sweep), more for small batches."""
-        if self.device.type != "cuda":
-            return 1
-        programs = n * self.spec.num_kv_heads
-        sms = multiprocessors(self.device)
-        if programs >= sms:
-            return 1
-        return min(16, 1 << (cdiv(2 * sms, programs) - 1).bit_length())
-
     # ---------------------------------------------------------------------------- graphs
 
     def _bucket(self, n: int) -> int | None:
         if not self.use_graphs or n > self.buckets[-1]:
             return None
         return self.buckets[bisect.bisect_left(self.buckets, n)]
+
+    def _run_step(self, width: int, bucket: int | None, fused: bool):
+        if bucket is None:
+            return self._decode_forward(width, fused)
+        key = (bucket, fused)
+        if key not in self.graphs:
+            try:
+                self._capture(key)
+            except Exception as exc:  # a capture failure costs speed, not the rollout
+                warnings.warn(f"native engine: CUDA graph capture failed ({exc}); decoding eagerly")
+                self.use_graphs = False
+                return self._decode_forward(width, fused)
+        graph, logits = self.graphs[key]
+        graph.replay()
+        return logits
 
     def _capture(self, key: tuple[int, bool]) -> None:
         bucket, fused = key
@@ -349,43 +296,12 @@ class ModelRunner:
                 t.copy_(old)
             self.capture_stats["graph_capture_s"] += time.perf_counter() - start
 
-    # ---------------------------------------------------------------------------- helpers
+    # ---------------------------------------------------------------------------- host to device
+
+    def _host(self, array: np.ndarray) -> torch.Tensor:
+        """array as a tensor, pinned when bound for CUDA, so that the copy does not wait."""
+        t = torch.from_numpy(np.ascontiguousarray(array))
+        return t.pin_memory() if self.device.type == "cuda" else t
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
-
-    def _upload_into(self, dst: torch.Tensor, array: np.ndarray) -> None:
-        t = torch.from_numpy(array)
-        dst.copy_(t.pin_memory() if self.device.type == "cuda" else t, non_blocking=True)
-
-    def _result(self, seqs, tokens, logprobs) -> StepResult:
-        """tokens/logprobs [rows, steps] on their way to pinned host memory."""
-        if self.device.type != "cuda":  # copies: the next batch reuses the output buffers
-            return StepResult(seqs, tokens.clone(), logprobs.clone())
-        tokens, logprobs = tokens.contiguous(), logprobs.contiguous()
-        host_t = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host_l = torch.empty(logprobs.shape, dtype=torch.float32, pin_memory=True)
-        host_t.copy_(tokens, non_blocking=True)
-        host_l.copy_(logprobs, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return StepResult(seqs, host_t, host_l, event)
-
-    def _start(self, kind: str, rows: int, seqs=None, steps: int = 1) -> StepRecord | None:
-        if not self.profile.enabled:
-            return None
-        # seqs' num_cached already counts the k scheduled tokens: step j reads num_cached - k + j + 1
-        kv = steps * sum(s.num_cached for s in seqs) - rows * steps * (steps - 1) // 2 if seqs else 0
-        rec = StepRecord(kind, rows, kv, steps)
-        if self.device.type == "cuda":
-            rec.start, rec.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            rec.start.record()
-        self.profile.records.append(rec)
-        return rec
-
-    def _end(self, rec: StepRecord | None) -> None:
-        if rec is not None and rec.end is not None:
-            rec.end.record()
+        return self._host(array).to(self.device, non_blocking=True)

@@ -1,4 +1,5 @@
-"""What one forward step needs to know besides the tokens: where the KV goes and comes from.
+"""What the ops are told besides the tokens: the attention heads' shape, and where one step's
+keys and values go and come from.
 
 Shape legend: N packed tokens, B decode rows, S sequences of a prefill, L layers, K KV slots,
 Hk KV heads, D head dim.
@@ -6,17 +7,18 @@ Hk KV heads, D head dim.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 
-@functools.cache
-def multiprocessors(device: torch.device) -> int:
-    """The CUDA device's multiprocessor count, read once: decode launch settings depend on it and
-    are chosen on every decode step."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
+class Heads(NamedTuple):
+    """The attention heads of a layer: H query heads, Hk KV heads, D head dim."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
 
 
 @dataclass

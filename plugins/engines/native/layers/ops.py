@@ -1,11 +1,8 @@
 """Picks the implementation of each op: a fast one on CUDA when it passes its self-check, else torch.
 
-Each op family has its module (norm, activation, rotary, attention, paged_attention, sampling)
-holding the torch reference, the fast implementation and the op's check. On CUDA every fast
-implementation is first run next to the reference on small random inputs
-(minirl.kernels.selfcheck); one that fails to build or disagrees is skipped with a warning and
-the reference kept, so a broken kernel costs speed, never correctness. Elsewhere the references
-run.
+On CUDA each fast implementation first runs next to its torch reference on small random inputs
+(minirl.kernels.selfcheck); one that fails to build or disagrees is skipped with a warning, so a
+broken kernel costs speed, never correctness. Elsewhere the references run.
 """
 
 from __future__ import annotations

@@ -12,17 +12,20 @@ Shape legend: B decode rows, H query heads, Hk KV heads, D head dim, T context t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from minirl.kernels.selfcheck import expect_near
 from minirl_plugins.engines.native.layers.jit import jit, tl, triton
-from minirl_plugins.engines.native.layers.meta import StepMeta, multiprocessors
+from minirl_plugins.engines.native.layers.meta import Heads, StepMeta
 
 
-def decode_attention(qkv, k_cache, v_cache, meta: StepMeta, heads, kv_heads, head_dim, scale):
+def decode_attention(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale: float):
     """One query per row over its cached keys: gather the rows' pages, mask, SDPA."""
-    q = qkv[:, : heads * head_dim].view(-1, heads, 1, head_dim)
+    h, hk, d = heads
+    q = qkv[:, : h * d].view(-1, h, 1, d)
     max_ctx = meta.max_ctx or int(meta.ctx_lens_B.max())
     pos_T = torch.arange(max_ctx, device=qkv.device)
     pages_BT = meta.page_table[meta.rows_B][:, pos_T // meta.page_size].long()
@@ -30,23 +33,37 @@ def decode_attention(qkv, k_cache, v_cache, meta: StepMeta, heads, kv_heads, hea
     k = k_cache[slots_BT].to(q.dtype).transpose(1, 2)  # B Hk T D
     v = v_cache[slots_BT].to(q.dtype).transpose(1, 2)
     mask = (pos_T[None, :] < meta.ctx_lens_B[:, None])[:, None, None, :]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
-    return o.reshape(-1, heads * head_dim)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=h != hk)
+    return o.reshape(-1, h * d)
 
 
-# Decode attention launch settings. SPLITS (the most programs per row and KV head) is fixed
-# per CUDA-graph bucket by the runner; a row uses fewer when its context is short (min_chunk
-# tokens per split at least), since each split costs a partial write and a merge.
-# Chosen by a sweep on an H200 (scripts/bench_rollout.py --sweep-attention): one split
-# whenever batch x KV heads fills the SMs; the block size by decode_block_n.
-# fp8_f16: an fp8 cache's keys and values are upcast to float16 (one native conversion on Hopper)
-# and the dots run in float16, instead of upcasting to the queries' bfloat16.
+# Launch settings, from a sweep on an H200 (scripts/bench_rollout.py --sweep-attention). A row
+# uses fewer splits than the step's when its context is short (min_chunk tokens per split at
+# least): each split costs a partial write and a merge. fp8_f16: an fp8 cache's keys and values
+# are upcast to float16 (one native conversion on Hopper) and the dots run in float16.
 DECODE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "min_chunk": 256, "fp8_f16": False}
-# An fp8 cache: float16 dots over 32-key blocks in three stages were the fastest setting at both
-# shapes swept on an H200, where the bf16 cache's settings (decode_block_n) were slow. Batch 256 x
-# context 600: 40.5 us against 62.0 (a bf16 cache: 42.4); 64 x 14,000, 4 splits: 210.5 against
-# 315.5 (a bf16 cache: 217.8). Either way an 8-bit cache is read at about half the bandwidth.
+# An fp8 cache: float16 dots over 32-key blocks in three stages, the fastest at both swept shapes,
+# where the bf16 cache's settings were slow. Batch 256 x context 600: 40.5 us against 62.0 (a bf16
+# cache: 42.4); 64 x 14,000, 4 splits: 210.5 against 315.5 (bf16: 217.8). Either way an 8-bit
+# cache is read at about half the bandwidth.
 FP8_DECODE_CONFIG = {"block_n": 32, "num_stages": 3, "fp8_f16": True}
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The CUDA device's multiprocessor count, read once: every decode step's launch depends on it."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(rows: int, kv_heads: int, device: torch.device) -> int:
+    """Programs per row and KV head (split-K, at most 16), fixed per CUDA-graph bucket: one once
+    rows x KV heads fill the multiprocessors (the fastest in the sweep), more for small batches."""
+    if device.type != "cuda":
+        return 1
+    programs, sms = rows * kv_heads, multiprocessors(device)
+    if programs >= sms:
+        return 1
+    return min(16, 1 << ((2 * sms + programs - 1) // programs - 1).bit_length())
 
 
 def decode_block_n(programs: int, device: torch.device) -> int:
@@ -153,11 +170,10 @@ def _merge_kernel(
     tl.store(o_ptr + b * stride_o + h * D + d, out.to(o_ptr.dtype.element_ty))
 
 
-def decode_attention_triton(qkv, k_cache, v_cache, meta: StepMeta, heads, kv_heads, head_dim, scale, config=None):
+def decode_attention_triton(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale: float, config=None):
     """decode_attention in split-K Triton kernels; `config` overrides launch settings (the sweep)."""
-    b = qkv.shape[0]
+    b, (heads, kv_heads, head_dim), splits = qkv.shape[0], heads, meta.num_splits
     group = heads // kv_heads
-    splits = meta.num_splits
     fp8 = k_cache.dtype.itemsize == 1
     launch = FP8_DECODE_CONFIG if fp8 else {"block_n": decode_block_n(b * kv_heads * splits, qkv.device)}
     cfg = {**DECODE_CONFIG, **launch, **(config or {})}
@@ -202,8 +218,13 @@ def decode_attention_triton(qkv, k_cache, v_cache, meta: StepMeta, heads, kv_hea
     return out
 
 
-def random_paged_case(device, dtype, b=5, h=12, hk=2, d=128, page=16, max_len=300, kv_dtype=None):
-    """A random paged KV cache with shuffled pages; returns (qkv, k_cache, v_cache, meta)."""
+CHECK_HEADS = Heads(12, 2, 128)  # a Qwen2-1.5B layer's
+
+
+def random_paged_case(device, dtype, b=5, heads=CHECK_HEADS, page=16, max_len=300, kv_dtype=None):
+    """A random paged KV cache with shuffled pages, row 0 at max_len tokens and the others
+    shorter; returns (qkv, k_cache, v_cache, meta)."""
+    h, hk, d = heads
     lens = torch.randint(1, max_len, (b,))
     lens[0] = max_len
     max_pages = -(-max_len // page)
@@ -234,6 +255,6 @@ def check_decode_attention(fn, device, dtype, kv_dtype=None) -> None:
     for splits, config in configs:
         qkv, kc, vc, meta = random_paged_case(device, dtype, kv_dtype=kv_dtype)
         meta.num_splits = splits
-        got = fn(qkv, kc, vc, meta, 12, 2, 128, 128**-0.5, **({"config": config} if config else {}))
-        ref = decode_attention(qkv, kc, vc, meta, 12, 2, 128, 128**-0.5)
+        got = fn(qkv, kc, vc, meta, CHECK_HEADS, 128**-0.5, **({"config": config} if config else {}))
+        ref = decode_attention(qkv, kc, vc, meta, CHECK_HEADS, 128**-0.5)
         expect_near(got, ref, dtype, f"decode_attention splits={splits}")

@@ -17,6 +17,7 @@ from minirl.errors import UserError
 from minirl.kernels.selfcheck import expect_near
 from minirl_plugins.engines.native.layers.attention import split_qkv
 from minirl_plugins.engines.native.layers.jit import jit, tl
+from minirl_plugins.engines.native.layers.meta import Heads
 from minirl_plugins.engines.native.layers.norm import rmsnorm
 
 
@@ -69,22 +70,10 @@ def _rotate(x, cos, sin):
 
 
 def rope_store(
-    qkv,
-    positions,
-    cos,
-    sin,
-    slot_mapping,
-    k_cache,
-    v_cache,
-    heads,
-    kv_heads,
-    head_dim,
-    q_norm=None,
-    k_norm=None,
-    eps=1e-6,
+    qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, heads: Heads, q_norm=None, k_norm=None, eps=1e-6
 ):
     """In place on qkv [N, (H + 2Hk)·D]: (q/k norm,) rotary on q and k; k and v written to the cache."""
-    q, k, v = split_qkv(qkv, heads, kv_heads, head_dim)  # views: rotated in place
+    q, k, v = split_qkv(qkv, heads)  # views: rotated in place
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     for x, norm in ((q, q_norm), (k, k_norm)):
         x.copy_(_rotate(x if norm is None else rmsnorm(x, norm, eps), c, s))
@@ -174,20 +163,9 @@ def _to_cache(x, kv_t: tl.constexpr, KV_MAX: tl.constexpr):
 
 
 def rope_store_triton(
-    qkv,
-    positions,
-    cos,
-    sin,
-    slot_mapping,
-    k_cache,
-    v_cache,
-    heads,
-    kv_heads,
-    head_dim,
-    q_norm=None,
-    k_norm=None,
-    eps=1e-6,
+    qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, heads: Heads, q_norm=None, k_norm=None, eps=1e-6
 ):
+    heads, kv_heads, head_dim = heads
     assert head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0, "head_dim/2 must be a power of 2"
     norm = q_norm is not None
     _rope_store_kernel[(qkv.shape[0], heads + kv_heads)](
@@ -226,7 +204,7 @@ def check_rope_store(fn, device, dtype, kv_dtype=None) -> None:
         for f in (fn, rope_store):
             buf, kc = qkv.clone(), torch.zeros(slots, hk, d, device=device, dtype=kv_dtype or dtype)
             vc = torch.zeros_like(kc)
-            f(buf, pos, ang.cos(), ang.sin(), slot, kc, vc, h, hk, d, qw, kw, 1e-6)
+            f(buf, pos, ang.cos(), ang.sin(), slot, kc, vc, Heads(h, hk, d), qw, kw, 1e-6)
             outs.append((buf, kc, vc))
         for got, ref in zip(outs[0], outs[1]):
             expect_near(got, ref, dtype, "rope_store")

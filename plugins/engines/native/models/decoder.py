@@ -60,28 +60,15 @@ class Attention(nn.Module):
         self.scale = spec.head_dim**-0.5
 
     def forward(self, x_NE, positions_N, meta: StepMeta, rope: tuple[torch.Tensor, torch.Tensor]):
-        s, ops = self.spec, self.ops
+        s, ops, heads = self.spec, self.ops, self.spec.heads
         qkv = F.linear(x_NE, self.qkv_weight, self.qkv_bias)
         k_cache, v_cache = meta.kv_cache[0, self.layer], meta.kv_cache[1, self.layer]
         norms = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
-        ops.rope_store(
-            qkv,
-            positions_N,
-            *rope,
-            meta.slot_mapping_N,
-            k_cache,
-            v_cache,
-            s.num_heads,
-            s.num_kv_heads,
-            s.head_dim,
-            *norms,
-            s.rms_norm_eps,
-        )
-        args = (s.num_heads, s.num_kv_heads, s.head_dim, self.scale)
+        ops.rope_store(qkv, positions_N, *rope, meta.slot_mapping_N, k_cache, v_cache, heads, *norms, s.rms_norm_eps)
         if meta.is_prefill:
-            o = ops.prefill_attention(qkv, meta, *args)
+            o = ops.prefill_attention(qkv, meta, heads, self.scale)
         else:
-            o = ops.decode_attention(qkv, k_cache, v_cache, meta, *args)
+            o = ops.decode_attention(qkv, k_cache, v_cache, meta, heads, self.scale)
         return F.linear(o, self.o_proj.weight, self.o_proj.bias)
 
 

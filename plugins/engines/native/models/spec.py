@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+from minirl_plugins.engines.native.layers.meta import Heads
 from minirl_plugins.engines.native.layers.rotary import rope_parameters
 
 FAMILIES = ("qwen2", "llama", "qwen3")
@@ -41,6 +42,10 @@ class ModelSpec:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def heads(self) -> Heads:
+        return Heads(self.num_heads, self.num_kv_heads, self.head_dim)
 
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelSpec":
@@ -75,18 +80,3 @@ class ModelSpec:
             rope=rope_parameters(cfg),
             initializer_range=getattr(cfg, "initializer_range", 0.02),
         )
-
-    def num_parameters(self) -> int:
-        return sum(p for _, p in self.parameter_shapes())
-
-    def parameter_shapes(self):
-        """(name, numel) of every parameter, tied ones once."""
-        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
-        yield "model.embed_tokens.weight", self.vocab_size * h
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-        per_layer += (q + 2 * kv) * self.qkv_bias + h * self.o_bias + (2 * i + h) * self.mlp_bias
-        per_layer += 2 * self.head_dim * self.qk_norm
-        yield "model.layers.*", per_layer * self.num_layers
-        yield "model.norm.weight", h
-        if not self.tie_word_embeddings:
-            yield "lm_head.weight", self.vocab_size * h
