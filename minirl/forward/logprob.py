@@ -6,12 +6,11 @@ softmax for backward. `chunked_logprobs` applies the head to a chunk of position
 with `recompute=True`, wraps each chunk in activation checkpointing so backward recomputes that
 chunk's logits instead of keeping them: the peak is a few chunk × V float32 tensors.
 
-All log-probs are of temperature-scaled logits (logits / rollout temperature, docs/algorithms.md),
-computed in float32 whatever the model dtype. A chunk's statistics come from plain PyTorch
-(`_chunk_stats`: the reference, and the CPU path) or from the fused Triton kernels
-(minirl/kernels/logprob.py: no float32 [n, V] tensor), chosen on CUDA when they pass a check
-against the plain path. MINIRL_LOGPROB_IMPL = auto | fused | plain (read at import; or set
-`logprob.IMPL`, or pass impl=) forces either.
+All log-probs are of logits / rollout temperature (docs/algorithms.md), in float32 whatever the
+model dtype. A chunk's statistics come from plain PyTorch (`_chunk_stats`, the reference and the
+CPU path) or from the fused Triton kernels (minirl/kernels/logprob.py: no float32 [n, V] tensor),
+used on CUDA when they pass a check against the plain path. MINIRL_LOGPROB_IMPL = auto | fused |
+plain (read at import; or set `logprob.IMPL`, or pass impl=) forces either.
 
 Shape legend: N packed token positions, V vocabulary, H hidden size.
 """
@@ -28,10 +27,9 @@ from torch.utils.checkpoint import checkpoint
 
 from minirl.kernels.selfcheck import expect_close, self_check
 
-# Positions per output-projection chunk (chunk_size=None). With gradients each chunk's logits are
-# recomputed in the backward, so the chunk bounds the memory the loss holds; the plain path keeps
-# float32 copies of a chunk (2,048 × 151,936 × 4 B = 1.2 GB each). Without gradients on the fused
-# kernels a chunk's logits live only in the head's dtype while its statistics are taken, and
+# Positions per output-projection chunk (chunk_size=None). With gradients the chunk bounds the
+# memory the loss holds (the plain path keeps float32 copies of it: 2,048 × 151,936 × 4 B = 1.2 GB
+# each). Without gradients on the fused kernels a chunk's logits live only in the head's dtype, and
 # longer chunks run the head's GEMM a little faster (8,192 × 151,936 bf16 = 2.5 GB;
 # docs/benchmarks-history.md).
 CHUNK, CHUNK_FUSED_NO_GRAD = 2048, 8192
@@ -110,10 +108,9 @@ def chunked_logprobs(
 
     head: hidden_chunk [n, H] -> logits_chunk [n, V] (an nn.Linear lm_head or a lambda); its
     parameters receive gradients through the closure.
-    recompute=True: each chunk runs under torch.utils.checkpoint (use_reentrant=False), so
-    backward recomputes its logits; only the hidden chunk is kept. recompute=False keeps every
-    chunk's float32 intermediates (as much memory as the unchunked form: small vocabularies only).
-    Under torch.no_grad checkpointing is skipped, it saves nothing.
+    recompute=True: with gradients, each chunk runs under torch.utils.checkpoint, so backward
+    recomputes its logits and keeps only the hidden chunk; False keeps every chunk's float32
+    intermediates (as much memory as the unchunked form).
     chunk_size: positions per chunk; None: CHUNK_FUSED_NO_GRAD on the fused path without
     gradients, else CHUNK.
     impl: "auto", "fused", "plain", or None for the module's IMPL (module docstring).
@@ -129,17 +126,13 @@ def chunked_logprobs(
         chunk_size = CHUNK_FUSED_NO_GRAD if fused and not torch.is_grad_enabled() else CHUNK
     if chunk_size < 1:
         raise ValueError(f"chunk_size = {chunk_size}: must be >= 1 positions")
-    use_checkpoint = recompute and torch.is_grad_enabled()
     stats = _chunk_stats_fused if fused else _chunk_stats
+    if recompute and torch.is_grad_enabled():
+        stats = functools.partial(checkpoint, stats, use_reentrant=False)
     logps, entropies = [], []
     for start in range(0, hidden_NH.shape[0], chunk_size):
-        h_nH = hidden_NH[start : start + chunk_size]
-        y_n = labels_N[start : start + chunk_size]
-        args = (h_nH, y_n, head, temperature, with_entropy)
-        if use_checkpoint:
-            logp_n, ent_n = checkpoint(stats, *args, use_reentrant=False)
-        else:
-            logp_n, ent_n = stats(*args)
+        end = start + chunk_size
+        logp_n, ent_n = stats(hidden_NH[start:end], labels_N[start:end], head, temperature, with_entropy)
         logps.append(logp_n)
         entropies.append(ent_n)
     if not logps:  # zero positions: keep the dtype/device contract

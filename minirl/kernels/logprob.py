@@ -26,8 +26,8 @@ computed from z and the saved row statistics: p_j = exp((s_j − m) − ld), s_j
 autograd's backward of the plain path's `.float()` casts it), and the head's gradients then come
 from cuBLAS through autograd (grad_h = grad_z W, grad_W += grad_zᵀ h).
 
-A label outside [0, V) gives a NaN log-prob instead of reading out of bounds. Logits / T must be
-finite and above −1e30 (the running max's start).
+A label outside [0, V) gives a NaN log-prob instead of reading out of bounds; logits / T must be
+finite and above −1e30 (the running max's start, see the forward kernel).
 """
 
 from __future__ import annotations

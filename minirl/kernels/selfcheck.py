@@ -1,12 +1,9 @@
 """The check a kernel passes before it is installed: one run on the device next to its torch reference.
 
-A kernel that cannot build or run there (triton missing or broken, no compiler for the device,
-tiles that do not fit the GPU's shared memory) or whose outputs are not within tolerance of the
-reference's is not used: its caller warns, naming what turns the kernel on, and keeps the torch
-path, so a broken kernel costs speed, never correctness. Users: the fused log-prob head
-(minirl.forward.logprob), the fused MLP (minirl.models.fused_mlp) and the native rollout engine's
-Triton ops (plugins/engines/native/layers/ops.py). Each caches the verdict as its use needs: per
-device, once per process, or once per engine.
+A kernel that cannot build or run there (triton broken, tiles too large for the GPU's shared
+memory) or that is off its reference is not used: its caller warns, naming what turns the kernel
+on, and keeps the torch path, so a broken kernel costs speed, never correctness. Users: the fused
+log-prob head, the fused MLP and the native rollout engine's Triton ops.
 """
 
 from __future__ import annotations
@@ -23,10 +20,8 @@ class Mismatch(AssertionError):
 def self_check(check: Callable[[], None], device: torch.device | str, failed: str = "failed") -> str | None:
     """Run `check` (the kernel and its reference on small inputs, compared with expect_close or
     expect_near) and say why the kernel cannot be used, or None when it can: the Mismatch's
-    message, or f"{failed} (ErrorType: message)" for anything the kernel raised.
-
-    The check runs with gradients on, outside inference mode and autocast, so the verdict is the
-    same whatever mode the first caller is in.
+    message, or f"{failed} (ErrorType: message)" for anything the kernel raised. It runs with
+    gradients on, outside inference mode and autocast: the verdict is the same in any caller's mode.
     """
     device_type = torch.device(device).type
     try:

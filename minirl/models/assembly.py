@@ -79,10 +79,8 @@ def hf_name(name: str) -> str:
 
 
 def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, full tensor) one parameter at a time, never the whole model at once.
-
-    A sharded parameter (DTensor) is gathered just for the moment its copy is made.
-    """
+    """(Hugging Face name, full tensor) one parameter at a time, never the whole model at once: a
+    sharded parameter (DTensor) is gathered just for the moment its copy is made."""
     for name, param in model.named_parameters():
         tensor = param.detach()
         if hasattr(tensor, "full_tensor"):

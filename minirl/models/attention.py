@@ -70,12 +70,9 @@ def packed_forward_kwargs(
 
 
 def register_attention() -> None:
-    """Register "minirl" with transformers' attention and mask interfaces (idempotent).
-
-    The mask function keeps transformers from materialising a dense [B, 1, Q, L] mask: packed
-    rows need none, and padded batches (generate) get only the 2-D padding mask, which the
-    attention function turns into an SDPA mask itself.
-    """
+    """Register "minirl" with transformers' attention and mask interfaces (idempotent). The mask
+    function keeps transformers from materialising a dense [B, 1, Q, L] mask: packed rows need
+    none, and padded batches (generate) get the 2-D padding mask, made an SDPA mask here."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -141,11 +138,8 @@ def _call_core(core, q_NHD, k_NKD, v_NKD, cu_S1, max_len, scaling):
 
 def set_varlen_core(model: torch.nn.Module, core: Callable) -> int:
     """Make `model`'s attention layers call `core` instead of `varlen_attention`; returns how many.
-
-    This is how sequence parallelism plugs in: Ulysses wraps `varlen_attention` (all-to-all from
-    sequence shards to head shards, attend, all-to-all back) and installs the wrapper on one model,
-    the actor, without touching the global registration other models share.
-    """
+    Sequence parallelism installs its wrapper of `varlen_attention` (all-to-alls around it) this
+    way on one model, the actor, leaving the registration other models share as it is."""
     layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no *Attention modules to give a varlen core")

@@ -51,10 +51,8 @@ def uncompile_layers(model: torch.nn.Module) -> None:
     """Undo compile_layers (eager forwards again): for a copy that runs another kind of forward,
     e.g. the hf engine's generate with a KV cache."""
     for layer in _layers(model):
-        layer.__dict__.pop("forward", None)
-        attn = getattr(layer, "self_attn", None)
-        if attn is not None:
-            attn.__dict__.pop("forward", None)
+        for module in (layer, getattr(layer, "self_attn", layer)):  # the layer, its seq-major rotary
+            module.__dict__.pop("forward", None)
 
 
 def seq_major_rotary(attn: torch.nn.Module | None) -> bool:

@@ -5,12 +5,10 @@ reads them back to multiply them; one Triton kernel (minirl/kernels/fused_mlp.py
 silu(g)·u. It rounds as eager bf16 does, so it differs from the unfused forward only where the
 GEMMs' float32 sums, taken in another order, round differently: on the 1.5B shape at M = 28,000
 none did (dev/bench_mlp.py; docs/benchmarks-history.md). Gradient-free forwards only (log-prob
-and value passes): the backward needs g and u, which the kernel never writes. The design at
-length: docs/architecture.md.
-
-Activation checkpointing: minirl's (non-reentrant) runs the forward and its recomputation with
-gradients on, both unfused; a reentrant one would take the kernel in the forward and the unfused
-path when it recomputes, which could differ in a rounding.
+and value passes): the backward needs g and u, which the kernel never writes. So a checkpointed
+forward and its recomputation must both run with gradients, as minirl's non-reentrant
+checkpointing does; a reentrant one would recompute unfused what it first ran fused. The design
+at length: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import torch
 from minirl.kernels.selfcheck import expect_close, self_check
 
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WARPS, STAGES = 128, 128, 64, 16, 8, 3
-_OP = "minirl::gate_up_silu"
 
 
 def fuse_mlps(model: torch.nn.Module, enabled: bool, key: str = "model.fused_mlp") -> int:
@@ -78,16 +75,13 @@ def _check_kernel(device: torch.device) -> None:
 
 
 def _is_silu_gated(mlp) -> bool:
-    projections = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    linear = all(isinstance(p, torch.nn.Linear) and p.bias is None for p in projections)
-    return linear and isinstance(getattr(mlp, "act_fn", None), _silu_classes())
-
-
-def _silu_classes() -> tuple[type, ...]:
-    """torch's SiLU and transformers' (ACT2FN["silu"] is its own class since transformers 5)."""
     from transformers import activations
 
-    return tuple(c for c in (torch.nn.SiLU, getattr(activations, "SiLUActivation", None)) if c is not None)
+    projections = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    linear = all(isinstance(p, torch.nn.Linear) and p.bias is None for p in projections)
+    # ACT2FN["silu"] is transformers' own class since transformers 5, torch's before
+    silu = (torch.nn.SiLU, getattr(activations, "SiLUActivation", torch.nn.SiLU))
+    return linear and isinstance(getattr(mlp, "act_fn", None), silu)
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +110,7 @@ def kernel_applies(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> bool:
     )
 
 
-@torch.library.custom_op(_OP, mutates_args=())
+@torch.library.custom_op("minirl::gate_up_silu", mutates_args=())
 def gate_up_silu(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> torch.Tensor:
     """silu(x Wgᵀ) · (x Wuᵀ) for x [M, K], Wg and Wu [I, K], all bf16 on the GPU: [M, I]."""
     from minirl.kernels.fused_mlp import launch

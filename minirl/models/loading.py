@@ -1,11 +1,10 @@
 """Build the policy model and its tokenizer from the `model` config section.
 
 `load_model(model_cfg, device, dtype)` loads a local Hugging Face directory (model.path) or builds
-a preset with random weights seeded by model.seed. The files and values the config names were
-checked up front (minirl.validate); what only the real load shows (a checkpoint that does not
-load, a tokenizer larger than the vocabulary) is checked here. Random presets are built on the
-meta device and initialised once on the target device, so a 1.5B model takes seconds on a GPU
-instead of the minutes of a CPU construction followed by a copy.
+a preset with random weights seeded by model.seed. The config's files and values were checked up
+front (minirl.validate); what only the load shows (a checkpoint that does not load, a tokenizer
+larger than the vocabulary) is checked here. Random presets are built on the meta device and
+initialised once on the target device: seconds for a 1.5B model on a GPU, not minutes on the CPU.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from minirl.models.tokenizers import BYTE_EOS_ID, BYTE_VOCAB_SIZE, byte_tokenize
 
 @dataclass(frozen=True)
 class Preset:
-    config: Callable[[], PretrainedConfig]  # a fresh config on every call
+    config: Callable[..., PretrainedConfig]  # (**overrides) -> a fresh config
     tokenizer: Callable[[], object]
 
 
@@ -40,19 +40,19 @@ TINY_SHAPE = dict(
 )
 
 
-def _tiny() -> PretrainedConfig:
+def _tiny(**overrides) -> PretrainedConfig:
     """Qwen2 shape in miniature (untied like R1-Distill-1.5B)."""
     family = dict(rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False)
-    return Qwen2Config(**TINY_SHAPE, **family)
+    return Qwen2Config(**{**TINY_SHAPE, **family, **overrides})
 
 
-def _qwen3_tiny() -> PretrainedConfig:
+def _qwen3_tiny(**overrides) -> PretrainedConfig:
     """Qwen3 in miniature: q/k RMSNorm, no qkv bias, head_dim 32 != 64/4, tied embeddings."""
     family = dict(head_dim=32, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
-    return Qwen3Config(**TINY_SHAPE, **family, use_sliding_window=False)
+    return Qwen3Config(**{**TINY_SHAPE, **family, "use_sliding_window": False, **overrides})
 
 
-def _llama3_tiny() -> PretrainedConfig:
+def _llama3_tiny(**overrides) -> PretrainedConfig:
     """Llama 3.2 in miniature: tied embeddings and the "llama3" frequency-scaled RoPE."""
     rope = dict(
         rope_type="llama3",
@@ -63,10 +63,10 @@ def _llama3_tiny() -> PretrainedConfig:
         original_max_position_embeddings=256,
     )
     family = dict(rope_parameters=rope, rms_norm_eps=1e-5, tie_word_embeddings=True)
-    return LlamaConfig(**TINY_SHAPE, **family, attention_bias=False, mlp_bias=False)
+    return LlamaConfig(**{**TINY_SHAPE, **family, "attention_bias": False, "mlp_bias": False, **overrides})
 
 
-def _qwen2_1_5b() -> PretrainedConfig:
+def _qwen2_1_5b(**overrides) -> PretrainedConfig:
     """DeepSeek-R1-Distill-Qwen-1.5B's config.json, key for key (bos in config.json is 151643;
     its tokenizer and generation_config.json use <｜begin▁of▁sentence｜> = 151646)."""
     return Qwen2Config(
@@ -90,6 +90,7 @@ def _qwen2_1_5b() -> PretrainedConfig:
         use_cache=True,
         bos_token_id=151643,
         eos_token_id=151643,
+        **overrides,
     )
 
 
@@ -101,10 +102,10 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def preset_config(name: str) -> PretrainedConfig:
-    """A fresh transformers config of the named preset (callers may mutate it). model.preset is
-    one of PRESETS' names: checked up front (minirl.validate.files)."""
-    return PRESETS[name].config()
+def preset_config(name: str, **overrides) -> PretrainedConfig:
+    """A fresh transformers config of the named preset, with `overrides` in place of its values
+    (the engine tests' smaller shapes). model.preset is checked up front (minirl.validate.files)."""
+    return PRESETS[name].config(**overrides)
 
 
 def preset_tokenizer(name: str):

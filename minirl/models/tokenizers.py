@@ -21,10 +21,6 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from minirl.errors import UserError
 
-# ---------------------------------------------------------------------------------------------
-# the byte tokenizer
-# ---------------------------------------------------------------------------------------------
-
 BYTE_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256, 257, 258
 BYTE_VOCAB_SIZE = 256 + len(BYTE_SPECIAL_TOKENS)
 BYTE_EOS_ID = 256  # <|endoftext|>, also the pad token

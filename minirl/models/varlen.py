@@ -35,7 +35,8 @@ def varlen_attention(
     name = backend or _pick_backend(q)
     if name not in _BACKENDS:
         raise ValueError(f"unknown varlen attention backend {name!r}; choose one of {sorted(_BACKENDS)}")
-    return _BACKENDS[name](q, k, v, cu_seqlens, max_seqlen, scale)
+    cu_S1 = cu_seqlens.to(device=q.device, dtype=torch.int32)  # what the kernels take
+    return _BACKENDS[name](q, k, v, cu_S1, max_seqlen, scale)
 
 
 def _pick_backend(q: torch.Tensor) -> str:
@@ -44,19 +45,17 @@ def _pick_backend(q: torch.Tensor) -> str:
     return "sdpa"
 
 
-def _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scale):
+def _flash_varlen(q, k, v, cu, max_seqlen, scale):
     fn = _flash_attn_varlen()
     if fn is None:
         raise ValueError("varlen backend 'flash_attn' needs the flash-attn package: pip install 'minirl[flash-attn]'")
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     # flash-attn handles GQA natively (K divides H), so keys and values are not repeated.
     return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=True)
 
 
-def _torch_varlen_attn(q, k, v, cu_seqlens, max_seqlen, scale):
+def _torch_varlen_attn(q, k, v, cu, max_seqlen, scale):
     fn = _torch_varlen()
     kwargs: dict = {"scale": scale, "window_size": (-1, 0)}  # (-1, 0): causal
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in inspect.signature(fn).parameters:
             kwargs["enable_gqa"] = True
