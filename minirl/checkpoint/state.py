@@ -94,14 +94,7 @@ def load(path: str, parts: Checkpointable, dist: DistContext) -> dict:
 
 
 def read_trainer_state(path: str) -> dict:
-    file = os.path.join(path, TRAINER_STATE)
-    try:
-        with open(file) as f:
-            state = json.load(f)
-        int(state["step"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"checkpoint file {file} is unreadable ({exc}); resume from an older checkpoint") from None
-    return state
+    return store.read_json(os.path.join(path, TRAINER_STATE))
 
 
 def read_config(path: str) -> str:

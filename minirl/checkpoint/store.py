@@ -102,6 +102,20 @@ def prune(run_dir: str, keep: int) -> None:
         shutil.rmtree(path)
 
 
+def read_json(file: str, tables: tuple[str, ...] = ()) -> dict:
+    """A checkpoint's JSON file: its integer "step" and `tables` (objects) are there, else a
+    UserError names the file."""
+    try:
+        with open(file) as f:
+            data = json.load(f)
+        int(data["step"])
+        for key in tables:
+            dict(data[key])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"checkpoint file {file} is unreadable ({exc}); resume from an older checkpoint") from None
+    return data
+
+
 def verify(path: str) -> dict:
     """The manifest of a complete checkpoint, after checking that every file is there in full."""
     manifest_path = os.path.join(path, MANIFEST)
@@ -110,16 +124,8 @@ def verify(path: str) -> dict:
             f"{path} is not a complete checkpoint (no {MANIFEST}: it was never finished or was "
             "copied partially); pick another ckpt_<step> directory for trainer.resume_from_path"
         )
-    try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-        files = dict(manifest["files"])
-        int(manifest["step"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise UserError(
-            f"checkpoint file {manifest_path} is corrupt ({exc}); resume from an older checkpoint"
-        ) from None
-    for rel, size in files.items():
+    manifest = read_json(manifest_path, tables=("files",))
+    for rel, size in dict(manifest["files"]).items():
         full = os.path.join(path, rel)
         if not os.path.isfile(full):
             raise UserError(f"checkpoint file {full} is missing; resume from an older checkpoint or restore the file")

@@ -1,7 +1,5 @@
-"""Metric loggers: console, jsonl (metrics.jsonl in the run directory), tensorboard, wandb.
-
-tensorboard and wandb are optional extras, imported only when selected.
-"""
+"""Metric loggers: console, jsonl (metrics.jsonl in the run directory), and tensorboard and wandb
+(optional extras, imported only when selected)."""
 
 from __future__ import annotations
 
@@ -34,7 +32,7 @@ class ConsoleLogger:
     """One short line per step; the full set goes to the other loggers."""
 
     def __init__(self, trainer_cfg, run_dir: str):
-        self.total = trainer_cfg.total_training_steps
+        pass  # nothing to open
 
     def log(self, metrics: dict, step: int) -> None:
         parts = [f"{short}={metrics[key]:.4g}" for key, short in CONSOLE_KEYS if key in metrics]

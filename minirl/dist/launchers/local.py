@@ -16,21 +16,14 @@ from minirl.dist.launchers.spawn import spawn
 from minirl.errors import Stopped, UserError
 
 
-def job_world(cfg) -> int:
-    """The number of worker processes the config asks for on this machine (validated: one node,
-    no more GPUs than the machine has)."""
-    t = cfg.trainer
-    assert t.nnodes == 1, "the local launcher starts one machine's processes"
-    if resolve_device(t.device).type != "cuda":
-        return t.world_size
-    assert t.n_gpus_per_node <= torch.cuda.device_count(), "more GPUs asked for than this machine has"
-    return t.n_gpus_per_node
-
-
 def launch_local(cfg, pm, job) -> int:
     """One worker per device (trainer.n_gpus_per_node on CUDA, trainer.world_size on CPU),
     supervised; one device runs in this process."""
-    world = job_world(cfg)
+    t = cfg.trainer
+    cuda = resolve_device(t.device).type == "cuda"
+    world = t.n_gpus_per_node if cuda else t.world_size
+    # validation refuses several nodes and more GPUs than this machine has
+    assert t.nnodes == 1 and (not cuda or world <= torch.cuda.device_count())
     if world > 1:
         return spawn(_job_entry, world, (cfg, job))
     return run_in_place(cfg, pm, job, lambda: spmd.single_process(cfg))

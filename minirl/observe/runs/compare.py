@@ -72,15 +72,10 @@ def steps_note(runs: list[Run], steps: tuple[int, int | None]) -> str:
     first, last = steps
     span = f"{first}..{'last' if last is None else last}"
     counts = ", ".join(f"{run.name}: {len([r for r in select(run.records, steps) if r['step'] > 0])}" for run in runs)
-    notes = [f"{run.name} {run.status()}" for run in runs if run.status().startswith("stopped")]
+    notes = [f"{run.name} {stopped}" for run in runs if (stopped := run.stopped_short())]
     return f"mean over steps {span} (training steps per run: {counts}); val score: the last in that range" + (
         "; " + "; ".join(notes) if notes else ""
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# rendering
-# ---------------------------------------------------------------------------------------------
 
 
 def fmt(value: float | None) -> str:

@@ -36,16 +36,13 @@ class Run:
         pairs = [(r["step"], r[key]) for r in self.records if r.get(key) is not None]
         return [s for s, _ in pairs], [float(v) for _, v in pairs]
 
-    @property
-    def last_step(self) -> int:
-        return self.records[-1]["step"] if self.records else 0
-
-    def status(self) -> str:
-        """How far the run got; says so when it stopped short of trainer.total_training_steps."""
+    def stopped_short(self) -> str | None:
+        """How far the run got, when that is short of trainer.total_training_steps."""
         total = self.config.get("trainer.total_training_steps")
-        if isinstance(total, int) and self.last_step < total:
-            return f"stopped at step {self.last_step} of {total} (still running, or crashed)"
-        return f"{self.last_step} steps"
+        last = self.records[-1]["step"] if self.records else 0
+        if isinstance(total, int) and last < total:
+            return f"stopped at step {last} of {total} (still running, or crashed)"
+        return None
 
 
 def warn(text: str) -> None:
