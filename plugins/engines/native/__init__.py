@@ -1,14 +1,11 @@
 """minirl's native rollout engine, registered as rollout engine `native`.
 
-Pure PyTorch, with Triton kernels on GPU: paged KV cache sized from a memory fraction,
-continuous batching, varlen prefill shared by the n samples of a prompt, CUDA-graph decode,
-device-side sampling with log-probs, in-place weight loads. Layout after nano-vllm:
-
-    engine/   sequence, block_manager (pages), scheduler, sampler, model_runner (graphs), engine
-    layers/   one module per op (norm, activation, rotary, attention, paged_attention, sampling),
-              each its torch reference beside its Triton kernel; ops (choice after a self-check)
-    models/   spec (family switches), decoder (Qwen2 / Llama 3 / Qwen3)
-    weights   in-place loads by Hugging Face name, weights_checksum
+Pure PyTorch with Triton kernels on GPU: a paged KV cache sized from a memory fraction, continuous
+batching, one varlen prefill shared by a prompt's n samples, CUDA-graph decode, device-side
+sampling with log-probs, in-place weight loads. Laid out after nano-vllm: engine/ (sequence,
+block_manager, scheduler, sampler, model_runner, engine), layers/ (one module per op, its torch
+reference beside its Triton kernel; ops chooses), models/ (spec, decoder), weights (loads by
+Hugging Face name, weights_checksum).
 """
 
 from __future__ import annotations

@@ -10,9 +10,12 @@ checkpoint), seed (of random weights).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+
+ROLLOUT_KEYS = ("max_num_seqs", "gpu_memory_utilization", "enforce_eager")  # and kv_cache_dtype; the rest: ctx.extra
 
 # rollout.kv_cache_dtype: "auto" keeps the engine's dtype; fp8 stores keys and values with scale 1,
 # clamped to the format's largest finite value
@@ -42,23 +45,19 @@ class EngineConfig:
 
     @classmethod
     def resolve(cls, rollout_cfg, ctx) -> "EngineConfig":
+        """Each field from rollout_cfg (ROLLOUT_KEYS; None: defaults) or ctx.extra, as its default's type."""
         extra = dict(ctx.extra or {})
         max_pos = getattr(ctx.model_config, "max_position_embeddings", 32768)
-        cfg = cls(
-            max_num_seqs=int(getattr(rollout_cfg, "max_num_seqs", 1024)),
-            max_model_len=int(extra.get("max_model_len", min(max_pos, 32768))),
-            max_batch_rows=int(extra.get("max_batch_rows", 0)),
-            max_num_batched_tokens=int(extra.get("max_num_batched_tokens", 16384)),
-            page_size=int(extra.get("page_size", 16)),
-            gpu_memory_utilization=float(getattr(rollout_cfg, "gpu_memory_utilization", 0.5)),
-            enforce_eager=bool(getattr(rollout_cfg, "enforce_eager", False)),
-            num_kv_pages=int(extra.get("num_kv_pages", 0)),
-            cpu_kv_cache_bytes=int(extra.get("cpu_kv_cache_bytes", 64 << 20)),
-            max_graph_batch=int(extra.get("max_graph_batch", 512)),
-            use_triton=bool(extra.get("use_triton", True)),
-            decode_steps=int(extra.get("decode_steps", 8 if str(ctx.device).startswith("cuda") else 1)),
-            kv_cache_dtype=kv_cache_dtype(getattr(rollout_cfg, "kv_cache_dtype", "auto")),
-        )
+        on_cuda = str(ctx.device).startswith("cuda")
+        defaults = {"max_model_len": min(max_pos, 32768), "decode_steps": 8 if on_cuda else 1}
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "kv_cache_dtype":  # a name to look up, below
+                continue
+            default = defaults.get(f.name, f.default)
+            value = getattr(rollout_cfg, f.name, default) if f.name in ROLLOUT_KEYS else extra.get(f.name, default)
+            values[f.name] = type(f.default)(value)
+        cfg = cls(**values, kv_cache_dtype=kv_cache_dtype(getattr(rollout_cfg, "kv_cache_dtype", "auto")))
         cfg.validate()
         return cfg
 

@@ -15,17 +15,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
-# wrappers that FSDP, torch.compile and activation checkpointing put in front of names
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+from minirl.models.assembly import hf_name
+
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MASK64 = (1 << 64) - 1
-
-
-def canonical_name(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -39,7 +33,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     params = dict(model.named_parameters(remove_duplicate=False))
     unknown, count = [], 0
     for name, tensor in weights:
-        name = canonical_name(name)
+        name = hf_name(name)
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         param = params.get(name)
@@ -92,7 +86,7 @@ def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: t
     device; names (wrapper prefixes removed) fix the order, so swapped tensors are caught too.
     """
     total = 0
-    items = sorted((canonical_name(n), t) for n, t in named_tensors)
+    items = sorted((hf_name(n), t) for n, t in named_tensors)
     items = [(n, t) for n, t in items if not n.endswith(_IGNORED_SUFFIXES)]
     for i, (_name, tensor) in enumerate(items):
         total = (total + (i + 1) * _tensor_checksum(full_tensor(tensor).detach(), dtype)) & _MASK64

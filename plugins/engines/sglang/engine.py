@@ -10,12 +10,12 @@ entirely the stop_token_ids each request sends (sampling.py).
 from __future__ import annotations
 
 import shutil
-import socket
 import tempfile
 from typing import Iterable
 
 import torch
 
+from minirl.dist.spmd import free_port
 from minirl.errors import UserError
 from minirl.protocols import Completion, EngineContext, SamplingParams
 from minirl_plugins.engines.sglang.api import SGLangAPI
@@ -99,7 +99,7 @@ def server_kwargs(rollout_cfg, ctx: EngineContext, api: SGLangAPI, model_dir: st
         "tp_size": 1,
         "base_gpu_id": device.index or 0,
         "random_seed": int(ctx.extra.get("seed", 0)),
-        "port": free_port(),
+        "port": free_port(),  # each rank's engine needs its own: fixed ports collide
         "nccl_port": free_port(),
         "log_level": "error",
         "disable_cuda_graph": bool(getattr(rollout_cfg, "enforce_eager", False)),
@@ -135,10 +135,3 @@ def write_model_dir(model_config) -> str:
     path = tempfile.mkdtemp(prefix="minirl-sglang-")
     config.save_pretrained(path)
     return path
-
-
-def free_port() -> int:
-    """A port free right now (each rank's engine needs its own; fixed ports collide)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -1,19 +1,14 @@
 """Our SamplingParams to SGLang's sampling_params dict, and SGLang's outputs to Completions.
 
-The translation, exactly:
-- temperature 0 is a greedy request: SGLang turns temperature < 1e-6 into top_k = 1 and returns
-  log_softmax of the raw logits, which is what our protocol calls greedy log-probs.
-- top_k <= 0 ("disabled" here) is -1 there: SGLang rejects 0 and reads -1 as the whole vocabulary
-  in every version (0.5.20+ normalise -1 to TOP_K_ALL).
-- EOS and stop ids: the engine is built from a config whose eos_token_id is removed (engine.py),
-  so SGLang stops only on the ids we send as stop_token_ids: ctx.eos_token_ids (unless
-  ignore_eos) plus params.stop_token_ids. SGLang's own ignore_eos would also drop stop_token_ids,
-  which our protocol keeps; so it is always sent as False.
-- n samples per prompt: the prompts are repeated here, prompt-major, and sent with n = 1 (SGLang's
-  n > 1 warms up a prefix first and warns above 128 prompts; the radix cache shares the prefix).
-- params.seed is not sent: SGLang's per-request sampling_seed is honoured only under deterministic
-  inference, where the n copies of one prompt would sample the same tokens. The engine's
-  random_seed is fixed at build.
+The translation (docs/plugins.md has the rules; the whys are here):
+- temperature 0: SGLang makes temperature < 1e-6 top_k = 1 and returns log_softmax of the raw
+  logits, our greedy log-probs. top_k <= 0 goes as -1, the whole vocabulary in every version.
+- Stopping: the engine's config has no eos_token_id (engine.py), so SGLang stops only on the
+  stop_token_ids sent. Its own ignore_eos would drop those too, so it is always False.
+- n samples: the prompt is sent n times with n = 1 (SGLang's n > 1 warms up a prefix first and
+  warns above 128 prompts; the radix cache shares the prefix anyway).
+- params.seed is not sent: SGLang honours a per-request seed only under deterministic inference,
+  where the n copies of a prompt would sample the same tokens.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Weight sync into SGLang: size-bounded buckets through update_weights_from_tensor.
 
-One sync is: (begin_weight_update, where the version requires a session), one
-update_weights_from_tensor per bucket with flush_cache=False, (end_weight_update), then one
-flush_cache, because the radix cache holds KV computed with the old weights. Every call's success
-flag is checked: SGLang reports a refused update as (False, message), not as an exception.
-
-Buckets hold plain tensors in the engine's dtype (halving bf16 traffic from fp32 master weights;
-the engine would round the same way when it copies). Where the version has FlattenedTensorBucket
-(0.5.5+) a bucket travels as one flat uint8 tensor plus metadata, serialized once per TP rank
-(load_format "flattened_bucket"); before 0.5.14 one bucket holds one dtype only. Otherwise the
-bucket is a list of (name, tensor). The payload contains only str, torch tensors and SGLang's own
-metadata class: 0.5.23 unpickles with an allow-list and rejects anything else.
-
-A tensor larger than the budget travels alone. The buckets of one sync stay referenced until
-its end: SGLang answers once the copies are queued on its stream, not done, so the memory they
-read must not be recycled under them (peak extra memory: one copy of the model in engine dtype).
+One sync: (begin_weight_update where the version requires it), one update per bucket with
+flush_cache=False, (end_weight_update), then one flush_cache, since the radix cache holds KV of
+the old weights. Every reply is checked: SGLang reports a refused update as (False, message).
+Buckets hold plain tensors in the engine's dtype (half the traffic of fp32 master weights; the
+engine would round the same way). With FlattenedTensorBucket (0.5.5+; one dtype per bucket before
+0.5.14) a bucket travels as one flat uint8 tensor plus metadata, else as (name, tensor) pairs; the
+payload holds only str, tensors and SGLang's metadata class, which 0.5.23's unpickling allow-list
+requires. A tensor over the budget travels alone. A sync's buckets stay referenced until its end:
+SGLang answers once the copies are queued, not done (peak: one model copy in the engine dtype).
 """
 
 from __future__ import annotations

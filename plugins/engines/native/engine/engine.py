@@ -7,6 +7,7 @@ step t has then already been given step t+1; that token is dropped.
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Iterable
 
@@ -36,8 +37,7 @@ class NativeEngine:
         self._init_weights(ctx)
         self.runner = ModelRunner(self.model, cfg, self.ops, self.device, self.dtype)
         self.runner.allocate_kv()
-        self._next_seq_id = 0
-        self.last_load_seconds = 0.0
+        self._seq_ids = itertools.count(1)
         self.last_stats: dict = {}  # of the last generate (and the release after it)
         self._resume_s = 0.0
 
@@ -74,11 +74,9 @@ class NativeEngine:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy weights in place by Hugging Face name; captured graphs stay valid."""
-        start = time.perf_counter()
         load_weights(self.model, weights)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # the copies are done when the caller times them
             torch.cuda.synchronize(self.device)
-        self.last_load_seconds = time.perf_counter() - start
 
     def release_memory(self) -> None:
         start = time.perf_counter()
@@ -133,16 +131,12 @@ class NativeEngine:
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         seqs = []
         for prompt in prompts:
-            group = [self._new_seq(list(prompt), params.max_new_tokens, stop) for _ in range(params.n)]
+            group = [Sequence(next(self._seq_ids), list(prompt), params.max_new_tokens, stop) for _ in range(params.n)]
             seqs += group
             # a group larger than the batch limit is prefilled in parts
             for start in range(0, len(group), self.cfg.max_num_seqs):
                 scheduler.add(Group(group[start : start + self.cfg.max_num_seqs]))
         return seqs
-
-    def _new_seq(self, prompt, max_new, stop) -> Sequence:
-        self._next_seq_id += 1
-        return Sequence(self._next_seq_id, prompt, max_new, stop)
 
     def _run(self, scheduler: Scheduler, sampler: SamplerState) -> None:
         pending: StepResult | None = None

@@ -1,11 +1,10 @@
 """Runs prefill and decode steps on the device: the KV cache, device-side row state, CUDA graphs.
 
 Decode reads each row's state on the device (its length `seq_lens`, last token `last_tok`, its
-page-table row), so the host sends only row ids and new page-table entries and no step waits for
-a read-back: a decode batch runs k steps back to back (pages for all k allocated up front), and
-the engine reads its tokens while the next batch runs. The decode step (forward, logits and,
-with the fused sampler, sampling) is captured in a CUDA graph per batch bucket on first use
-(padded rows point at a scratch row whose page is page 0), and again after release().
+page-table row): the host sends only row ids and new page-table entries, so a decode batch runs k
+steps back to back and the engine reads its tokens while the next batch runs. The decode step
+(forward, logits, the fused sampler's draw) is captured in a CUDA graph per batch bucket on first
+use (padded rows point at a scratch row whose page is page 0), and again after release().
 
 Shape legend: B decode rows, N packed prefill tokens, S prefilled sequences, V vocabulary.
 """
@@ -63,9 +62,9 @@ def graph_buckets(max_bs: int) -> list[int]:
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, cfg: EngineConfig, ops: Ops, device, dtype):
-        self.model, self.cfg, self.ops, self.device, self.dtype = model, cfg, ops, device, dtype
-        self.spec = spec = model.spec
+        self.model, self.cfg, self.ops, self.device, self.spec = model, cfg, ops, device, model.spec
         self.kv_dtype = cfg.kv_cache_dtype or dtype
+        spec = model.spec
         self.rope = cos_sin_cache(inv_frequencies(spec.rope, spec.head_dim), cfg.max_model_len, device)
         self.page = cfg.page_size
         self.dummy_row = cfg.max_num_seqs  # padded graph rows use it; its page is page 0
@@ -221,11 +220,8 @@ class ModelRunner:
         return tokens, logprobs
 
     def _decode_forward(self, n: int, fused: bool) -> torch.Tensor | None:
-        """One decode step for rows row_ids[:n], all inputs read from device state (graphable).
-
-        Returns the logits; with the fused sampler it samples too, writes the tokens to
-        last_tok and to out_tok/out_lp at step out_step, and returns None.
-        """
+        """One decode step for rows row_ids[:n], every input read from device state (graphable):
+        the logits, or with the fused sampler None, its tokens in last_tok and out_tok/out_lp."""
         rows = self.row_ids[:n]
         pos = self.seq_lens[rows].long()
         ctx = (pos + 1).to(torch.int32)

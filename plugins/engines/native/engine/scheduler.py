@@ -85,15 +85,11 @@ class Scheduler:
         if not seqs:
             return None
         k = min(self.decode_steps, min(s.max_new_tokens - s.num_scheduled for s in seqs))
-        page = self.blocks.page_size
-        need = [cdiv(s.num_cached + k, page) - len(s.pages) for s in seqs]
+        need = self._pages_needed(seqs, k)
+        if k > 1 and sum(need) > self.blocks.num_free_pages:  # fall back to one step
+            k, need = 1, self._pages_needed(seqs, 1)
         if sum(need) > self.blocks.num_free_pages:
-            if k == 1:
-                raise OutOfPages
-            k = 1
-            need = [cdiv(s.num_cached + 1, page) - len(s.pages) for s in seqs]
-            if sum(need) > self.blocks.num_free_pages:
-                raise OutOfPages
+            raise OutOfPages
         updates = []
         for seq, n in zip(seqs, need):
             for _ in range(n):
@@ -101,6 +97,9 @@ class Scheduler:
             seq.num_cached += k
             seq.num_scheduled += k
         return DecodeBatch(seqs, updates, k)
+
+    def _pages_needed(self, seqs: list[Sequence], k: int) -> list[int]:
+        return [cdiv(s.num_cached + k, self.blocks.page_size) - len(s.pages) for s in seqs]
 
     def finish(self, seq: Sequence) -> None:
         self.blocks.free(seq)

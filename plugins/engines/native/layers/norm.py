@@ -54,8 +54,9 @@ def _rmsnorm_kernel(
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, eps) -> torch.Tensor:
-    """One program per row of x viewed as [rows, last dim]; residual (same shape) or None."""
+def rmsnorm_triton(x, weight, eps, residual=None) -> torch.Tensor:
+    """One program per row of x viewed as [rows, last dim]; with a residual (x's shape), first
+    residual <- x + residual in place, and the norm of that."""
     y = torch.empty_like(x)
     x2, y2 = x.view(-1, x.shape[-1]), y.view(-1, x.shape[-1])
     r2 = x2 if residual is None else residual.view(-1, x.shape[-1])  # a dummy pointer when absent
@@ -74,13 +75,9 @@ def _launch(x, residual, weight, eps) -> torch.Tensor:
     return y
 
 
-def rmsnorm_triton(x, weight, eps):
-    return _launch(x, None, weight, eps)
-
-
 def add_rmsnorm_triton(x, residual, weight, eps):
     """In place: residual <- x + residual; returns (rmsnorm(residual), residual)."""
-    return _launch(x, residual, weight, eps), residual
+    return rmsnorm_triton(x, weight, eps, residual), residual
 
 
 def check_rmsnorm(fn, device, dtype, kv_dtype=None) -> None:
