@@ -21,6 +21,8 @@ from minirl.errors import UserError
 MODES = ("auto", "disable", "resume_path")
 
 # keys that may change between a checkpoint and its resume: speed, memory, logging, length
+_MODEL_KEYS = "enable_gradient_checkpointing compile_layers fused_mlp"  # model and critic.model
+_UPDATE_KEYS = "ppo_micro_batch_size_per_gpu use_dynamic_bsz ppo_max_token_len_per_gpu ulysses_sequence_parallel_size"
 _FREE_KEYS = {
     "trainer": (
         "project_name experiment_name total_epochs total_training_steps n_gpus_per_node nnodes world_size "
@@ -30,17 +32,13 @@ _FREE_KEYS = {
     ),
     "data": "val_files",
     "reward": "num_workers timeout_s",
-    "model": "enable_gradient_checkpointing compile_layers fused_mlp",
-    "actor": "ppo_micro_batch_size_per_gpu use_dynamic_bsz ppo_max_token_len_per_gpu ulysses_sequence_parallel_size",
-    "critic": (
-        "ppo_micro_batch_size_per_gpu use_dynamic_bsz ppo_max_token_len_per_gpu ulysses_sequence_parallel_size "
-        "forward_micro_batch_size_per_gpu forward_max_token_len_per_gpu"
-    ),
-    "critic.model": "enable_gradient_checkpointing compile_layers fused_mlp",
+    "model": _MODEL_KEYS,
+    "actor": _UPDATE_KEYS,
+    "critic": _UPDATE_KEYS + " forward_micro_batch_size_per_gpu forward_max_token_len_per_gpu",
+    "critic.model": _MODEL_KEYS,
     "rollout": (
-        "gpu_memory_utilization kv_cache_dtype max_num_seqs enforce_eager free_cache_engine "
-        "log_prob_micro_batch_size_per_gpu "
-        "log_prob_use_dynamic_bsz log_prob_max_token_len_per_gpu calculate_log_probs"
+        "gpu_memory_utilization kv_cache_dtype max_num_seqs enforce_eager free_cache_engine calculate_log_probs "
+        "log_prob_micro_batch_size_per_gpu log_prob_use_dynamic_bsz log_prob_max_token_len_per_gpu"
     ),
     "ref": (
         "log_prob_micro_batch_size_per_gpu log_prob_use_dynamic_bsz log_prob_max_token_len_per_gpu offload "

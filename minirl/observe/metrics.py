@@ -14,11 +14,6 @@ import torch
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "H20": 148e12, "L40S": 362e12}
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class PhaseTimer:
     """Wall-clock seconds and peak device memory of each named phase of a step."""
 
@@ -29,16 +24,18 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str):
-        synchronize(self.device)
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:  # the phase's time is its kernels' time, not the host's
+            torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         try:
             yield
         finally:
-            synchronize(self.device)
+            if cuda:
+                torch.cuda.synchronize(self.device)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-            if self.device.type == "cuda":
+            if cuda:
                 self.peak_gib[name] = torch.cuda.max_memory_allocated(self.device) / 2**30
 
     def metrics(self) -> dict[str, float]:

@@ -20,20 +20,6 @@ def _parser(command: str, description: str, names: str, steps: str, steps_help: 
     return p
 
 
-def compare_parser() -> argparse.ArgumentParser:
-    from minirl.observe.runs.compare import RENDERERS
-
-    p = _parser("compare", COMPARE_HELP, "column", "2:", "default 2: step 1 is warm-up")
-    p.add_argument("--format", choices=sorted(RENDERERS), default="text")
-    return p
-
-
-def report_parser() -> argparse.ArgumentParser:
-    p = _parser("report", REPORT_HELP, "legend", "0:", "default: all")
-    p.add_argument("--out", help="directory for the PNGs (default: RUN/figures for one run, ./figures for several)")
-    return p
-
-
 def read_runs(paths: list[str], names: str | None) -> list[Run]:
     labels = [n.strip() for n in names.split(",")] if names else [None] * len(paths)
     if len(labels) != len(paths):
@@ -55,7 +41,9 @@ def _disambiguate(runs: list[Run]) -> None:
 def compare_main(argv: list[str]) -> int:
     from minirl.observe.runs.compare import RENDERERS
 
-    args = compare_parser().parse_args(argv)
+    p = _parser("compare", COMPARE_HELP, "column", "2:", "default 2: step 1 is warm-up")
+    p.add_argument("--format", choices=sorted(RENDERERS), default="text")
+    args = p.parse_args(argv)
     steps = parse_steps(args.steps)
     runs = read_runs(args.runs, args.names)
     print(RENDERERS[args.format](runs, steps), end="" if args.format == "csv" else "\n")
@@ -66,7 +54,9 @@ def report_main(argv: list[str]) -> int:
     from minirl.observe.runs.read import select
     from minirl.observe.runs.report import figure_class, write_report
 
-    args = report_parser().parse_args(argv)
+    p = _parser("report", REPORT_HELP, "legend", "0:", "default: all")
+    p.add_argument("--out", help="directory for the PNGs (default: RUN/figures for one run, ./figures for several)")
+    args = p.parse_args(argv)
     figure_class()  # the missing extra is reported before any file is read
     steps = parse_steps(args.steps)
     runs = read_runs(args.runs, args.names)

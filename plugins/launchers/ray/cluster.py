@@ -34,10 +34,6 @@ class Shape:
     def bundle(self) -> dict[str, float]:
         return {"GPU": 1.0, "CPU": 1.0} if self.use_gpu else {"CPU": 1.0}
 
-    def describe(self) -> str:
-        per = f"{self.per_node} GPU + {self.per_node} CPU" if self.use_gpu else f"{self.per_node} CPU"
-        return f"{self.nnodes} node(s) with {per} free on each (one placement group per node, STRICT_PACK)"
-
 
 @dataclass(frozen=True)
 class Slot:
@@ -94,11 +90,12 @@ def reserve(shape: Shape, timeout_s: float) -> list:
         ray.get([pg.ready() for pg in pgs], timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as exc:
         release(pgs)
+        per = f"{shape.per_node} GPU + {shape.per_node} CPU" if shape.use_gpu else f"{shape.per_node} CPU"
         raise UserError(
             f"the Ray cluster could not place this job within trainer.ray_placement_timeout_s = {timeout_s:g}: "
-            f"it needs {shape.describe()}; the cluster has {seen_resources()}. Add nodes "
-            "(scripts/ray_cluster.sh worker HEAD_IP), lower trainer.nnodes / n_gpus_per_node / world_size, "
-            "or raise the timeout"
+            f"it needs {shape.nnodes} node(s) with {per} free on each (one placement group per node, STRICT_PACK); "
+            f"the cluster has {seen_resources()}. Add nodes (scripts/ray_cluster.sh worker HEAD_IP), lower "
+            "trainer.nnodes / n_gpus_per_node / world_size, or raise the timeout"
         ) from exc
     return pgs
 
