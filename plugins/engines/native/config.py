@@ -57,7 +57,8 @@ class EngineConfig:
             default = defaults.get(f.name, f.default)
             value = getattr(rollout_cfg, f.name, default) if f.name in ROLLOUT_KEYS else extra.get(f.name, default)
             values[f.name] = type(f.default)(value)
-        cfg = cls(**values, kv_cache_dtype=kv_cache_dtype(getattr(rollout_cfg, "kv_cache_dtype", "auto")))
+        kv_dtype = KV_CACHE_DTYPES[getattr(rollout_cfg, "kv_cache_dtype", "auto")]  # checked up front (minirl.validate)
+        cfg = cls(**values, kv_cache_dtype=kv_dtype)
         cfg.validate()
         return cfg
 
@@ -75,9 +76,3 @@ class EngineConfig:
             raise ValueError(
                 "ctx.extra page_size, max_model_len, max_num_batched_tokens, decode_steps must be positive"
             )
-
-
-def kv_cache_dtype(name: str) -> torch.dtype | None:
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"rollout.kv_cache_dtype = {name!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
-    return KV_CACHE_DTYPES[name]

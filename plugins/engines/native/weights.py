@@ -1,9 +1,8 @@
 """Weights in and out of the engine: in-place loads by Hugging Face name, and a checksum.
 
-`weights_checksum` is the one function both sides use: the trainer over the actor's parameters,
-the engine over its own (`NativeEngine.checksum`). It is exact and device-independent: each
-tensor is rounded to one dtype, its bits read as integers, weighted by position and summed in
-int64 (wrapping), so equal weights give equal checksums on CPU and GPU alike.
+`weights_checksum` is the one both sides use, the trainer over the actor's parameters and the
+engine over its own. It is exact whatever the device: each tensor is rounded to one dtype, its
+bits read as integers, weighted by position and summed in int64 (wrapping).
 """
 
 from __future__ import annotations

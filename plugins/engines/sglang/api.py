@@ -1,10 +1,9 @@
 """The part of SGLang's API this plugin uses, and what the installed version offers of it.
 
-`USED` is the single list of every import path, method, keyword argument and server argument
-the plugin touches; `scripts/check_sglang_api.py` reads a downloaded SGLang wheel's source against
-it, so a release that drops one of them fails CI. `detect()` inspects the installed package
-(signatures, attributes, importable modules; never the version string alone) and returns the
-features this plugin then uses.
+The USED_* lists name every import path, method, keyword argument and server argument the plugin
+touches; scripts/check_sglang_api.py reads a downloaded SGLang wheel's source against them, so a
+release that drops one fails CI. detect() inspects the installed package (signatures, attributes,
+importable modules; never the version string alone) for the features the plugin then uses.
 """
 
 from __future__ import annotations
@@ -144,17 +143,15 @@ def _check_engine(engine_cls) -> None:
     for module, _cls, method, kwargs, required in USED_METHODS:
         if module != ENGINE or not required or method == "__init__":
             continue
-        params = inspect.signature(getattr(engine_cls, method, None) or _missing(method)).parameters
-        absent = [k for k in kwargs if k not in params]
+        if not hasattr(engine_cls, method):
+            unsupported(f"Engine has no method {method}")
+        absent = [k for k in kwargs if k not in inspect.signature(getattr(engine_cls, method)).parameters]
         if absent:
-            _unsupported(f"Engine.{method} takes no {absent}")
+            unsupported(f"Engine.{method} takes no {absent}")
 
 
-def _missing(method: str):
-    _unsupported(f"Engine has no method {method}")
-
-
-def _unsupported(what: str):
+def unsupported(what: str):
+    """Raise the UserError for an SGLang this plugin cannot drive, saying `what` is missing."""
     raise UserError(
         f"rollout.name = 'sglang': the installed SGLang is not supported ({what}); minirl supports "
         f"0.4.10 to 0.5.23 (docs/plugins.md); install one with {INSTALL_HINT}"
@@ -166,7 +163,7 @@ def _patch_reductions() -> Callable[[], None]:
         found = _optional(lambda m=module, n=name: getattr(importlib.import_module(m), n))
         if found is not None:
             return found
-    _unsupported("no monkey_patch_torch_reductions in sglang.srt.utils.patch_torch or sglang.srt.patch_torch")
+    unsupported("no monkey_patch_torch_reductions in sglang.srt.utils.patch_torch or sglang.srt.patch_torch")
 
 
 def _optional(get):

@@ -1,10 +1,8 @@
 """SGLangEngine: the RolloutEngine protocol over one in-process sglang Engine per rank.
 
-Built next to the actor on the rank's own GPU (base_gpu_id = ctx.device's index, in the rank's
-CUDA_VISIBLE_DEVICES numbering), tensor parallel 1, tokenizer skipped (token ids in and out),
-dummy weights that the actor's then replace. The model directory SGLang reads is a temporary one
-holding only config.json, written from ctx.model_config without eos_token_id: stopping is then
-entirely the stop_token_ids each request sends (sampling.py).
+Built on the rank's own GPU, tensor parallel 1, token ids in and out, dummy weights that the
+actor's replace (docs/plugins.md). Its model directory holds only config.json, without
+eos_token_id: stopping is then entirely the stop_token_ids each request sends (sampling.py).
 """
 
 from __future__ import annotations
@@ -16,13 +14,10 @@ from typing import Iterable
 import torch
 
 from minirl.dist.spmd import free_port
-from minirl.errors import UserError
 from minirl.protocols import Completion, EngineContext, SamplingParams
-from minirl_plugins.engines.sglang.api import SGLangAPI
+from minirl_plugins.engines.sglang.api import SGLangAPI, unsupported
 from minirl_plugins.engines.sglang.sampling import repeat_prompts, sampling_dict, to_completion
 from minirl_plugins.engines.sglang.weights import WeightSync
-
-DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 class SGLangEngine:
@@ -93,11 +88,11 @@ def server_kwargs(rollout_cfg, ctx: EngineContext, api: SGLangAPI, model_dir: st
         "model_path": model_dir,
         "skip_tokenizer_init": True,
         "load_format": "dummy",
-        "dtype": engine_dtype(ctx.dtype),
+        "dtype": str(ctx.dtype).removeprefix("torch."),  # rollout.dtype: checked up front (minirl.validate)
         "mem_fraction_static": float(getattr(rollout_cfg, "gpu_memory_utilization", 0.5)),
         "enable_memory_saver": memory_saver,
         "tp_size": 1,
-        "base_gpu_id": device.index or 0,
+        "base_gpu_id": device.index or 0,  # in the rank's CUDA_VISIBLE_DEVICES numbering
         "random_seed": int(ctx.extra.get("seed", 0)),
         "port": free_port(),  # each rank's engine needs its own: fixed ports collide
         "nccl_port": free_port(),
@@ -111,17 +106,8 @@ def server_kwargs(rollout_cfg, ctx: EngineContext, api: SGLangAPI, model_dir: st
         kwargs["kv_cache_dtype"] = "fp8_e4m3" if kv == "fp8" else kv
     unknown = sorted(set(kwargs) - api.server_args)
     if unknown:
-        raise UserError(
-            f"rollout.name = 'sglang': SGLang {api.version}'s ServerArgs has no {unknown}; "
-            "this version is not supported, see docs/plugins.md for the supported range"
-        )
+        unsupported(f"SGLang {api.version}'s ServerArgs has no {unknown}")
     return kwargs
-
-
-def engine_dtype(dtype: torch.dtype) -> str:
-    if dtype not in DTYPES:
-        raise UserError(f"rollout.dtype = {dtype}: SGLang runs in bfloat16, float16 or float32")
-    return DTYPES[dtype]
 
 
 def write_model_dir(model_config) -> str:

@@ -30,20 +30,14 @@ class BlockManager:
     def num_free_pages(self) -> int:
         return len(self.free_pages)
 
-    @property
-    def num_free_rows(self) -> int:
-        return len(self.free_rows)
-
     def pages_for_group(self, num_tokens: int, num_seqs: int) -> int:
         """Pages a group prefill takes: the shared full pages plus one tail page per sequence."""
         full, tail = divmod(num_tokens, self.page_size)
         return full + (num_seqs if tail else 0)
 
     def can_allocate(self, num_tokens: int, num_seqs: int, reserve: int = 0) -> bool:
-        return (
-            self.pages_for_group(num_tokens, num_seqs) + reserve <= self.num_free_pages
-            and num_seqs <= self.num_free_rows
-        )
+        pages = self.pages_for_group(num_tokens, num_seqs) + reserve
+        return pages <= self.num_free_pages and num_seqs <= len(self.free_rows)
 
     def allocate_group(self, seqs: list[Sequence], num_tokens: int) -> list[tuple[int, int]]:
         """Give every sequence a row and pages for num_tokens; returns (src, dst) tail copies."""

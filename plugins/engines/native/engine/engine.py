@@ -20,6 +20,7 @@ from minirl_plugins.engines.native.engine.model_runner import ModelRunner, StepR
 from minirl_plugins.engines.native.engine.sampler import SamplerState
 from minirl_plugins.engines.native.engine.scheduler import OutOfPages, PrefillBatch, Scheduler
 from minirl_plugins.engines.native.engine.sequence import Group, Sequence, Status
+from minirl_plugins.engines.native.layers.meta import StepMeta
 from minirl_plugins.engines.native.layers.ops import select_ops
 from minirl_plugins.engines.native.models.decoder import DecoderLM
 from minirl_plugins.engines.native.models.spec import ModelSpec
@@ -100,9 +101,16 @@ class NativeEngine:
         """weights_checksum of the engine's weights; compare with the same over the actor's."""
         return weights_checksum(self.model.named_parameters(), dtype or self.dtype)
 
+    @torch.inference_mode()
     def logits(self, tokens: list[int]) -> torch.Tensor:
-        """logits_TV of every position of one token sequence (for tests and re-scoring)."""
-        return self.runner.full_logits(tokens)
+        """logits_TV of every position of one token sequence (for tests and re-scoring), through
+        the prefill path over a scratch KV cache: the engine's own cache and state are untouched."""
+        n = len(tokens)
+        pos = torch.arange(n, device=self.device)
+        cu = torch.tensor([0, n], dtype=torch.int32, device=self.device)
+        meta = StepMeta(True, pos, self.runner.new_kv(n), cu_seqlens_S1=cu, max_seqlen=n)
+        h = self.model(torch.tensor(tokens, device=self.device), pos, meta, self.runner.rope)
+        return self.model.compute_logits(h)
 
     def named_parameters(self):
         return self.model.named_parameters()

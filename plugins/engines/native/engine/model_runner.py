@@ -132,16 +132,6 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
-    @torch.inference_mode()
-    def full_logits(self, tokens: list[int]) -> torch.Tensor:
-        """logits_TV of every position of one sequence through the prefill path, over a scratch
-        KV cache: the engine's cache and state are untouched."""
-        n = len(tokens)
-        pos = torch.arange(n, device=self.device)
-        cu = torch.tensor([0, n], dtype=torch.int32, device=self.device)
-        meta = StepMeta(True, pos, self.new_kv(n), cu_seqlens_S1=cu, max_seqlen=n)
-        return self.model.compute_logits(self.model(torch.tensor(tokens, device=self.device), pos, meta, self.rope))
-
     def new_sampler(self, params, seed: int) -> SamplerState:
         return SamplerState(params, seed, self.device, self.ops.fast_sample, (self.sample_params, self.sample_seed))
 

@@ -1,9 +1,8 @@
 """Prefill attention: causal attention within each packed prompt, read from the fused qkv rows.
 
 Both implementations are backends of minirl's varlen core (minirl/models/varlen.py), which the
-trainer's packed forwards use too: the reference is exact per-sequence SDPA, the fast one torch's
-varlen flash attention (CUDA, half precision, torch >= 2.10). Decode attention, which reads the
-paged KV cache, is paged_attention.py.
+trainer's packed forwards use too: the exact per-sequence SDPA reference, and torch's varlen flash
+attention (CUDA, half precision, torch >= 2.10). Decode attention is paged_attention.py.
 
 Shape legend: N packed tokens, H query heads, Hk KV heads, D head dim.
 """

@@ -1,9 +1,6 @@
-"""Triton for the op modules, or stand-ins where it is missing, so that they import everywhere.
-
-Each op module holds its torch reference beside its Triton kernel; the references must run where
-triton is not installed (CPU installs) or does not import. There `triton` and `tl` are None,
-`jit` leaves a kernel a plain function that nothing launches, and UNAVAILABLE says why, for the
-warning of select_ops, which then keeps the references.
+"""Triton for the op modules, or stand-ins where it does not import (CPU installs), so that the
+torch references beside the kernels run everywhere: there `triton` and `tl` are None, `jit`
+leaves a kernel a plain function nothing launches, and UNAVAILABLE says why (select_ops warns).
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Decode attention over the paged KV cache: the torch reference and its split-K Triton kernels.
 
-Each decode row has one query token and attends to its cached keys, found through its row of the
-page table. The reference gathers those pages into a dense [B, Hk, T, D] tensor and runs SDPA
-under a length mask. The kernel reads the pages in place in split-K fashion: several programs per
-row and KV head (each a chunk of the context, online softmax over blocks of keys), merged by a
-second kernel weighted by their log-sum-exps, so short batches still fill the GPU. An 8-bit float
-cache (rollout.kv_cache_dtype) is upcast as it is read.
+Each decode row's one query attends to its cached keys, found through its page-table row. The
+reference gathers those pages into a dense [B, Hk, T, D] tensor for SDPA under a length mask. The
+kernel reads the pages in place, several programs per row and KV head (each a chunk of the
+context, online softmax over blocks of keys) merged by a second kernel by their log-sum-exps, so
+short batches still fill the GPU. An 8-bit float cache is upcast as it is read.
 
 Shape legend: B decode rows, H query heads, Hk KV heads, D head dim, T context tokens.
 """

@@ -1,10 +1,9 @@
-"""Rotary position embeddings, and the op that applies them: rope_store, in torch and in Triton.
+"""Rotary position embeddings, and rope_store, the op that applies them, in torch and in Triton.
 
-Inverse frequencies for the rope types of the supported families, from either config style:
-transformers >= 5 (`rope_parameters`) and 4.x (`rope_theta`, `rope_scaling`). rope_store takes
-the fused qkv rows of a step: (Qwen3's per-head q/k RMSNorm,) rotary on q and k in float32,
-rounded as transformers rounds, and k and v written to their KV cache slots, in one kernel per
-layer on the GPU.
+Inverse frequencies come from either config style: transformers >= 5 (`rope_parameters`) or 4.x
+(`rope_theta`, `rope_scaling`). rope_store takes a step's fused qkv rows: (Qwen3's per-head q/k
+RMSNorm,) rotary on q and k in float32 rounded as transformers rounds, k and v written to their
+KV cache slots; one kernel per layer on the GPU.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ FAMILIES = ("qwen2", "llama", "qwen3")
 
 @dataclass(frozen=True)
 class ModelSpec:
-    family: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -31,7 +30,6 @@ class ModelSpec:
     mlp_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
-    max_position_embeddings: int
     rope: dict
     initializer_range: float = 0.02
 
@@ -62,7 +60,6 @@ class ModelSpec:
         heads = cfg.num_attention_heads
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         return cls(
-            family=family,
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size,
@@ -76,7 +73,6 @@ class ModelSpec:
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             qk_norm=family == "qwen3",
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            max_position_embeddings=cfg.max_position_embeddings,
             rope=rope_parameters(cfg),
             initializer_range=getattr(cfg, "initializer_range", 0.02),
         )
