@@ -186,4 +186,23 @@ def _registries(cfg: Config, pm) -> list[Problem]:
         if used and name not in pm[kind]:
             rule, _, fix = pm[kind].unknown(name).partition(": ")[2].partition("; ")
             out.append(Problem(key, name, rule, fix))
-    return out
+    return out + _kl_penalty_per_token(cfg, pm)
+
+
+def _kl_penalty_per_token(cfg: Config, pm) -> list[Problem]:
+    """KL in the reward is a per-token penalty from the sampled tokens' log-probs; an estimator
+    over whole logits (`full`) has nothing to read there."""
+    alg = cfg.algorithm
+    if not alg.use_kl_in_reward or alg.kl_penalty not in pm["kl_estimators"]:
+        return []
+    if not getattr(pm["kl_estimators"].get(alg.kl_penalty), "needs_logits", False):
+        return []
+    rule = "KL in the reward reads the sampled tokens' log-probs; this estimator needs whole logits"
+    return [
+        Problem(
+            "algorithm.kl_penalty",
+            alg.kl_penalty,
+            rule,
+            "choose kl, abs, mse or low_var_kl (full is for actor.kl_loss_type)",
+        )
+    ]

@@ -203,6 +203,11 @@ CONFIG_CASES = {
     "estimator_typo": (["algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator = 'grpoo'", "did you mean 'grpo'"),
     "policy_loss_typo": (["actor.policy_loss=vanila"], "no such policy loss", "; registered: gspo, vanilla"),
     "kl_loss_type": (["actor.use_kl_loss=true", "actor.kl_loss_type=k9"], "actor.kl_loss_type = 'k9'"),
+    "kl_penalty_full": (
+        ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=full"],
+        "algorithm.kl_penalty = 'full'",
+        "needs whole logits",
+    ),
     "engine_name": (["rollout.name=vllm"], "rollout.name = 'vllm'", "no such rollout engine"),
     "logger_name": (['trainer.logger=["consol"]'], "trainer.logger[0] = 'consol'", "console"),
     "empty_experiment_name": (['trainer.experiment_name=""'], "trainer.experiment_name"),
