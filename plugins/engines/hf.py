@@ -10,6 +10,7 @@ import copy
 from typing import Iterable
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from minirl import hookimpl
@@ -89,12 +90,10 @@ class HFEngine:
 
 
 def left_pad(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    attn = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        attn[i, width - len(p) :] = 1
+    """ids_BP and attention_mask_BP, padded on the left as generate() expects."""
+    rows = [torch.tensor(p, dtype=torch.long) for p in prompts]
+    ids = pad_sequence(rows, batch_first=True, padding_value=pad, padding_side="left")
+    attn = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_side="left")
     return ids.to(device), attn.to(device)
 
 

@@ -3,7 +3,7 @@
 Pure PyTorch with Triton kernels on GPU: a paged KV cache sized from a memory fraction, continuous
 batching, one varlen prefill shared by a prompt's n samples, CUDA-graph decode, device-side
 sampling with log-probs, in-place weight loads. Laid out after nano-vllm: engine/ (sequence,
-block_manager, scheduler, sampler, model_runner, engine), layers/ (one module per op, its torch
+block_manager, scheduler, model_runner, engine), layers/ (one module per op, its torch
 reference beside its Triton kernel; ops chooses), models/ (spec, decoder), weights (loads by
 Hugging Face name, weights_checksum).
 """

@@ -68,11 +68,8 @@ class EngineConfig:
                 f"rollout.gpu_memory_utilization = {self.gpu_memory_utilization}: must be in (0, 1], "
                 "the share of free device memory given to the KV cache"
             )
-        if self.max_batch_rows < 0:
-            raise ValueError(f"ctx.extra max_batch_rows = {self.max_batch_rows}: must be >= 0 (0: unknown)")
         if self.max_num_seqs < 1:
             raise ValueError(f"rollout.max_num_seqs = {self.max_num_seqs}: must be at least 1")
-        if min(self.page_size, self.max_model_len, self.max_num_batched_tokens, self.decode_steps) < 1:
-            raise ValueError(
-                "ctx.extra page_size, max_model_len, max_num_batched_tokens, decode_steps must be positive"
-            )
+        # ctx.extra comes from code (minirl.build, tests), not from the user
+        assert self.max_batch_rows >= 0 and self.page_size >= 1 and self.decode_steps >= 1, self
+        assert self.max_model_len >= 1 and self.max_num_batched_tokens >= 1, self

@@ -17,11 +17,11 @@ from minirl.protocols import Completion, EngineContext, SamplingParams
 from minirl_plugins.engines.native.config import EngineConfig
 from minirl_plugins.engines.native.engine.block_manager import BlockManager
 from minirl_plugins.engines.native.engine.model_runner import ModelRunner, StepResult
-from minirl_plugins.engines.native.engine.sampler import SamplerState
 from minirl_plugins.engines.native.engine.scheduler import OutOfPages, PrefillBatch, Scheduler
 from minirl_plugins.engines.native.engine.sequence import Group, Sequence, Status
 from minirl_plugins.engines.native.layers.meta import StepMeta
 from minirl_plugins.engines.native.layers.ops import select_ops
+from minirl_plugins.engines.native.layers.sampling import SamplerState
 from minirl_plugins.engines.native.models.decoder import DecoderLM
 from minirl_plugins.engines.native.models.spec import ModelSpec
 from minirl_plugins.engines.native.weights import init_random, iter_checkpoint, load_weights, weights_checksum

@@ -21,12 +21,12 @@ import torch
 
 from minirl_plugins.engines.native.config import EngineConfig
 from minirl_plugins.engines.native.engine.block_manager import cdiv
-from minirl_plugins.engines.native.engine.sampler import SamplerState
 from minirl_plugins.engines.native.engine.scheduler import DecodeBatch, PrefillBatch
 from minirl_plugins.engines.native.layers.meta import StepMeta
 from minirl_plugins.engines.native.layers.ops import Ops
 from minirl_plugins.engines.native.layers.paged_attention import num_splits
 from minirl_plugins.engines.native.layers.rotary import cos_sin_cache, inv_frequencies
+from minirl_plugins.engines.native.layers.sampling import SamplerState
 from minirl_plugins.engines.native.models.decoder import DecoderLM
 
 

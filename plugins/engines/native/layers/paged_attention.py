@@ -171,18 +171,18 @@ def _merge_kernel(
 
 def decode_attention_triton(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale: float, config=None):
     """decode_attention in split-K Triton kernels; `config` overrides launch settings (the sweep)."""
-    b, (heads, kv_heads, head_dim), splits = qkv.shape[0], heads, meta.num_splits
-    group = heads // kv_heads
+    (h, hk, d), b, splits = heads, qkv.shape[0], meta.num_splits
+    group = h // hk
     fp8 = k_cache.dtype.itemsize == 1
-    launch = FP8_DECODE_CONFIG if fp8 else {"block_n": decode_block_n(b * kv_heads * splits, qkv.device)}
+    launch = FP8_DECODE_CONFIG if fp8 else {"block_n": decode_block_n(b * hk * splits, qkv.device)}
     cfg = {**DECODE_CONFIG, **launch, **(config or {})}
-    out = torch.empty(b, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    out = torch.empty(b, h * d, dtype=qkv.dtype, device=qkv.device)
     if splits == 1:
         part, lse = out, out
     else:
-        part = torch.empty(b * heads * splits, head_dim, dtype=torch.float32, device=qkv.device)
-        lse = torch.empty(b * heads * splits, dtype=torch.float32, device=qkv.device)
-    _decode_kernel[(b, kv_heads, splits)](
+        part = torch.empty(b * h * splits, d, dtype=torch.float32, device=qkv.device)
+        lse = torch.empty(b * h * splits, dtype=torch.float32, device=qkv.device)
+    _decode_kernel[(b, hk, splits)](
         qkv,
         k_cache,
         v_cache,
@@ -197,8 +197,8 @@ def decode_attention_triton(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads,
         out.stride(0),
         scale,
         cfg["min_chunk"],
-        H=heads,
-        D=head_dim,
+        H=h,
+        D=d,
         G=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=cfg["block_n"],
@@ -211,9 +211,7 @@ def decode_attention_triton(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads,
         num_stages=cfg["num_stages"],
     )
     if splits > 1:
-        _merge_kernel[(b, heads)](
-            part, lse, meta.ctx_lens_B, out, out.stride(0), cfg["min_chunk"], H=heads, D=head_dim, SPLITS=splits
-        )
+        _merge_kernel[(b, h)](part, lse, meta.ctx_lens_B, out, out.stride(0), cfg["min_chunk"], H=h, D=d, SPLITS=splits)
     return out
 
 

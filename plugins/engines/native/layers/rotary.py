@@ -164,10 +164,10 @@ def _to_cache(x, kv_t: tl.constexpr, KV_MAX: tl.constexpr):
 def rope_store_triton(
     qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, heads: Heads, q_norm=None, k_norm=None, eps=1e-6
 ):
-    heads, kv_heads, head_dim = heads
-    assert head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0, "head_dim/2 must be a power of 2"
+    h, hk, d = heads
+    assert d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0, "head_dim/2 must be a power of 2"
     norm = q_norm is not None
-    _rope_store_kernel[(qkv.shape[0], heads + kv_heads)](
+    _rope_store_kernel[(qkv.shape[0], h + hk)](
         qkv,
         positions,
         cos,
@@ -180,10 +180,10 @@ def rope_store_triton(
         qkv.stride(0),
         k_cache.stride(0),
         eps,
-        H=heads,
-        HK=kv_heads,
-        D=head_dim,
-        HALF=head_dim // 2,
+        H=h,
+        HK=hk,
+        D=d,
+        HALF=d // 2,
         QK_NORM=norm,
         KV_MAX=cache_limit(k_cache.dtype),
     )

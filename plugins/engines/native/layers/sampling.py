@@ -5,7 +5,7 @@ from a seeded generator, on the host's schedule. The fused sampler (`fast_sample
 temperature sampling with its parameters and seed in device buffers, so it runs inside the
 decode step's CUDA graph: it reads the logits once for per-chunk statistics (max, sum of
 exponentials, argmax), then draws each row's token by inverse transform from those and one
-re-read chunk.
+re-read chunk. SamplerState picks between them for one generate call.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from minirl.kernels.selfcheck import Mismatch, expect_near
+from minirl.protocols import SamplingParams
 from minirl_plugins.engines.native.layers.jit import jit, tl, triton
 
 
@@ -223,3 +224,28 @@ def check_fast_sample(fn, device, dtype, kv_dtype=None) -> None:
     tok, lp = fast_sample_once(logits, 0.7, 5, fn)
     ref = torch.log_softmax(logits.float() / 0.7, -1).gather(1, tok[:, None]).squeeze(1)
     expect_near(lp, ref, torch.float32, "sampled logprobs")
+
+
+class SamplerState:
+    """Samples one token per logits row on the device, reproducibly from `seed`, for one generate.
+
+    Plain temperature sampling goes to the fused sampler (`fused`, fast_sample) when there is one:
+    it reads its parameters and seed from the device `buffers`, so it runs inside the decode
+    step's CUDA graph. Top-k/top-p (which need a sort) and CPU runs use `sample` with a seeded
+    generator, outside the graph.
+    """
+
+    def __init__(self, params: SamplingParams, seed: int, device: torch.device, fused, buffers):
+        self.temperature, self.top_k, self.top_p = params.temperature, params.top_k, params.top_p
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.fused = None if self.top_k > 0 or self.top_p < 1.0 else fused
+        self.params, self.seed = buffers
+        if self.fused is not None:
+            self.params.copy_(sample_params(self.temperature, "cpu"))
+            self.seed.copy_(torch.tensor([seed, 0], dtype=torch.int64))
+
+    def sample(self, logits_MV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens_M int64, logprobs_M float32) of one step, outside any graph."""
+        if self.fused is not None:
+            return self.fused(logits_MV, self.params, self.seed)
+        return sample(logits_MV, self.temperature, self.top_k, self.top_p, self.generator)
