@@ -106,10 +106,8 @@ class Scheduler:
         self.running.remove(seq)
 
     def preempt_newest(self) -> None:
-        """Free the newest running sequence's pages; it is recomputed from its tokens later.
-
-        Call only with no step in flight: the recompute needs every token read back.
-        """
+        """Free the newest running sequence's pages; it is recomputed from its tokens later, so
+        call this only with no step in flight (the recompute needs every token read back)."""
         if not self.running:
             raise RuntimeError("the KV cache cannot hold a single sequence; raise gpu_memory_utilization")
         seq = self.running.pop()

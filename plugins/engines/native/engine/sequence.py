@@ -62,10 +62,8 @@ class Sequence:
 
 @dataclass(eq=False)
 class Group:
-    """Sequences prefilled together: the n samples of a prompt share one prefill of it.
-
-    A preempted sequence comes back as a group of its own, re-prefilling prompt + output.
-    """
+    """Sequences prefilled together: the n samples of a prompt share one prefill of it (a
+    preempted sequence comes back as a group of its own, re-prefilling prompt + output)."""
 
     seqs: list[Sequence]
 

@@ -41,10 +41,8 @@ def decode_attention(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale:
 # least): each split costs a partial write and a merge. fp8_f16: an fp8 cache's keys and values
 # are upcast to float16 (one native conversion on Hopper) and the dots run in float16.
 DECODE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "min_chunk": 256, "fp8_f16": False}
-# An fp8 cache: float16 dots over 32-key blocks in three stages, the fastest at both swept shapes,
-# where the bf16 cache's settings were slow. Batch 256 x context 600: 40.5 us against 62.0 (a bf16
-# cache: 42.4); 64 x 14,000, 4 splits: 210.5 against 315.5 (bf16: 217.8). Either way an 8-bit
-# cache is read at about half the bandwidth.
+# An fp8 cache: float16 dots over 32-key blocks in three stages, the fastest at both swept shapes
+# (40.5 us against the bf16 settings' 62.0 at batch 256 x context 600; docs/benchmarks-history.md).
 FP8_DECODE_CONFIG = {"block_n": 32, "num_stages": 3, "fp8_f16": True}
 
 
@@ -66,10 +64,9 @@ def num_splits(rows: int, kv_heads: int, device: torch.device) -> int:
 
 
 def decode_block_n(programs: int, device: torch.device) -> int:
-    """Keys per block of decode attention, from the H200 sweep (docs/benchmarks.md): 64-key
-    blocks read the cache fastest when the programs (rows x KV heads x splits) make 3 to 6 of the
-    multiprocessor count (batch 256 at 2 KV heads: 13% faster at contexts 600 and 1,000), 128-key
-    blocks below (batch 128: 10% faster) and above (batch 512: 2% faster)."""
+    """Keys per block of decode attention, from the H200 sweep (docs/benchmarks-history.md): 64
+    when the programs (rows x KV heads x splits) make 3 to 6 times the multiprocessor count (13%
+    faster at batch 256 and 2 KV heads), 128 below and above."""
     if device.type != "cuda":
         return DECODE_CONFIG["block_n"]
     sms = multiprocessors(device)

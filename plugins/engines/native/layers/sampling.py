@@ -1,11 +1,9 @@
 """Sampling one token per row with its log-prob: the torch sampler and the fused Triton sampler.
 
-The torch sampler (`sample`) does everything: temperature, top-k/top-p, the exponential race
-from a seeded generator, on the host's schedule. The fused sampler (`fast_sample`) does plain
-temperature sampling with its parameters and seed in device buffers, so it runs inside the
-decode step's CUDA graph: it reads the logits once for per-chunk statistics (max, sum of
-exponentials, argmax), then draws each row's token by inverse transform from those and one
-re-read chunk. SamplerState picks between them for one generate call.
+The torch sampler (`sample`) does everything (temperature, top-k/top-p, a seeded exponential
+race) on the host's schedule. The fused sampler (`fast_sample`) does plain temperature sampling
+with its parameters and seed in device buffers, so it runs inside the decode step's CUDA graph.
+SamplerState picks between them for one generate call.
 """
 
 from __future__ import annotations
