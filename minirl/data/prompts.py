@@ -1,17 +1,14 @@
-"""Prompt data: verl-schema parquet files -> tokenized prompts -> batches of prompt groups.
+"""Prompt data: verl-schema parquet files (docs/algorithms.md §8) -> tokenized prompts -> batches.
 
-A row has the columns data_source (str, picks the reward function), prompt (a list of chat
-messages {role, content}; the column is named by data.prompt_key), ability (str, optional),
-reward_model (struct {style, ground_truth}) and extra_info (struct, optional). Every malformed
-row is a DataError that names the file, the row, the field and the fix: a bad data file should
-never surface as a bare traceback from deep inside the trainer.
+Every malformed row is a DataError that names the file, the row, the field and the fix: a bad
+data file should never surface as a bare traceback from deep inside the trainer.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,16 +38,6 @@ class PromptRecord:
     source: str
     index: int
     ability: str = ""
-
-
-@dataclass
-class LoadStats:
-    """What load_prompts did to the rows: how many were read, dropped as overlong, truncated."""
-
-    n_rows: int = 0
-    n_filtered: int = 0
-    n_truncated: int = 0
-    filtered_sources: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,38 +159,17 @@ def _fit_length(ids: list[int], limit: int, mode: str, where: str) -> list[int]:
     )
 
 
-def _warn_unused_truncation(cfg: DataConfig) -> None:
-    if cfg.filter_overlong_prompts and cfg.truncation != "error":
-        log.warning(
-            "data.truncation = %r has no effect: data.filter_overlong_prompts = true drops "
-            "overlong prompts before any truncation",
-            cfg.truncation,
-        )
-
-
 # ---------------------------------------------------------------------------------------------
 # public entry points
 # ---------------------------------------------------------------------------------------------
 
 
-def load_prompts(
-    files: list[str], tokenizer: Any, cfg: DataConfig, prompt_key: str | None = None
-) -> list[PromptRecord]:
-    """Read verl-schema parquet files into tokenized prompts, in file and row order.
-
-    Each prompt is rendered with the tokenizer's chat template (add_generation_prompt=True).
-    Prompts longer than cfg.max_prompt_length are dropped when cfg.filter_overlong_prompts
-    (counted and logged), else handled by cfg.truncation: error (default) | left (keep the last
-    tokens) | right (keep the first) | middle (keep both ends). prompt_key defaults to
-    cfg.prompt_key. Raises DataError on malformed input.
-    """
-    key = prompt_key or cfg.prompt_key
-    if isinstance(files, str):
-        files = [files]  # one path given as a string would otherwise iterate its characters
+def load_prompts(files: list[str], tokenizer: Any, cfg: DataConfig) -> list[PromptRecord]:
+    """Read verl-schema parquet files into tokenized prompts, in file and row order; a prompt
+    longer than data.max_prompt_length is dropped or cut as docs/algorithms.md §8 says."""
     assert files, "the validation pass refuses an empty data.train_files (or data.val_files when used)"
-    _warn_unused_truncation(cfg)
-    records: list[PromptRecord] = []
-    stats = LoadStats()
+    key = cfg.prompt_key
+    records, dropped, n_rows, n_cut = [], [], 0, 0
     for path in files:
         cols = _read_columns(str(path), key)
         for row in range(len(cols["data_source"])):
@@ -212,60 +178,56 @@ def load_prompts(
             ids = render_prompt(tokenizer, messages, where)
             if not ids:
                 raise _bad_field(where, key, "renders to zero tokens; check the messages")
-            stats.n_rows += 1
+            n_rows += 1
             if len(ids) > cfg.max_prompt_length:
                 if cfg.filter_overlong_prompts:
-                    stats.n_filtered += 1
-                    stats.filtered_sources.append(where)
+                    dropped.append(where)
                     continue
                 ids = _fit_length(ids, cfg.max_prompt_length, cfg.truncation, where)
-                stats.n_truncated += 1
+                n_cut += 1
             records.append(PromptRecord(ids, source, truth, extra, where, len(records), ability))
-    _report(stats, files, cfg)
+    _report(n_rows, dropped, n_cut, files, cfg)
     return records
 
 
-def _report(stats: LoadStats, files: list[str], cfg: DataConfig) -> None:
+def _report(n_rows: int, dropped: list[str], n_cut: int, files: list[str], cfg: DataConfig) -> None:
     """Never drop or cut prompts silently: say how many, and fail when nothing is left."""
-    if stats.n_filtered:
+    limit = f"data.max_prompt_length = {cfg.max_prompt_length}"
+    if cfg.filter_overlong_prompts and cfg.truncation != "error":
         log.warning(
-            "dropped %d of %d prompts longer than data.max_prompt_length = %d "
-            "(data.filter_overlong_prompts = true); first: %s",
-            stats.n_filtered,
-            stats.n_rows,
-            cfg.max_prompt_length,
-            stats.filtered_sources[0],
-        )
-    if stats.n_truncated:
-        log.warning(
-            "truncated %d of %d prompts to data.max_prompt_length = %d (data.truncation = %r)",
-            stats.n_truncated,
-            stats.n_rows,
-            cfg.max_prompt_length,
+            "data.truncation = %r has no effect: data.filter_overlong_prompts = true drops "
+            "overlong prompts before any truncation",
             cfg.truncation,
         )
+    if dropped:
+        log.warning(
+            "dropped %d of %d prompts longer than %s (data.filter_overlong_prompts = true); first: %s",
+            len(dropped),
+            n_rows,
+            limit,
+            dropped[0],
+        )
+    if n_cut:
+        log.warning("truncated %d of %d prompts to %s (data.truncation = %r)", n_cut, n_rows, limit, cfg.truncation)
     names = ", ".join(map(str, files))
-    if stats.n_rows == 0:
+    if n_rows == 0:
         raise DataError(f"{names}: the files hold no rows; point data.train_files at real data")
-    if stats.n_rows == stats.n_filtered:
+    if n_rows == len(dropped):
         raise DataError(
-            f"{names}: no prompts left: all {stats.n_rows} rows are longer than "
-            f"data.max_prompt_length = {cfg.max_prompt_length}; raise data.max_prompt_length"
+            f"{names}: no prompts left: all {n_rows} rows are longer than {limit}; raise data.max_prompt_length"
         )
 
 
 class PromptLoader:
     """Batches of prompts, epoch after epoch.
 
-    Each epoch visits the records in an order drawn from a torch Generator seeded with
-    seed + epoch (so any epoch can be replayed, e.g. after resuming) and yields batches of
-    exactly batch_size prompts; the last partial batch of an epoch is dropped, so every step
-    sees the same number of prompts. A shard (rank, world) yields only its contiguous slice of
-    each global batch: all ranks walk the same global order without communicating.
+    Each epoch visits the records in an order seeded with seed + epoch (so any epoch can be
+    replayed after resuming), in batches of exactly batch_size prompts: the last partial batch
+    is dropped, so every step sees as many prompts. A shard (rank, world) yields its contiguous
+    slice of each global batch: all ranks walk the same order without communicating.
 
-    `next_batch()` hands the batches out one after another, epoch after epoch; `drawn` counts
-    them (the data position a checkpoint saves). A step draws one batch, or more with dynamic
-    sampling (minirl.algo.dynamic_sampling), so the position is not derived from the step.
+    `drawn` counts the batches next_batch() handed out (the data position a checkpoint saves):
+    dynamic sampling may draw several a step, so it is not derived from the step.
     """
 
     def __init__(
@@ -295,9 +257,6 @@ class PromptLoader:
     def steps_per_epoch(self) -> int:
         return len(self.records) // self.batch_size
 
-    def __len__(self) -> int:
-        return self.steps_per_epoch
-
     def shard(self, rank: int, world: int) -> "PromptLoader":
         """The same loader, yielding only rank's contiguous batch_size / world prompts of each batch."""
         return PromptLoader(self.records, self.batch_size, self.shuffle, self.seed, rank=rank, world=world)
@@ -308,11 +267,6 @@ class PromptLoader:
             return list(range(len(self.records)))
         gen = torch.Generator().manual_seed(self.seed + epoch)
         return torch.randperm(len(self.records), generator=gen).tolist()
-
-    def epoch_batches(self, epoch: int) -> Iterator[list[PromptRecord]]:
-        order = self.order(epoch)
-        for step in range(self.steps_per_epoch):
-            yield self._batch(order, step)
 
     def _batch(self, order: list[int], i: int) -> list[PromptRecord]:
         """This shard's prompts of batch i of an epoch visited in `order`."""

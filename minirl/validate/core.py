@@ -1,13 +1,8 @@
 """One pass over the resolved config before any model loads or worker starts.
 
-`validate(cfg, pm)` collects every invalid value at once and raises one ConfigError with a line
-per problem: the key, its value, where the value came from (file, profile, command line or
-default), the rule it breaks and the fix. The rules live in the modules beside this one, which
-share minirl.validate.problem and never import this module: values (one key at a time), critic
-(the [critic] section's own keys), layout (launcher, devices, mini-batches, the (dp, sp) mesh,
-token budgets), options (the run's and the algorithm's keys that go together) and files (the
-model directories, the data with a reward function for every data_source, the output
-directory). This module only collects them. `python -m minirl` and `--print-config` run it.
+`validate(cfg, pm)` collects every invalid value from the rule modules beside this one (RULES,
+then the files) and raises one ConfigError with a line per problem: the key, its value, where
+the value came from (file, profile, command line or default), the rule it breaks and the fix.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 from minirl.config.load import Config
 from minirl.critic import resolved
 from minirl.validate.critic import uses_critic
-from minirl.validate.problem import Problem, longest_sequence, value, world_size
+from minirl.validate.problem import Problem, value, world_size
 
 
 def launcher_problems(cfg: Config, pm) -> list[Problem]:
@@ -104,7 +104,8 @@ def token_budget_problems(cfg: Config, pm) -> list[Problem]:
     """With dynamic batching a micro-batch holds at least one whole sequence. Each rank of an sp
     group holds 1/sp of a micro-batch's tokens, so a budget per GPU times the actor's
     ulysses_sequence_parallel_size (the mesh every model runs on) must reach the longest sequence."""
-    longest, sp = longest_sequence(cfg), max(1, cfg.actor.ulysses_sequence_parallel_size)
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    sp = max(1, cfg.actor.ulysses_sequence_parallel_size)
     least = -(-longest // sp)
     sequence = f"one sequence (max_prompt_length + max_response_length = {longest})"
     out = []

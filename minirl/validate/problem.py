@@ -1,9 +1,6 @@
-"""What the rules of the validation pass share: the Problem each one reports, a key's value, and
-the shape of the job (worker processes, sp, the longest sequence) that several rules divide by.
-
-Every rule module (values, critic, layout, options, files) imports this one, and none imports
-minirl.validate.core, which collects their problems and reports them: so the package has no
-import circle.
+"""What the rules of the validation pass share: the Problem each one reports, a key's value and
+the number of worker processes. Every rule module imports this one and none imports
+minirl.validate.core: no import circle.
 """
 
 from __future__ import annotations
@@ -49,8 +46,3 @@ def world_size(cfg: Config) -> int:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes if device == "cuda" else cfg.trainer.world_size
-
-
-def longest_sequence(cfg: Config) -> int:
-    """Tokens of the longest sequence a batch can hold: prompt and response at their limits."""
-    return cfg.data.max_prompt_length + cfg.data.max_response_length

@@ -22,11 +22,6 @@ def value_problems(cfg: Config, pm) -> list[Problem]:
     return [*_non_finite(cfg), *range_problems(cfg, RANGES), *choice_problems(cfg, CHOICES), *_registries(cfg, pm)]
 
 
-# ---------------------------------------------------------------------------------------------
-# one key at a time
-# ---------------------------------------------------------------------------------------------
-
-
 def _non_finite(cfg: Config) -> list[Problem]:
     """NaN or inf in any float of a core section poisons every update it touches."""
     out = []
@@ -193,16 +188,8 @@ def _kl_penalty_per_token(cfg: Config, pm) -> list[Problem]:
     """KL in the reward is a per-token penalty from the sampled tokens' log-probs; an estimator
     over whole logits (`full`) has nothing to read there."""
     alg = cfg.algorithm
-    if not alg.use_kl_in_reward or alg.kl_penalty not in pm["kl_estimators"]:
-        return []
-    if not getattr(pm["kl_estimators"].get(alg.kl_penalty), "needs_logits", False):
+    if not alg.use_kl_in_reward or not getattr(pm["kl_estimators"].items.get(alg.kl_penalty), "needs_logits", False):
         return []
     rule = "KL in the reward reads the sampled tokens' log-probs; this estimator needs whole logits"
-    return [
-        Problem(
-            "algorithm.kl_penalty",
-            alg.kl_penalty,
-            rule,
-            "choose kl, abs, mse or low_var_kl (full is for actor.kl_loss_type)",
-        )
-    ]
+    fix = "choose kl, abs, mse or low_var_kl (full is for actor.kl_loss_type)"
+    return [Problem("algorithm.kl_penalty", alg.kl_penalty, rule, fix)]

@@ -381,7 +381,7 @@ def test_config_not_utf8(capsys, tmp_path):
 
 
 def test_missing_profile(capsys):
-    fails(capsys, ["--config", BENCH, "--profile", "tpu"], "--profile 'tpu'", "available: cpu")
+    fails(capsys, ["--config", BENCH, "--profile", "tpu"], "--profile 'tpu'", "available: 8xh100, cpu")
 
 
 def test_output_directory_under_a_regular_file(capsys, tmp_path, base):

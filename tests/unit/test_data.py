@@ -63,6 +63,14 @@ def records(n):
     return [PromptRecord([i], "copy", str(i), {}, f"f:{i}", i) for i in range(n)]
 
 
+def epoch_batches(loader, epoch):
+    """This shard's batches of one epoch, sliced from loader.order(epoch) here: the reference
+    that next_batch must follow."""
+    order, per_rank = loader.order(epoch), loader.batch_size // loader.world
+    starts = range(loader.rank * per_rank, loader.steps_per_epoch * loader.batch_size, loader.batch_size)
+    return [[loader.records[j] for j in order[start : start + per_rank]] for start in starts]
+
+
 # ---------------------------------------------------------------------------------------------
 # loading
 # ---------------------------------------------------------------------------------------------
@@ -89,9 +97,7 @@ def test_optional_columns_may_be_absent_and_prompt_key_is_configurable(tmp_path)
     del r["ability"], r["extra_info"]
     path = write(tmp_path, [r])
     recs = load_prompts([path], TOK, cfg(prompt_key="question"))
-    assert recs[0].extra_info == {} and recs[0].ability == ""
-    recs = load_prompts([path], TOK, cfg(), prompt_key="question")
-    assert len(recs) == 1
+    assert len(recs) == 1 and recs[0].extra_info == {} and recs[0].ability == ""
 
 
 def test_real_transformers_tokenizer(tmp_path):
@@ -256,8 +262,8 @@ def test_truncation_ignored_under_filter_warns(tmp_path, caplog):
 def test_batches_are_full_and_last_partial_is_dropped():
     """Every step sees exactly batch_size prompts; 10 records at 4 per batch give 2 steps."""
     loader = PromptLoader(records(10), batch_size=4, shuffle=True, seed=0)
-    batches = list(loader.epoch_batches(0))
-    assert loader.steps_per_epoch == len(loader) == 2
+    batches = [loader.next_batch() for _ in range(loader.steps_per_epoch)]
+    assert loader.steps_per_epoch == 2
     assert [len(b) for b in batches] == [4, 4]
     assert len({r.index for b in batches for r in b}) == 8
 
@@ -265,12 +271,12 @@ def test_batches_are_full_and_last_partial_is_dropped():
 def test_shuffle_is_deterministic_per_seed_and_epoch():
     """Same (seed, epoch) -> same order (resumable); epochs and seeds differ; no shuffle = file order."""
     order = lambda seed, epoch: [
-        r.index for b in PromptLoader(records(32), 8, True, seed).epoch_batches(epoch) for r in b
+        r.index for b in epoch_batches(PromptLoader(records(32), 8, True, seed), epoch) for r in b
     ]
     assert order(3, 0) == order(3, 0)
     assert order(3, 0) != order(3, 1) and order(3, 0) != order(4, 0)
     assert sorted(order(3, 1)) == list(range(32))
-    plain = [r.index for b in PromptLoader(records(32), 8, False, 3).epoch_batches(5) for r in b]
+    plain = [r.index for b in epoch_batches(PromptLoader(records(32), 8, False, 3), 5) for r in b]
     assert plain == list(range(32))
 
 
@@ -278,8 +284,8 @@ def test_shards_partition_each_global_batch_contiguously():
     """Ranks take contiguous, whole-prompt slices that concatenate (in rank order) to the batch."""
     loader = PromptLoader(records(24), 6, True, 1)
     shards = [loader.shard(rank, 3) for rank in range(3)]
-    for step, batch in enumerate(loader.epoch_batches(2)):
-        parts = [list(s.epoch_batches(2))[step] for s in shards]
+    for batch in [loader.next_batch() for _ in range(3 * loader.steps_per_epoch)]:  # three epochs
+        parts = [s.next_batch() for s in shards]
         assert [len(p) for p in parts] == [2, 2, 2]
         assert [r.index for p in parts for r in p] == [r.index for r in batch]
 
@@ -310,10 +316,10 @@ def test_expand_groups_is_prompt_major():
 
 
 def test_next_batch_walks_the_epochs_and_counts_the_position():
-    """next_batch hands out epoch_batches(0), then epoch_batches(1), ...; `drawn` counts them (the
+    """next_batch hands out the batches of epoch 0, then of epoch 1, ...; `drawn` counts them (the
     data position a checkpoint saves), and a loader set to a position continues from there."""
     loader = PromptLoader(records(20), 8, True, seed=2).shard(1, 2)
-    want = [[r.index for r in b] for e in range(3) for b in loader.epoch_batches(e)]
+    want = [[r.index for r in b] for e in range(3) for b in epoch_batches(loader, e)]
     assert [[r.index for r in loader.next_batch()] for _ in range(5)] == want[:5] and loader.drawn == 5
     resumed = PromptLoader(records(20), 8, True, seed=2).shard(1, 2)
     resumed.drawn = 3
