@@ -10,16 +10,9 @@ from __future__ import annotations
 
 import os
 
-DEBUG_ENV = "MINIRL_DEBUG"
-
 
 class UserError(ValueError):
     """A mistake in the user's config, data or plugins; the message names where and how to fix it."""
-
-
-def debug_enabled() -> bool:
-    """MINIRL_DEBUG=1: show full tracebacks of wrapped plugin and model-file errors."""
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 def describe(exc: BaseException) -> str:
@@ -32,17 +25,15 @@ def describe(exc: BaseException) -> str:
 
 
 def wrapped(what: str, exc: BaseException, fix: str = "") -> UserError:
-    """A UserError for `exc` raised by `what` (a plugin, a file); raise it `from exc`.
-
-    Under MINIRL_DEBUG=1 callers re-raise the original instead (see `reraise_if_debug`).
-    """
+    """A UserError for `exc` raised by `what` (a plugin, a file); raise it `from exc` (under
+    MINIRL_DEBUG=1, callers re-raise the original instead: `reraise_if_debug`)."""
     fix = f"; {fix}" if fix else ""
     return UserError(f"{what} failed: {describe(exc)}{fix} (MINIRL_DEBUG=1 shows the full traceback)")
 
 
 def reraise_if_debug() -> None:
     """Inside an `except` block: let the original exception through when MINIRL_DEBUG is set."""
-    if debug_enabled():
+    if os.environ.get("MINIRL_DEBUG", "") not in ("", "0"):
         raise  # noqa: PLE0704 - re-raises the exception being handled
 
 

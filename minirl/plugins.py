@@ -38,44 +38,20 @@ BUILTIN_MODULES = (
 )
 
 ENTRY_POINT_GROUP = "minirl"
-
-REGISTRIES = {
-    "advantage_estimators": "minirl_advantage_estimators",
-    "kl_estimators": "minirl_kl_estimators",
-    "policy_losses": "minirl_policy_losses",
-    "reward_functions": "minirl_reward_functions",
-    "rollout_engines": "minirl_rollout_engines",
-    "loggers": "minirl_loggers",
-    "config_sections": "minirl_config_sections",
-    "launchers": "minirl_launchers",
-}
-
-# The config key that selects from each registry, for error messages.
-SELECTED_BY = {
-    "advantage_estimators": "algorithm.adv_estimator",
-    "kl_estimators": "actor.kl_loss_type / algorithm.kl_penalty",
-    "policy_losses": "actor.policy_loss",
-    "reward_functions": "the data_source column of the data",
-    "rollout_engines": "rollout.name",
-    "loggers": "trainer.logger",
-    "config_sections": "a [section] of the config file",
-    "launchers": "trainer.launcher",
-}
-
-
-# What one component of each registry is called, for error messages.
-COMPONENT = {
-    "advantage_estimators": "advantage estimator",
-    "kl_estimators": "KL estimator",
-    "policy_losses": "policy loss",
-    "reward_functions": "reward function",
-    "rollout_engines": "rollout engine",
-    "loggers": "logger",
-    "config_sections": "config section",
-    "launchers": "launcher",
-}
-
 BUILTIN_PREFIX = "minirl_plugins."
+
+# kind -> (what one component is called, the config key that selects one), for error messages;
+# the registration hook of each kind is minirl_<kind>
+KINDS = {
+    "advantage_estimators": ("advantage estimator", "algorithm.adv_estimator"),
+    "kl_estimators": ("KL estimator", "actor.kl_loss_type / algorithm.kl_penalty"),
+    "policy_losses": ("policy loss", "actor.policy_loss"),
+    "reward_functions": ("reward function", "the data_source column of the data"),
+    "rollout_engines": ("rollout engine", "rollout.name"),
+    "loggers": ("logger", "trainer.logger"),
+    "config_sections": ("config section", "a [section] of the config file"),
+    "launchers": ("launcher", "trainer.launcher"),
+}
 
 
 class PluginError(UserError):
@@ -97,7 +73,7 @@ class Registry:
                 f"and by {provider}; rename one of them or drop one plugin"
             )
         third_party = BUILTIN_PREFIX not in provider and self.kind != "config_sections"
-        what = f"{COMPONENT[self.kind]} {name!r} of {provider}"
+        what = f"{KINDS[self.kind][0]} {name!r} of {provider}"
         self.items[name] = guarded(component, what, RESULT_CHECKS.get(self.kind)) if third_party else component
         self.providers[name] = provider
 
@@ -108,10 +84,11 @@ class Registry:
 
     def unknown(self, name: str) -> str:
         """The message for a name nobody registered: the closest name, then the registered ones."""
+        component, key = KINDS[self.kind]
         hint = difflib.get_close_matches(name, list(self.items), n=1)
         did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
         return (
-            f"{SELECTED_BY[self.kind]} = {name!r}: no such {COMPONENT[self.kind]}{did_you_mean}; "
+            f"{key} = {name!r}: no such {component}{did_you_mean}; "
             f"registered: {', '.join(sorted(self.items)) or '(none)'}"
         )
 
@@ -139,7 +116,7 @@ class PluginManager:
         self._check_hook_names()
         self.pm.check_pending()  # anything our own check does not cover
         self.hook = self.pm.hook
-        self.registries = {kind: self._collect(kind, hook) for kind, hook in REGISTRIES.items()}
+        self.registries = {kind: self._collect(kind, f"minirl_{kind}") for kind in KINDS}
 
     def _register_module(self, name: str, source: str) -> None:
         try:
@@ -214,13 +191,10 @@ class PluginManager:
     def __getitem__(self, kind: str) -> Registry:
         return self.registries[kind]
 
-    def plugin_names(self) -> list[str]:
-        return [name for name, _ in self.pm.list_name_plugin()]
-
     def describe(self) -> str:
         """What `python -m minirl plugins` prints: every plugin, then every component by kind."""
         lines = ["plugins:"]
-        lines += [f"  {name}" for name in self.plugin_names()]
+        lines += [f"  {name}" for name, _ in self.pm.list_name_plugin()]
         for kind, registry in self.registries.items():
             lines.append(f"{kind}:")
             for name in sorted(registry.items):

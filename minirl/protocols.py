@@ -225,19 +225,6 @@ class SequenceParallel(Protocol):
         gather's backward must hand each rank the gradient of its own slice."""
 
 
-@dataclass(frozen=True)
-class ModelHooks:
-    """What parallelism plugins installed on a model; None where none did."""
-
-    packed_forward: PackedForward | None
-    sequence_parallel: SequenceParallel | None
-
-
-def model_hooks(model: Any) -> ModelHooks:
-    """The one place the hooks are read off a model."""
-    return ModelHooks(getattr(model, PACKED_FORWARD, None), getattr(model, SEQUENCE_PARALLEL, None))
-
-
 # ---------------------------------------------------------------------------------------------
 # launchers
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from minirl.algo.guard import NonFiniteGuard
 from minirl.algo.kl_control import apply_kl_in_reward, build_kl_controller
 from minirl.algo.rollout_corr import require_rollout_log_probs, rollout_log_probs_BT
 from minirl.batch import RolloutBatch, response_mask
-from minirl.checkpoint import faults, save_hf_checkpoint
+from minirl.checkpoint import save_hf_checkpoint
 from minirl.checkpoint import state as ckpt_state
 from minirl.checkpoint import training as ckpt_training
 from minirl.checkpoint.resume import plan_run
@@ -118,7 +118,6 @@ class Trainer:
                     metrics.update(self.validate())
                 self._log(metrics, step)
                 self.guard.observe(metrics, step)  # after the log: the bad step is on record
-                faults.maybe_crash("after_step", step)
                 signum = stop.agreed(self.dist.device)
                 self._save_due(step, force=signum is not None)
                 if signum is not None:
@@ -302,7 +301,7 @@ class Trainer:
                 batch.mask_BT,
                 self.kl_ctrl.value,
                 kl_fn,
-                reduce=self.dist.reduce_sum,
+                reduce=self.dist.all_reduce,
             )
             metrics = {"critic/kl": float(mean_kl), "critic/kl_coef": self.kl_ctrl.value}
             self.kl_ctrl.update(float(mean_kl), len(batch) * self.dist.dp_size)
@@ -311,7 +310,7 @@ class Trainer:
             batch.mask_BT,
             batch.group_B.to(self.dist.device),
             values_BT=batch.values_BT,  # the critic's (gae); None without one
-            reduce=self.dist.reduce_sum,
+            reduce=self.dist.all_reduce,
         )
         batch.advantages_BT, batch.returns_BT = self.estimator(inputs, self.cfg.algorithm)
         batch.rewards_BT = rewards_BT

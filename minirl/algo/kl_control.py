@@ -44,11 +44,10 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_seqs / self.horizon
 
 
-def _fixed(cfg: Any) -> FixedKLController:
-    return FixedKLController(cfg.kl_coef)
-
-
-def _adaptive(cfg: Any) -> AdaptiveKLController:
+def build_kl_controller(cfg: Any) -> FixedKLController | AdaptiveKLController:
+    """The controller that algorithm.kl_ctrl describes (its type and kl_coef are validated up front)."""
+    if cfg.type == "fixed":
+        return FixedKLController(cfg.kl_coef)
     if not cfg.target_kl > 0:
         raise UserError(
             f"algorithm.kl_ctrl.target_kl = {cfg.target_kl!r}: the adaptive controller divides by "
@@ -59,23 +58,6 @@ def _adaptive(cfg: Any) -> AdaptiveKLController:
             f"algorithm.kl_ctrl.horizon = {cfg.horizon!r}: must be a positive number of sequences (e.g. 10000)"
         )
     return AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.horizon)
-
-
-KL_CONTROLLERS = {"fixed": _fixed, "adaptive": _adaptive}
-
-
-def build_kl_controller(kl_ctrl_cfg: Any) -> FixedKLController | AdaptiveKLController:
-    """The controller that algorithm.kl_ctrl (a KLCtrlConfig) describes."""
-    if kl_ctrl_cfg.type not in KL_CONTROLLERS:
-        raise UserError(
-            f"algorithm.kl_ctrl.type = {kl_ctrl_cfg.type!r}: unknown controller; valid: {', '.join(KL_CONTROLLERS)}"
-        )
-    if kl_ctrl_cfg.kl_coef < 0:
-        raise UserError(
-            f"algorithm.kl_ctrl.kl_coef = {kl_ctrl_cfg.kl_coef!r}: a negative β rewards drifting "
-            "away from the reference; use a value >= 0"
-        )
-    return KL_CONTROLLERS[kl_ctrl_cfg.type](kl_ctrl_cfg)
 
 
 def apply_kl_in_reward(

@@ -5,20 +5,12 @@ Averaging each micro-batch's own mean and then averaging those (what many framew
 tokens by how the batch happened to be split. minirl instead counts tokens and sequences of the
 whole mini-batch once (`mini_batch_norm`, one all-reduce), and each micro-batch contributes its
 partial *sum* divided by those global counts (`aggregate`). The sum of the contributions over all
-micro-batches and ranks is then exactly the global value, and so is its gradient, for any split.
-
-Usage, per mini-batch:
-    norm = mini_batch_norm([mb.mask_BT for mb in micro_batches], reduce, cfg.loss_scale_factor, T)
-    for mb in micro_batches:
-        (aggregate(loss_BT, mb.mask_BT, cfg.loss_agg_mode, norm) * dp_world_size).backward()
-
-Data-parallel wrappers (FSDP, DDP) *average* gradients over ranks; the contributions here are
-meant to be *summed* over ranks, so the caller multiplies each one by the dp world size (the
-`* dp_world_size` above) to undo the wrapper's division.
+micro-batches and ranks is then exactly the global value, and so is its gradient, for any split
+(the ranks' gradients are summed, not averaged: minirl.dist.context.DistContext.loss_scale).
 
 Sequences with no valid token (padding rows) are not counted: they contribute nothing and must not
-dilute the seq-mean modes. With sequence parallelism the masks passed here must be the
-full-sequence masks (a sequence split over shards is still one sequence).
+dilute the seq-mean modes. With sequence parallelism the masks are still the full-sequence masks
+(a sequence split over shards is one sequence).
 """
 
 from __future__ import annotations
@@ -28,7 +20,6 @@ from typing import Callable
 
 import torch
 
-from minirl.errors import UserError
 from minirl.protocols import Reducer
 
 
@@ -46,27 +37,15 @@ class AggNorm:
 
 
 def mini_batch_norm(
-    masks: list[torch.Tensor], reduce: Reducer, loss_scale_factor: float | None, max_response_length: int
+    mask_BT: torch.Tensor, reduce: Reducer, loss_scale_factor: float | None, max_response_length: int
 ) -> AggNorm:
-    """Count the mini-batch's tokens and sequences over every micro-batch mask and every rank.
-
-    One reduce call on a stacked float64 tensor (float32 counts stop being exact above 2^24
-    tokens, which a large mini-batch reaches). One host sync per mini-batch.
-    """
+    """Count the mini-batch's tokens and sequences over every rank: one reduce of a stacked
+    float64 tensor (float32 counts stop being exact above 2^24 tokens, which a large mini-batch
+    reaches), so one host sync per mini-batch."""
     scale = max_response_length if loss_scale_factor is None else loss_scale_factor
-    if not scale > 0:
-        raise UserError(
-            f"actor.loss_scale_factor = {loss_scale_factor!r} (max response length "
-            f"{max_response_length}): the seq-mean-token-sum-norm divisor must be > 0; "
-            "leave loss_scale_factor unset to use the max response length"
-        )
-    if not masks:
-        raise ValueError("mini_batch_norm needs the masks of at least one micro-batch")
-    local = torch.zeros(2, dtype=torch.float64, device=masks[0].device)
-    for mask_BT in masks:
-        tokens_B = mask_BT.to(torch.float64).sum(-1)
-        local += torch.stack([tokens_B.sum(), (tokens_B > 0).to(torch.float64).sum()])
-    tokens, seqs = reduce(local).tolist()
+    assert scale > 0, "validation requires actor.loss_scale_factor > 0 and data.max_response_length >= 1"
+    tokens_B = mask_BT.to(torch.float64).sum(-1)
+    tokens, seqs = reduce(torch.stack([tokens_B.sum(), (tokens_B > 0).to(torch.float64).sum()])).tolist()
     return AggNorm(tokens=tokens, seqs=seqs, scale=float(scale))
 
 
@@ -103,17 +82,11 @@ LOSS_AGG_MODES: dict[str, Callable[[torch.Tensor, torch.Tensor, AggNorm], torch.
 }
 
 
-def check_loss_agg_mode(mode: str) -> None:
-    """Raise the user-facing error for an unknown actor.loss_agg_mode (call at start-up too)."""
-    if mode not in LOSS_AGG_MODES:
-        raise UserError(f"actor.loss_agg_mode = {mode!r}: unknown mode; valid modes: {', '.join(LOSS_AGG_MODES)}")
-
-
 def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, norm: AggNorm) -> torch.Tensor:
     """This micro-batch's contribution to the mini-batch loss (a 0-d tensor).
 
     Summed over every micro-batch and rank of the mini-batch it equals the `mode` aggregate of
     the whole mini-batch, value and gradient. Empty counts divide by 1 (the sums are then 0).
+    `mode` is validated up front (minirl.validate).
     """
-    check_loss_agg_mode(mode)
     return LOSS_AGG_MODES[mode](loss_BT, mask_BT.to(loss_BT.dtype), norm)

@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from minirl.checkpoint import faults, store
+from minirl.checkpoint import store
 from minirl.dist.context import DistContext
 from minirl.errors import UserError
 
@@ -71,7 +71,6 @@ def save(run_dir: str, step: int, parts: Checkpointable, trainer_state: dict, co
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
     _dcp_save(parts, tmp)
-    faults.maybe_crash("checkpoint", step)  # tests: killed between the shards and the rest
     store.write_file_durably(os.path.join(tmp, "rng", f"rank{dist.rank}.pt"), _rng_bytes(dist.device))
     if dist.is_main:
         store.write_file_durably(os.path.join(tmp, TRAINER_STATE), json.dumps(trainer_state, indent=1).encode())

@@ -48,7 +48,8 @@ class DistContext:
         return None if self.mesh is None else self.mesh["dp"].get_group()
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Sum (or max/min) over the data-parallel ranks; returns a new tensor."""
+        """Sum (or max/min) over the data-parallel ranks; returns a new tensor. With the default
+        sum it is the `Reducer` (minirl.protocols) the algorithm library takes."""
         if self.dp_size == 1 or not tdist.is_initialized():
             return x.clone()
         out = x.detach().clone()
@@ -78,10 +79,6 @@ class DistContext:
         box = [obj]
         tdist.broadcast_object_list(box, group=self.mesh["sp"].get_group(), group_src=0)
         return box[0]
-
-    def reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """The `Reducer` handed to the algorithm library."""
-        return self.all_reduce(x, "sum")
 
     def barrier(self) -> None:
         if tdist.is_initialized():

@@ -26,7 +26,7 @@ from minirl.dist.transfer import tensor_to, to_device
 from minirl.forward.logprob import chunked_logprobs
 from minirl.models import assembly
 from minirl.models.attention import ATTN_NAME, packed_forward_kwargs
-from minirl.protocols import model_hooks
+from minirl.protocols import PACKED_FORWARD, SEQUENCE_PARALLEL
 
 Head = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], tuple]
 """head(model, hidden_rH, labels_r) -> a tuple of per-position outputs [r, ...] (or None)."""
@@ -74,7 +74,7 @@ def packed_forward(model: torch.nn.Module, prompts, responses, device: torch.dev
 def run_packed(model: torch.nn.Module, fn, *args):
     """fn(model, *args), through the model's PackedForward hook when a data-parallel plugin
     installed one (minirl.protocols says why FSDP2 needs it)."""
-    hook = model_hooks(model).packed_forward
+    hook = getattr(model, PACKED_FORWARD, None)
     return fn(model, *args) if hook is None else hook(fn, *args)
 
 
@@ -93,7 +93,7 @@ def _forward_with_head(model, input_ids_1N, seq_lens, pred_pos_R, labels_R, head
 def split(model: torch.nn.Module, input_ids_1N, seq_lens: list[int], pred_pos_R, labels_R):
     """This rank's share of a packed row (minirl.protocols.SequenceParallel.split's contract):
     the whole row, unless a sequence-parallel plugin cuts it into slices."""
-    sp = model_hooks(model).sequence_parallel
+    sp = getattr(model, SEQUENCE_PARALLEL, None)
     if sp is not None:
         return sp.split(input_ids_1N, seq_lens, pred_pos_R, labels_R)
     kwargs = packed_forward_kwargs(seq_lens, input_ids_1N.device, _reads_no_mask(model))

@@ -122,5 +122,5 @@ def value_metrics(batch: RolloutBatch, dist: DistContext) -> dict[str, float]:
     values_BT, returns_BT = batch.values_BT, batch.returns_BT
     out = reduced_stats("critic/values", values_BT[mask], dist)
     out["critic/returns/mean"] = reduced_stats("critic/returns", returns_BT[mask], dist)["critic/returns/mean"]
-    out["critic/vf_explained_var"] = explained_variance(returns_BT, values_BT, batch.mask_BT, dist.reduce_sum)
+    out["critic/vf_explained_var"] = explained_variance(returns_BT, values_BT, batch.mask_BT, dist.all_reduce)
     return out

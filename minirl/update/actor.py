@@ -78,7 +78,7 @@ def update_actor(job: ActorUpdate, batch: RolloutBatch, dist: DistContext) -> di
     """
     check_advantages(batch)
     assert job.on_policy == (batch.old_log_probs_BT is None), "the old-log-prob pass runs unless on-policy"
-    input_phase = first_nonfinite_input(batch, dist.reduce_sum)
+    input_phase = first_nonfinite_input(batch, dist.all_reduce)
     mismatch = _mismatch_stats(batch, dist)
     loss = functools.partial(_micro_batch_loss, job, mismatch, dist)
     metrics, bad_phases = run_update(job.update, batch, loss, dist)

@@ -55,7 +55,7 @@ def run_update(update: Update, batch: RolloutBatch, loss: MicroBatchLoss, dist: 
             grad_norm, bad = _mini_batch_step(update, batch.select(mini), loss, dist, sums)
             grad_norms.append(grad_norm)
             bad_phases += [bad] if bad else []
-    metrics = sums.means(len(grad_norms), update.prefix, dist.reduce_sum)
+    metrics = sums.means(len(grad_norms), update.prefix, dist.all_reduce)
     finite = [g for g in grad_norms if math.isfinite(g)]
     metrics[f"{update.prefix}grad_norm"] = sum(finite) / max(1, len(finite))
     metrics[f"{update.prefix}{NONFINITE_STEPS}"] = float(len(bad_phases))
@@ -67,7 +67,7 @@ def _mini_batch_step(update: Update, mb: RolloutBatch, loss: MicroBatchLoss, dis
 
     Returns (grad_norm, "" or the phase of the first non-finite value: "loss" or "grad_norm").
     """
-    norm = mini_batch_norm([mb.mask_BT], dist.reduce_sum, update.loss_scale_factor, update.max_response_length)
+    norm = mini_batch_norm(mb.mask_BT, dist.all_reduce, update.loss_scale_factor, update.max_response_length)
     loss_sum = torch.zeros((), device=dist.device)
     for idx in split_micro(mb, update.micro, dist.max_over_ranks, dist.sp_size):
         micro_loss = loss(select_micro(mb, idx), norm, sums)
@@ -76,7 +76,7 @@ def _mini_batch_step(update: Update, mb: RolloutBatch, loss: MicroBatchLoss, dis
     grad_norm = torch.nn.utils.clip_grad_norm_(update.model.parameters(), update.grad_clip)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
         grad_norm = grad_norm.full_tensor()
-    bad, norm = nonfinite_step(loss_sum, grad_norm, dist.reduce_sum)
+    bad, norm = nonfinite_step(loss_sum, grad_norm, dist.all_reduce)
     if not bad:
         update.optimizer.step()  # a skipped step keeps NaN and inf out of the weights and the optimizer state
     update.optimizer.zero_grad(set_to_none=True)

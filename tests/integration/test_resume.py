@@ -2,7 +2,8 @@
 'auto' logs the same metrics and ends with the same weights as a run that was never interrupted,
 at world 1 and at world 2 (gloo, FSDP2). Checkpoints are atomic, pruned, verified on load.
 
-The jobs are real `python -m minirl` processes (a SIGKILL must hit a process, not a test).
+The jobs are real `python -m minirl` processes (a SIGKILL must hit a process, not a test); a
+job to be killed runs through tests/integration/crash_run.py, which kills it at a named point.
 The data has 24 prompts, 8 per step: an epoch is 3 steps, so the checkpoint at step 3 sits
 exactly on the epoch boundary (verl's resume there trains 0 steps).
 """
@@ -33,12 +34,13 @@ def small_data(tmp_path_factory) -> Path:
     return out
 
 
-def job(run_root: Path, data: Path, *overrides: str, world: int = 1, env: dict | None = None, wait: bool = True):
-    """`python -m minirl --config bench.toml --profile cpu`, 6 small steps, metrics to jsonl."""
+def job(run_root: Path, data: Path, *overrides: str, world: int = 1, crash: str = "", wait: bool = True):
+    """`python -m minirl --config bench.toml --profile cpu`, 6 small steps, metrics to jsonl;
+    `crash` ("POINT:STEP[:RANK]"): killed there (tests/integration/crash_run.py)."""
     args = [
         sys.executable,
         "-m",
-        "minirl",
+        "tests.integration.crash_run" if crash else "minirl",
         *cli_args(
             run_root,
             data / "copy" / "train.parquet",
@@ -52,9 +54,8 @@ def job(run_root: Path, data: Path, *overrides: str, world: int = 1, env: dict |
             *overrides,
         ),
     ]
-    kwargs = dict(
-        cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    env = {**os.environ, "MINIRL_TEST_CRASH": crash}
+    kwargs = dict(cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if not wait:
         return subprocess.Popen(args, **kwargs)
     return subprocess.run(args, timeout=400, check=False, **kwargs)
@@ -104,7 +105,7 @@ def straight2(tmp_path_factory, small_data) -> Path:
 def test_sigkill_then_auto_resume_is_bit_exact(tmp_path, small_data, straight):
     """Killed during step 4 (after its metrics line): the resume from ckpt_3 (an epoch boundary)
     drops that line, redoes steps 4-6 and matches the straight run in every metric and weight."""
-    crashed = job(tmp_path, small_data, "trainer.save_freq=3", env={"MINIRL_TEST_CRASH": "after_step:4"})
+    crashed = job(tmp_path, small_data, "trainer.save_freq=3", crash="after_step:4")
     assert crashed.returncode == -signal.SIGKILL
     assert [r["step"] for r in metrics(tmp_path / "bench")] == [1, 2, 3, 4]
     resumed = job(tmp_path, small_data, "trainer.save_freq=3")
@@ -116,7 +117,7 @@ def test_sigkill_then_auto_resume_is_bit_exact(tmp_path, small_data, straight):
 @pytest.mark.distributed
 def test_sigkill_then_auto_resume_is_bit_exact_at_world_2(tmp_path, small_data, straight2):
     """The same at world 2 with FSDP2 shards: rank 1 dies, the job stops, the resume is exact."""
-    crashed = job(tmp_path, small_data, "trainer.save_freq=3", world=2, env={"MINIRL_TEST_CRASH": "after_step:4:1"})
+    crashed = job(tmp_path, small_data, "trainer.save_freq=3", world=2, crash="after_step:4:1")
     assert crashed.returncode != 0
     resumed = job(tmp_path, small_data, "trainer.save_freq=3", world=2)
     assert_clean_exit(resumed, 0)
@@ -129,7 +130,7 @@ def test_kill_between_shards_keeps_the_previous_checkpoint(tmp_path, small_data,
     """Rank 0 dies inside the write of ckpt_6 after its shard: no ckpt_6 appears, `latest` still
     names ckpt_3, the next start resumes from ckpt_3, removes the half-written one and finishes
     exactly like the straight run."""
-    crashed = job(tmp_path, small_data, "trainer.save_freq=3", world=2, env={"MINIRL_TEST_CRASH": "checkpoint:6:0"})
+    crashed = job(tmp_path, small_data, "trainer.save_freq=3", world=2, crash="checkpoint:6:0")
     run = tmp_path / "bench"
     assert crashed.returncode != 0
     assert (run / ".tmp_ckpt_6").is_dir() and not (run / "ckpt_6").exists()
@@ -194,7 +195,7 @@ def test_sigkill_then_resume_on_cuda_matches_the_straight_run(tmp_path, small_da
     a killed-and-resumed run reproduces the uninterrupted one's metrics and weights."""
     cuda = ("trainer.device=cuda", "trainer.save_freq=3")
     assert_clean_exit(job(tmp_path / "a", small_data, *cuda), 0)
-    crashed = job(tmp_path / "b", small_data, *cuda, env={"MINIRL_TEST_CRASH": "after_step:4"})
+    crashed = job(tmp_path / "b", small_data, *cuda, crash="after_step:4")
     assert crashed.returncode == -signal.SIGKILL
     assert_clean_exit(job(tmp_path / "b", small_data, *cuda), 0)
     assert_same_run(tmp_path / "b" / "bench", tmp_path / "a" / "bench")

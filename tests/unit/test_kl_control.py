@@ -52,15 +52,20 @@ def test_adaptive_moves_beta_towards_the_target_by_a_bounded_factor(kl, n):
 
 
 def test_bad_controller_settings_are_user_errors():
-    """Unknown type, non-positive target or horizon, negative β: ValueErrors naming the key."""
+    """Non-positive target or horizon: ValueErrors naming the key; an unknown type and a negative β
+    are refused up front by validation."""
+    from minirl.config.load import load_config
+    from minirl.validate.values import CHOICES, RANGES, choice_problems, range_problems
+
     for cfg, key in (
-        (replace(ADAPTIVE, type="pid"), "algorithm.kl_ctrl.type"),
         (replace(ADAPTIVE, target_kl=0.0), "algorithm.kl_ctrl.target_kl"),
         (replace(ADAPTIVE, horizon=0), "algorithm.kl_ctrl.horizon"),
-        (replace(ADAPTIVE, kl_coef=-1.0), "algorithm.kl_ctrl.kl_coef"),
     ):
         with pytest.raises(ValueError, match=key.replace(".", r"\.")):
             build_kl_controller(cfg)
+    cfg = load_config(None, ["algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.kl_coef=-1.0"])
+    assert [p.key for p in choice_problems(cfg, CHOICES)] == ["algorithm.kl_ctrl.type"]
+    assert [p.key for p in range_problems(cfg, RANGES)] == ["algorithm.kl_ctrl.kl_coef"]
 
 
 def test_golden_kl_in_reward():

@@ -76,7 +76,7 @@ def test_any_micro_batch_partition_gives_the_global_value_and_gradient(batch, mo
     T = loss_BT.shape[1]
     rows = data.draw(st.permutations(range(loss_BT.shape[0])))
     micro = [_micro_batch(loss_BT, mask_BT, part) for part in _split(data.draw, rows)]
-    norm = mini_batch_norm([m for _, m in micro], lambda x: x, scale, T)
+    norm = mini_batch_norm(mask_BT, lambda x: x, scale, T)
     total = sum(aggregate(loss, mask, mode, norm) for loss, mask in micro)
     total.backward()
     ref_value, ref_grad = _global_grad(loss_BT, mask_BT, mode, norm.scale)
@@ -84,10 +84,10 @@ def test_any_micro_batch_partition_gives_the_global_value_and_gradient(batch, mo
     torch.testing.assert_close(loss_BT.grad, ref_grad, rtol=1e-12, atol=1e-12)
 
 
-def _local_counts(masks):
+def _local_counts(mask_BT):
     """What a rank feeds to the all-reduce, captured with a reducer that records its input."""
     seen = []
-    mini_batch_norm(masks, lambda x: seen.append(x) or x, None, 1)
+    mini_batch_norm(mask_BT, lambda x: seen.append(x) or x, None, 1)
     return seen[0]
 
 
@@ -100,14 +100,15 @@ def test_two_rank_split_gives_the_global_value_and_gradient(batch, mode, data):
     loss_BT, mask_BT = batch
     rows = data.draw(st.permutations(range(loss_BT.shape[0])))
     cut = data.draw(st.integers(0, len(rows)))
-    ranks = [[_micro_batch(loss_BT, mask_BT, p) for p in _split(data.draw, part)] for part in (rows[:cut], rows[cut:])]
-    counts = [_local_counts([m for _, m in micro]) if micro else torch.zeros(2, dtype=torch.float64) for micro in ranks]
+    parts = (rows[:cut], rows[cut:])
+    counts = [_local_counts(mask_BT[part]) for part in parts]
     total = 0.0
-    for rank, micro in enumerate(ranks):
+    for rank, part in enumerate(parts):
+        micro = [_micro_batch(loss_BT, mask_BT, p) for p in _split(data.draw, part)]
         if not micro:
-            continue  # a rank with no sequence contributes nothing (and has no mask to count)
+            continue  # a rank with no sequence contributes nothing
         other = counts[1 - rank]
-        norm = mini_batch_norm([m for _, m in micro], lambda x, other=other: x + other, None, loss_BT.shape[1])
+        norm = mini_batch_norm(mask_BT[part], lambda x, other=other: x + other, None, loss_BT.shape[1])
         total = total + sum(aggregate(loss, mask, mode, norm) for loss, mask in micro)
     total.backward()
     ref_value, ref_grad = _global_grad(loss_BT, mask_BT, mode, float(loss_BT.shape[1]))
@@ -121,7 +122,7 @@ def test_golden_values_of_each_mode():
     seq-mean-token-sum-norm 10/(2·4) = 1.25."""
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    norm = mini_batch_norm([mask], lambda x: x, 4.0, 3)
+    norm = mini_batch_norm(mask, lambda x: x, 4.0, 3)
     assert norm == AggNorm(tokens=4.0, seqs=2.0, scale=4.0)
     expected = {
         "token-mean": 2.5,
@@ -137,7 +138,7 @@ def test_scale_defaults_to_max_response_length_and_empty_rows_are_not_sequences(
     """S = max_response_length when loss_scale_factor is unset; a padding row (no valid token)
     must not count as a sequence, or it would dilute the seq-mean modes."""
     mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]], dtype=torch.bool)
-    norm = mini_batch_norm([mask], lambda x: x, None, 512)
+    norm = mini_batch_norm(mask, lambda x: x, None, 512)
     assert norm == AggNorm(tokens=2.0, seqs=1.0, scale=512.0)
 
 
@@ -145,25 +146,26 @@ def test_counts_are_one_reduce_call_in_float64():
     """mini_batch_norm must all-reduce once per mini-batch (a stacked float64 tensor, exact
     beyond 2^24 tokens), not once per micro-batch."""
     calls = []
-    masks = [torch.ones(2, 3), torch.ones(1, 5)]
-    mini_batch_norm(masks, lambda x: calls.append(x.clone()) or x, None, 5)
-    assert len(calls) == 1 and calls[0].dtype == torch.float64 and calls[0].tolist() == [11.0, 3.0]
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    mini_batch_norm(mask, lambda x: calls.append(x.clone()) or x, None, 5)
+    assert len(calls) == 1 and calls[0].dtype == torch.float64 and calls[0].tolist() == [7.0, 2.0]
 
 
-def test_unknown_mode_and_bad_scale_are_user_errors():
-    """Errors must name the config key, the value and the valid choices."""
-    norm = AggNorm(tokens=1.0, seqs=1.0, scale=1.0)
-    with pytest.raises(ValueError) as err:
-        aggregate(torch.ones(1, 1), torch.ones(1, 1), "token_mean", norm)
-    assert "actor.loss_agg_mode" in str(err.value) and "'token_mean'" in str(err.value)
-    assert all(mode in str(err.value) for mode in MODES)
-    with pytest.raises(ValueError, match="actor.loss_scale_factor"):
-        mini_batch_norm([torch.ones(1, 1)], lambda x: x, 0.0, 8)
+def test_unknown_mode_and_bad_scale_are_refused_up_front():
+    """aggregate and mini_batch_norm take the mode and the scale as given: validation refuses an
+    unknown actor.loss_agg_mode (naming the valid modes) and a loss_scale_factor <= 0."""
+    from minirl.config.load import load_config
+    from minirl.validate.values import CHOICES, RANGES, choice_problems, range_problems
+
+    cfg = load_config(None, ["actor.loss_agg_mode=token_mean", "actor.loss_scale_factor=0.0"])
+    (mode,) = [p for p in choice_problems(cfg, CHOICES) if p.key == "actor.loss_agg_mode"]
+    assert mode.value == "token_mean" and all(m in mode.fix for m in MODES)
+    assert [p.key for p in range_problems(cfg, RANGES)] == ["actor.loss_scale_factor"]
 
 
 def test_all_masked_mini_batch_gives_zero_not_nan():
     """A mini-batch without a valid token (possible after filtering) must give loss 0, not NaN."""
     mask = torch.zeros(2, 3)
-    norm = mini_batch_norm([mask], lambda x: x, None, 3)
+    norm = mini_batch_norm(mask, lambda x: x, None, 3)
     for mode in MODES:
         assert aggregate(torch.randn(2, 3), mask, mode, norm).item() == 0.0

@@ -123,7 +123,7 @@ def test_tis_golden_values():
     roll = torch.tensor([[LN(2), -1.0, 0.0, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(tis_weights(old, roll, 3.0), torch.tensor([[0.5, 1.0, 3.0, 3.0]], dtype=torch.float64))
     sums = DeviceSums()
-    norm = mini_batch_norm([mask], lambda x: x, None, 4)
+    norm = mini_batch_norm(mask, lambda x: x, None, 4)
     loss = torch.tensor([[1.0, -2.0, 0.5, 0.0]], dtype=torch.float64)
     out = actor_lib._tis(loss, old, _mb(mask, roll), 3.0, norm, sums)
     torch.testing.assert_close(out, torch.tensor([[0.5, -2.0, 1.5, 0.0]], dtype=torch.float64))

@@ -40,7 +40,7 @@ def _token_mean(x_BT, mask_BT):
 
 
 def _norm(mask_BT):
-    return mini_batch_norm([mask_BT], lambda x: x, None, mask_BT.shape[1])
+    return mini_batch_norm(mask_BT, lambda x: x, None, mask_BT.shape[1])
 
 
 @FAST
@@ -107,13 +107,12 @@ def test_micro_batch_split_does_not_change_value_or_gradient(batch, mode, clip, 
     """Summing each micro-batch's aggregate() (divided by the global counts) over a random
     partition of the shuffled rows gives the whole batch's loss and gradient, for every mode."""
     vpred, old, returns, mask = batch
-    T = mask.shape[1]
     whole = aggregate(clipped_value_loss(vpred, old, returns, mask, clip).loss_BT, mask, mode, _norm(mask))
     (want_grad,) = torch.autograd.grad(whole, vpred)
     rows = data.draw(st.permutations(range(mask.shape[0])))
     cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(rows) - 1)), max_size=len(rows) - 1)))
     parts = [rows[a:b] for a, b in zip([0, *cuts], [*cuts, len(rows)]) if rows[a:b]]
-    norm = mini_batch_norm([mask[p] for p in parts], lambda x: x, None, T)
+    norm = _norm(mask)
     total = sum(
         aggregate(clipped_value_loss(vpred[p], old[p], returns[p], mask[p], clip).loss_BT, mask[p], mode, norm)
         for p in parts
