@@ -71,7 +71,10 @@ def _import_file(path: str):
         if isinstance(exc, KeyboardInterrupt):
             raise
         rule = f"importing it failed at {_where(exc, path)}"
-        raise CustomRewardError(PATH_KEY, path, rule, _import_fix(exc)) from exc
+        fix = "fix the file (python FILE shows the full traceback)"
+        if isinstance(exc, ModuleNotFoundError):
+            fix = "install the missing package, or remove the import"
+        raise CustomRewardError(PATH_KEY, path, rule, fix) from exc
     return module
 
 
@@ -84,12 +87,6 @@ def _where(exc: BaseException, path: str) -> str:
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == target]
     line = f"{path}:{frames[-1].lineno}" if frames else path
     return f"{line}: {describe(exc)}"
-
-
-def _import_fix(exc: BaseException) -> str:
-    if isinstance(exc, ModuleNotFoundError):
-        return "install the missing package, or remove the import"
-    return "fix the file (python FILE shows the full traceback)"
 
 
 def _check_signature(fn: Callable, name: str, path: str, args: tuple[str, ...]) -> None:

@@ -1,13 +1,10 @@
-"""Scoring responses with the reward functions, and placing the scores on tokens.
+"""Scoring responses with the reward functions (docs/algorithms.md §8), and placing the scores on tokens.
 
-Each record's data_source picks a function from the reward registry (filled by the
-`minirl_reward_functions` hook), unless custom_reward_function names one function for every
-data_source. reward.reward_manager = "batch" scores many responses per call; reward.num_workers
-> 0 runs the calls in worker processes (minirl.reward.pool), each call limited to
-reward.timeout_s. A function that raises or returns a non-finite or non-number value, a call
-that times out and a worker that crashes are data failures, not crashes of the run: the
-response scores 0, the failure is counted per kind and data_source (for the step's metrics)
-and logged once per kind and data_source.
+reward.reward_manager = "batch" scores many responses per call; reward.num_workers > 0 runs the
+calls in worker processes (minirl.reward.pool). A function that raises or returns a non-finite
+or non-number value, a call that times out and a worker that crashes are data failures, not
+crashes of the run: the response scores 0, and the failure is counted per kind and data_source
+(for the step's metrics) and logged once per kind and data_source.
 
 Shape legend: B sequences, T response positions.
 """
@@ -42,17 +39,6 @@ class RewardResult:
     def count(self, kind: str) -> int:
         return sum(self.failures[kind].values())
 
-    @property
-    def n_errors(self) -> int:
-        return self.count("error")
-
-
-def _registered_names(registry: Any) -> list[str]:
-    """Names in a minirl Registry (whose .items is a dict) or in a plain mapping."""
-    items = getattr(registry, "items", None)
-    names = registry.keys() if callable(items) else items
-    return sorted(names or [])
-
 
 class RewardManager:
     """Scores decoded responses: by data_source, or with one custom function; in this process
@@ -70,12 +56,13 @@ class RewardManager:
         """Look up every data_source before scoring, so a typo fails before any work is done."""
         if self.scorers.custom is not None:
             return
-        names = set(_registered_names(self.registry))
         for rec in records:
-            if rec.data_source not in names:
+            if rec.data_source not in self.registry:
+                items = self.registry.items  # a minirl Registry's dict, or a plain mapping's method
+                names = sorted(items if isinstance(items, dict) else self.registry)
                 raise UserError(
                     f"{rec.source}: data_source {rec.data_source!r} has no reward function; "
-                    f"registered: {', '.join(sorted(names)) or '(none)'}. Fix the data_source column or "
+                    f"registered: {', '.join(names) or '(none)'}. Fix the data_source column or "
                     f"register a function for it with the minirl_reward_functions hook"
                 )
 

@@ -1,15 +1,6 @@
-"""DAPO's overlong reward shaping (Yu et al. 2025, "soft overlong punishment").
-
-Responses that run into the last `len` tokens before L_max = data.max_response_length are
-penalised linearly, down to -penalty_factor at L_max:
-
-    expected = L_max - len
-    exceed   = |y| - expected
-    penalty  = min(-exceed / len * penalty_factor, 0)
-
-with |y| the response's token count (EOS included, as verl's valid response length), added to
-the rule score of the training rollouts (never to validation scores, as in verl).
-Shape legend: B sequences.
+"""DAPO's overlong reward shaping (Yu et al. 2025, "soft overlong punishment"; formula in
+docs/algorithms.md §8). |y| is the response's token count, EOS included, as verl's valid
+response length. Shape legend: B sequences.
 """
 
 from __future__ import annotations

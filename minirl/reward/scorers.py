@@ -133,10 +133,7 @@ class RewardSource:
             from minirl.reward.custom import load_custom_function
 
             fn = load_custom_function(self.custom_path, self.custom_name, self.batch)
-            return Scorers(custom=fn, batch=self.batch, what=self.describe())
+            return Scorers(custom=fn, batch=self.batch, what=f"{self.custom_name} of {self.custom_path}")
         from minirl.plugins import PluginManager
 
         return Scorers(registry=PluginManager(self.plugin_modules)["reward_functions"])
-
-    def describe(self) -> str:
-        return f"{self.custom_name} of {self.custom_path}" if self.custom_path else "the reward registry"

@@ -56,7 +56,7 @@ def test_outputs_load_and_their_solutions_score_one(written, task):
         records = load_prompts([str(paths[task][split])], StubTokenizer(), cfg)
         assert len(records) == (60 if split == "train" else 20)
         result = RewardManager(reg).score(records, [correct_response(r) for r in records])
-        assert result.scores == [1.0] * len(records) and result.n_errors == 0
+        assert result.scores == [1.0] * len(records) and result.count("error") == 0
         assert [r.extra_info["split"] for r in records] == [split] * len(records)
         assert [r.extra_info["index"] for r in records] == list(range(len(records)))
 

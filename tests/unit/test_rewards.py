@@ -274,7 +274,7 @@ def test_manager_dispatches_by_data_source():
     """Each row's data_source picks its function; scores come back in record order."""
     records = [rec("openai/gsm8k", "4"), rec("copy", "7"), rec("countdown", GT), rec("math", "2")]
     result = RewardManager(registry()).score(records, ["#### 4", "8", "<answer>2*3*4</answer>", r"\boxed{2}"])
-    assert result.scores == [1.0, 0.0, 1.0, 1.0] and result.n_errors == 0
+    assert result.scores == [1.0, 0.0, 1.0, 1.0] and result.count("error") == 0
 
 
 def test_manager_unknown_data_source_names_source_row_and_registered():
@@ -298,7 +298,7 @@ def test_manager_counts_failing_functions_and_logs_once(caplog):
         result = manager.score(records, ["a", "7", "b", "c"])
         manager.score(records[:1], ["again"])
     assert result.scores == [0.0, 1.0, 0.0, 0.0]
-    assert result.n_errors == 3 and result.failures["error"] == {"boom": 2, "nan": 1}
+    assert result.count("error") == 3 and result.failures["error"] == {"boom": 2, "nan": 1}
     assert caplog.text.count("broken grader") == 1 and "data.parquet:0" in caplog.text
     assert "non-finite" in caplog.text
 
