@@ -1,23 +1,17 @@
-"""Built-in advantage estimators (docs/algorithms.md §2), selected by algorithm.adv_estimator.
+"""Built-in advantage estimators, selected by algorithm.adv_estimator: definitions and shared
+rules in docs/algorithms.md §2. Each is fn(inputs: AdvantageInputs, cfg: AlgorithmConfig) ->
+(advantages_BT, returns_BT); masked positions of every output are exactly 0.
 
-Each is fn(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> (advantages_BT, returns_BT).
-
-Conventions shared by all of them:
-1. The score of sequence i is s_i = Σ_t token_rewards[i, t]·m[i, t] (the outcome score, minus
-   β·Σ kl with KL in the reward).
-2. Groups come from inputs.group_B (uid), never from batch position: groups may be interleaved.
-   Group statistics are vectorised (torch.unique + index_add / scatter_reduce), no Python loop
-   over groups.
-3. A group of one has no baseline: its advantage is its score (grpo: mean 0, std 1). So the
-   shift invariance of docs/algorithms.md holds for groups of two or more only.
-4. A group of two or more equal scores carries no signal and gets exactly 0, not the rounding
-   residue of s − mean(s) divided by 1e-6 (which can be O(1) for non-dyadic scores).
-5. Token-level recursions (reinforce_plus_plus, gae) run over valid tokens only: a masked hole
-   inside a response (e.g. a tool output) is skipped, not a reset, and discounting counts valid
-   tokens. With the usual prefix mask this is exactly verl's recursion. They use a log-depth
-   parallel scan instead of a Python loop over T.
+The conventions the code refers to by number:
+1. The score of sequence i is s_i = Σ_t token_rewards[i, t]·m[i, t].
+2. Groups come from inputs.group_B (uid), never from batch position; group statistics are
+   vectorised (torch.unique + index_add / scatter_reduce), no Python loop over groups.
+3. A group of one has no baseline: its advantage is its score (grpo: mean 0, std 1).
+4. A group of two or more equal scores gets exactly 0, not the rounding residue of s − mean(s)
+   divided by 1e-6 (which can be O(1) for non-dyadic scores).
+5. Token-level recursions (reinforce_plus_plus, gae) skip masked holes and discount over valid
+   tokens only, as a log-depth parallel scan instead of a Python loop over T.
 6. Batch-wide whitening uses inputs.reduce, so it is exact over all data-parallel ranks.
-Masked positions of every output are exactly 0.
 
 Shape legend: B sequences, T response positions, G groups.
 """

@@ -1,17 +1,7 @@
-"""Built-in KL estimators (docs/algorithms.md §3), selected by actor.kl_loss_type and
-algorithm.kl_penalty.
-
-Per-token estimators take (logp, ref_logp) of the sampled tokens, d = logp − ref_logp:
-    k1 (kl)          d                         unbiased for KL(π‖π_ref) under tokens from π
-    abs              |d|
-    k2 (mse)         ½·d²                      its gradient is the true KL gradient at first order
-    k3 (low_var_kl)  x = clamp(−d, ±20); exp(x) − x − 1, clamped to [−10, 10]   unbiased, ≥ 0
-A trailing "+" (k1+, k3+, …) keeps the forward value of the named estimator but takes the
-gradient of k2 (straight-through).
-
-`full` is exact: Σ_v π(v)·(log π(v) − log π_ref(v)) over the whole vocabulary. It needs the
-reference logits at update time, so the trainer runs the reference forward inside each update
-micro-batch: one extra forward per micro-batch, on top of the actor's forward and backward.
+"""Built-in KL estimators (table in docs/algorithms.md §3), selected by actor.kl_loss_type and
+algorithm.kl_penalty. The per-token ones take (logp, ref_logp) of the sampled tokens; a trailing
+"+" (k1+, k3+, …) keeps the named estimator's value but takes k2's gradient (straight-through).
+`full` is exact over the whole vocabulary and needs the reference's logits at update time.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Built-in policy losses (docs/algorithms.md §5), selected by actor.policy_loss.
 
-vanilla: PPO clip with clip-higher (separate ε_low / ε_high) and dual clip. Per token:
-    ratio = exp(clamp(lp − lp_old, −20, 20))
-    L     = max(−A·ratio, −A·clamp(ratio, 1 − ε_low, 1 + ε_high))
-    L     = min(L, −A·c)            for A < 0 only, c = actor.clip_ratio_c > 1
-
-gspo: GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), the importance ratio and
-its clip taken per sequence, not per token (formula in `gspo`).
-
-The trainer aggregates L (and the metrics) over the global mini-batch with minirl.algo.loss_agg, after
-the optional truncated importance weight (actor.tis_imp_ratio_cap, minirl.algo.rollout_corr).
+vanilla: PPO clip with clip-higher (separate ε_low / ε_high) and dual clip. gspo: GSPO (Zheng
+et al. 2025), the importance ratio and its clip taken per sequence, not per token. The trainer
+aggregates L over the global mini-batch (minirl.algo.loss_agg), after the optional truncated
+importance weight (minirl.algo.rollout_corr).
 
 Shape legend: B sequences, T response positions.
 """
