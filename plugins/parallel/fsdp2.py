@@ -1,30 +1,18 @@
-"""FSDP2 (`fully_shard`) data parallelism of the actor and the reference: the assembly step after
-activation checkpointing, active whenever there is a mesh (world size > 1, or CUDA).
+"""FSDP2 (`fully_shard`) data parallelism of the actor, the reference and the critic: the assembly
+step after activation checkpointing, active whenever there is a mesh (world size > 1, or CUDA).
 
-The recipe, in torchtitan's order: every decoder layer is its own FSDP unit, then the root takes
-what is left (embeddings, final norm, lm_head), so a forward holds one gathered layer at a time.
-
-Five choices that the rest of minirl relies on:
-1. Gradients are SUMMED over ranks, never averaged. minirl divides every loss by counts of the
-   whole global mini-batch (docs/algorithms.md §6), so the gradient it wants is the sum of the ranks'
-   gradients. FSDP would divide by the world size; `sum_gradients` sets its divide factor to 1
-   with plain SUM reductions (every backend has them, gloo included), so DistContext.loss_scale
-   stays 1 and no rescaling happens anywhere else. With Ulysses the FSDP group is the whole
-   world (dp x sp): each sp rank's gradient is that of its slice of the tokens, and the sum over
-   the world is again the global gradient.
-2. minirl.forward.packed calls the decoder and the lm_head directly (it never computes the logits of a
-   whole batch), not model.forward, so the root's FSDP hooks would never fire. The plugin installs
-   the PackedForward hook (minirl.protocols) and registers it as an FSDP forward method:
-   minirl.forward.packed runs its whole packed computation through it, between the root's
-   all-gather and its post-backward reduce-scatter.
-3. Mixed precision on CUDA: bf16 compute copies of the parameters, fp32 gradient reduction, fp32
-   master weights in the optimizer (fsdp_config.param_dtype / reduce_dtype). On CPU the model
-   computes in its own dtype, so one process and many processes give the same numbers.
-4. Offload: fsdp_config.param_offload keeps the shards (and so gradients and optimizer state)
-   on the CPU, with FSDP2's CPUOffloadPolicy; optimizer_offload alone moves only the optimizer
-   state to the CPU between optimizer steps.
-5. A frozen model (the reference) is stored in its compute dtype, and at world 1 is not wrapped
-   at all (`freeze`).
+In torchtitan's order, every decoder layer is its own FSDP unit, then the root takes what is left
+(embeddings, final norm, lm_head), so a forward holds one gathered layer at a time. What the rest
+of minirl relies on (docs/architecture.md, "The mesh and who owns what", has the reasons):
+1. gradients are SUMMED over ranks, never averaged (`sum_gradients`), so DistContext.loss_scale
+   stays 1; with Ulysses the FSDP group is the whole world (dp x sp);
+2. the packed forward calls the decoder and the lm_head, not model.forward, so it runs inside
+   the root's FSDP hooks through the PackedForward hook (`install_packed_forward`);
+3. on CUDA bf16 compute copies over fp32 masters and fp32 gradient reduction; on CPU the model's
+   own dtype, so one process and many give the same numbers;
+4. fsdp_config.param_offload keeps shards, gradients and optimizer state on the CPU;
+   optimizer_offload alone moves only the optimizer state there between steps;
+5. a frozen model (the reference) is stored in its compute dtype, unwrapped at world 1 (`freeze`).
 """
 
 from __future__ import annotations
@@ -50,10 +38,8 @@ from torch.distributed.fsdp import (
 )
 
 from minirl import hookimpl
-from minirl.errors import UserError
 from minirl.protocols import PACKED_FORWARD
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _OPTIMIZER_OFFLOAD = "_minirl_optimizer_offload"  # marks an actor whose optimizer state lives on the CPU
 
 
@@ -71,16 +57,13 @@ def minirl_apply_data_parallel(model, cfg, mesh):
 
 
 def freeze(model: torch.nn.Module, cfg, device_type: str):
-    """A frozen model (the reference) is stored in its compute dtype, as verl stores its reference
-    in bf16: it has no optimizer, so no fp32 master weights to keep, and FSDP2 need not cast them
-    again for every micro-batch. The values are those the actor computes with at the same
-    weights (the same cast), so the KL at step 1 stays exactly 0. Floating buffers (RoPE's
-    inv_freq) keep their dtype, as FSDP2's mixed precision keeps them.
+    """Store a frozen model (the reference) in its compute dtype, as verl does: it has no optimizer
+    to keep fp32 masters for, and its values are the actor's at the same weights (the same cast),
+    so the KL at step 1 stays exactly 0. Floating buffers (RoPE's inv_freq) keep their dtype.
 
-    Returns the FSDP config to shard it with, or None when one process has nothing to shard and
-    nothing to offload: the model then stays a plain module, with no all-gather copies and no
-    hooks around each layer. `ref.offload` keeps the reference's weights in CPU memory, the
-    same as its fsdp_config.param_offload."""
+    Returns the FSDP config to shard it with (`ref.offload` counts as fsdp_config.param_offload),
+    or None when one process has nothing to shard or offload: the model then stays plain, with no
+    all-gather copies and no hooks around each layer."""
     fsdp_cfg = cfg.fsdp_config
     offload = fsdp_cfg.param_offload or getattr(cfg, "offload", False)
     dtype = compute_dtype(fsdp_cfg, device_type)
@@ -150,24 +133,19 @@ def apply_fsdp(model, mesh, mp: MixedPrecisionPolicy, offload: OffloadPolicy, re
 def mixed_precision(fsdp_cfg, device_type: str, model) -> MixedPrecisionPolicy:
     """bf16 compute on CUDA by default; on CPU the model's own dtype (no cast)."""
     param_dtype = compute_dtype(fsdp_cfg, device_type)
-    reduce_dtype = _dtype(fsdp_cfg.reduce_dtype, "reduce_dtype")
+    reduce_dtype = getattr(torch, fsdp_cfg.reduce_dtype)
     if param_dtype is None and reduce_dtype == next(model.parameters()).dtype:
         return MixedPrecisionPolicy()  # nothing to cast
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
 def compute_dtype(fsdp_cfg, device_type: str) -> torch.dtype | None:
-    """fsdp_config.param_dtype: "auto" is bf16 on CUDA and, elsewhere, None (the model's own)."""
+    """fsdp_config.param_dtype (validated up front): "auto" is bf16 on CUDA and, elsewhere, None
+    (the model's own)."""
     name = fsdp_cfg.param_dtype
     if name == "auto":
         name = "bfloat16" if device_type == "cuda" else None
-    return _dtype(name, "param_dtype") if name else None
-
-
-def _dtype(name: str, key: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise UserError(f"fsdp_config.{key} = {name!r}: choose one of {sorted(_DTYPES)} (or 'auto' for param_dtype)")
-    return _DTYPES[name]
+    return getattr(torch, name) if name else None
 
 
 def offload_policy(fsdp_cfg, device_type: str) -> OffloadPolicy:
@@ -180,7 +158,9 @@ def offload_policy(fsdp_cfg, device_type: str) -> OffloadPolicy:
 
 
 def sum_gradients(model: torch.nn.Module) -> None:
-    """Reduce-scatter gradients as a SUM over ranks (see the module docstring, point 1).
+    """Reduce-scatter gradients as a SUM over ranks: minirl divides every loss by counts of the
+    whole global mini-batch (docs/algorithms.md §6), so the gradient it wants is the sum of the
+    ranks'. Divide factor 1 with plain SUM reductions, which every backend (gloo too) has.
 
     Parameters without a gradient on one rank join the reduce-scatter with zeros: a Ulysses
     slice that predicts no response token never calls the lm_head, and a reduce-scatter
@@ -195,9 +175,9 @@ def sum_gradients(model: torch.nn.Module) -> None:
 
 
 def install_packed_forward(model: torch.nn.Module) -> None:
-    """The PackedForward hook: fn(model, *args) inside the root's FSDP forward hooks (the module
-    docstring, point 2). The root stays gathered after it, as after any FSDP root forward;
-    minirl.forward.packed reshards it after a gradient-free pass, which no backward follows."""
+    """The PackedForward hook (minirl.protocols): fn(model, *args) between the root's all-gather
+    and its post-backward reduce-scatter. The root stays gathered after it, as after any FSDP
+    root forward; minirl.forward.packed reshards it after a gradient-free pass."""
     setattr(model, PACKED_FORWARD, types.MethodType(_call_packed, model))
     register_fsdp_forward_method(model, PACKED_FORWARD)
 

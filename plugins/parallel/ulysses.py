@@ -1,17 +1,13 @@
 """Ulysses sequence parallelism (actor.ulysses_sequence_parallel_size = sp > 1): the first assembly
-step, for the actor and the reference.
+step, for the actor, the reference and the critic.
 
-The sp ranks of a group hold the same micro-batch. minirl.forward.packed asks the model's
-SequenceParallel hook (minirl.protocols) for this rank's share of a packed row: the row [1, N],
-padded to a multiple of sp with one dummy sequence, is cut into sp contiguous slices of
-n = N / sp tokens, and each rank runs the decoder on its slice. Everything in a decoder layer is per token except
-attention, which needs whole sequences: there an all-to-all trades the sequence split for a
-head split ([n, H, D] -> [N, H/sp, D]), minirl's varlen attention runs with the row's global
-cu_seqlens, and a second all-to-all trades back. Key/value heads are repeated up to sp when
-there are fewer of them. The log-probs of each slice's predicting positions are all-gathered
-back into the whole row's order, so the loss code sees exactly what one process would.
-
-The all-to-alls use all_to_all_single, which gloo implements too: this runs in CPU CI.
+The sp ranks of a group hold the same micro-batch; each runs the decoder on a contiguous slice of
+the packed row (`SequenceParallel.split`). Attention, the one part of a layer that needs whole
+sequences, trades the sequence split for a head split with an all-to-all, runs minirl's varlen
+attention with the row's global cu_seqlens, and trades back; the slices' outputs are all-gathered
+into the row's order, so the loss code sees what one process would. all_to_all_single exists in
+gloo too, so this runs in CPU CI. docs/architecture.md ("How the packed forward meets FSDP2 and
+Ulysses") walks through it.
 Legend: N padded packed tokens, n = N / sp tokens of a slice, H query heads, K key/value heads,
 D head dim, R (r) response positions of the row (of a slice).
 """
@@ -42,7 +38,7 @@ _KWARG = "minirl_ulysses"  # the forward kwarg that carries the SequenceParallel
 def minirl_apply_sequence_parallel(model, cfg, mesh):
     if mesh is None or "sp" not in (mesh.mesh_dim_names or ()) or mesh["sp"].size() == 1:
         return
-    # the mesh's sp degree is the actor's key; the reference follows it (minirl.dist.spmd.check_layout)
+    # the mesh's sp degree is the actor's key; the reference follows it (minirl.validate.layout)
     key = "actor.ulysses_sequence_parallel_size"
     sp = SequenceParallel(mesh["sp"].get_group(), mesh["sp"].size(), mesh["sp"].get_local_rank())
     check_heads(model.config, sp.size, key)
@@ -101,24 +97,15 @@ class SequenceParallel:
         cuts = np.searchsorted(pred_pos_R, np.arange(self.size + 1) * n).tolist()
         counts = [b - a for a, b in itertools.pairwise(cuts)]
         start, stop = cuts[self.rank], cuts[self.rank + 1]
-        gather = _Gather(self, counts)
+        gather = lambda x_r: _GatherSlices.apply(x_r, self, counts)  # [r, ...] -> [R, ...]
         pos_r = to_device(torch.from_numpy(pred_pos_R[start:stop] - lo), input_ids_1N.device)
         return ids_1n, kwargs, pos_r, labels_R[start:stop], gather
 
 
-class _Gather:
-    """[r, ...] of each slice -> [R, ...] in row order (all_gather of padded pieces)."""
-
-    def __init__(self, sp: SequenceParallel, counts: list[int]):
-        self.sp, self.counts = sp, counts
-
-    def __call__(self, x_r: torch.Tensor) -> torch.Tensor:
-        return _GatherSlices.apply(x_r, self.sp, self.counts)
-
-
 class _GatherSlices(torch.autograd.Function):
-    """Backward keeps this slice's part of the gradient: every rank of the sp group computes the
-    same loss from the gathered tensor, so each slice's gradient is already whole on its rank."""
+    """[r, ...] of each slice -> [R, ...] in row order (an all_gather of padded pieces). Backward
+    keeps this slice's part of the gradient: every rank of the sp group computes the same loss
+    from the gathered tensor, so each slice's gradient is already whole on its rank."""
 
     @staticmethod
     def forward(ctx, x_r, sp: SequenceParallel, counts: list[int]):
@@ -140,28 +127,15 @@ class _GatherSlices(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
-def ulysses_attention_forward(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs
-):
+def ulysses_attention_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """transformers' attention signature. Calls that carry no SequenceParallel (generate, padded
     batches, a model used whole) are minirl's own attention unchanged."""
     sp = kwargs.pop(_KWARG, None)
     if sp is None or sp.size == 1:
-        return minirl_attention_forward(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            scaling=scaling,
-            dropout=dropout,
-            sliding_window=sliding_window,
-            **kwargs,
-        )
-    if dropout or sliding_window is not None:  # let minirl's attention raise its clear errors
-        minirl_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, sliding_window=sliding_window
-        )
+        return minirl_attention_forward(module, query, key, value, attention_mask, scaling, **kwargs)
+    dropout, window = kwargs.get("dropout", 0.0), kwargs.get("sliding_window")
+    if dropout or window is not None:  # let minirl's attention raise its clear errors
+        minirl_attention_forward(module, query, key, value, attention_mask, dropout=dropout, sliding_window=window)
     q_nHD = query[0].transpose(0, 1)
     k_nKD, v_nKD = (_repeat_kv_to(t[0].transpose(0, 1), sp.size) for t in (key, value))
     q_NhD, k_NkD, v_NkD = (_AllToAll.apply(x, sp, True) for x in (q_nHD, k_nKD, v_nKD))

@@ -250,13 +250,14 @@ def test_mixed_precision_policy(device, param_dtype, model_dtype, want):
     assert (mp.param_dtype, mp.reduce_dtype) == want
 
 
-def test_unknown_fsdp_dtype_is_a_user_error():
-    from minirl.config.schema import FSDPConfig
-    from minirl.errors import UserError
-    from minirl_plugins.parallel import fsdp2
+def test_unknown_fsdp_dtype_is_refused_up_front():
+    """The plugin takes fsdp_config's dtypes as given: validation refuses an unknown one."""
+    from minirl.config.load import load_config
+    from minirl.validate.values import CHOICES, choice_problems
 
-    with pytest.raises(UserError, match=r"fsdp_config\.param_dtype = 'fp8'"):
-        fsdp2.mixed_precision(FSDPConfig(param_dtype="fp8"), "cuda", torch.nn.Linear(2, 2))
+    cfg = load_config(None, ["actor.fsdp_config.param_dtype=fp8", "ref.fsdp_config.reduce_dtype=fp8"])
+    keys = [p.key for p in choice_problems(cfg, CHOICES)]
+    assert keys == ["actor.fsdp_config.param_dtype", "ref.fsdp_config.reduce_dtype"]
 
 
 @pytest.fixture
