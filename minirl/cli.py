@@ -1,17 +1,9 @@
-"""The command line.
-
-    python -m minirl --config FILE [--profile P] [--print-config] [section.key=value ...]
-    python -m minirl plugins [--config FILE] [section.key=value ...]
-    python -m minirl compare RUN_A RUN_B [...] [--names a,b] [--steps 2:] [--format text|markdown|csv]
-    python -m minirl report RUN [RUN ...] [--out DIR]
-
-The first runs a job (or prints the resolved config as TOML); `plugins` prints every plugin and
-every registered component by kind, including the config's own plugin modules; `compare` and
-`report` read finished (or running) run directories (minirl.observe.runs). The resolved
-config is validated as a whole before any model loads (minirl.validate.core). A user mistake
-(config, data, model files, plugins) prints one clear error line per mistake on stderr and exits
-with status 2; Ctrl-C during start-up exits with 130. Notices go to stderr, so
-`--print-config > job.toml` writes valid TOML.
+"""The command line (USAGE below): run a job, or print its resolved config as TOML; `plugins`
+lists every plugin and registered component by kind, the config's own plugin modules included;
+`compare` and `report` read run directories (minirl.observe.runs). The config is validated as a
+whole before any model loads (minirl.validate.core). A user mistake prints one error line per
+mistake on stderr and exits with status 2; Ctrl-C during start-up exits with 130. Notices go to
+stderr, so `--print-config > job.toml` writes valid TOML.
 """
 
 from __future__ import annotations

@@ -104,12 +104,6 @@ class RewardManager:
         if self.pool is not None:
             self.pool.close()
 
-    def __enter__(self) -> RewardManager:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def _record_failure(self, result: RewardResult, rec: Any, outcome: Outcome) -> None:
         counts = result.failures[outcome.failure]
         counts[rec.data_source] = counts.get(rec.data_source, 0) + 1

@@ -26,11 +26,6 @@ def file_problems(cfg, pm) -> list[Problem]:
     return [*_model(cfg.model), *_critic_model(cfg, pm), *_data(cfg, pm), *_custom_reward(cfg), *_output(cfg.trainer)]
 
 
-# ---------------------------------------------------------------------------------------------
-# the model directory
-# ---------------------------------------------------------------------------------------------
-
-
 def _model(m) -> list[Problem]:
     if not m.path:
         from minirl.models.presets import PRESETS
@@ -121,11 +116,6 @@ def _tokenizer_dir(key: str, path: str) -> list[Problem]:
     return []
 
 
-# ---------------------------------------------------------------------------------------------
-# the data
-# ---------------------------------------------------------------------------------------------
-
-
 def _data(cfg, pm) -> list[Problem]:
     d, t = cfg.data, cfg.trainer
     rows, problems = 0, []
@@ -178,11 +168,6 @@ def _unrewarded(sources: list[Any], path: str, key: str, rewards) -> list[Proble
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# the custom reward function
-# ---------------------------------------------------------------------------------------------
-
-
 def _custom_reward(cfg) -> list[Problem]:
     """custom_reward_function: the file imports and defines the function with verl's parameters
     (loading runs the file's top level, as the trainer will)."""
@@ -196,11 +181,6 @@ def _custom_reward(cfg) -> list[Problem]:
     except CustomRewardError as exc:
         return [Problem(exc.key, exc.value, exc.rule, exc.fix)]
     return []
-
-
-# ---------------------------------------------------------------------------------------------
-# the output directory
-# ---------------------------------------------------------------------------------------------
 
 
 def _output(t) -> list[Problem]:

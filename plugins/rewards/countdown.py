@@ -1,16 +1,11 @@
-"""The countdown rule reward: an equation over the given numbers that reaches the target.
+"""The countdown rule reward: an equation over the given numbers that reaches the target
+(docs/algorithms.md §8).
 
-The equation is read from the last <answer>...</answer> of the response and parsed by a small
-recursive-descent parser over integers, + - * / (also the signs − × ÷), unary minus and
-parentheses, evaluated exactly with fractions. Nothing is ever passed to eval(): any other
-character (letters, underscores, quotes, dots) is a parse error, so an injection attempt is
-rejected before anything is evaluated.
-
-Scores (verl's shaping): 1.0 when the equation uses each given number exactly once and equals
-the target within 1e-5; format_score (default 0.1, verl's value) when it is a well-formed
-equation that misses (wrong numbers or wrong value); 0.0 when there is no <answer>...</answer>,
-the text is not an arithmetic expression, or it divides by zero (no payment for an expression
-that has no value). A trailing "= <integer>" (models like to write "3 + 4 = 7") is ignored.
+The equation in the last <answer>...</answer> is parsed by a small recursive-descent parser over
+integers, + - * / (also − × ÷), unary signs and parentheses, and evaluated exactly with
+fractions. Nothing is ever passed to eval(): any other character is a parse error, so an
+injection attempt is rejected before anything is evaluated. A trailing "= <integer>" (models
+like to write "3 + 4 = 7") is ignored; a division by zero scores 0 (the expression has no value).
 """
 
 from __future__ import annotations
@@ -24,6 +19,8 @@ MAX_TOKENS = 256  # bounds recursion depth and big-integer work on hostile input
 MAX_DIGITS = 12
 TOLERANCE = Fraction(1, 100_000)
 OPERATORS = {"+": "+", "-": "-", "−": "-", "*": "*", "×": "*", "/": "/", "÷": "/"}
+# [0-9], not \d, which also accepts "²" and "٣"; \s is str.isspace's whitespace
+TOKEN = re.compile(r"\s*(?:([0-9]+)|([-+−*×/÷()]))")
 ARITHMETIC = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 TRAILING_RESULT = re.compile(r"=\s*-?\d+\s*$")
 
@@ -38,26 +35,18 @@ class ParseError(ValueError):
 def tokenize(text: str) -> list[Union[int, str]]:
     """Integers become ints; operators (normalised to + - * /) and parentheses stay strings."""
     tokens: list[Union[int, str]] = []
-    i = 0
-    while i < len(text):
-        ch = text[i]
-        if ch.isspace():
-            i += 1
-        elif ch in "0123456789":  # not str.isdigit(), which also accepts "²" and "٣"
-            j = i
-            while j < len(text) and text[j] in "0123456789":
-                j += 1
-            if j - i > MAX_DIGITS:
-                raise ParseError(f"number longer than {MAX_DIGITS} digits at {i}")
-            tokens.append(int(text[i:j]))
-            i = j
-        elif ch in OPERATORS or ch in "()":
-            tokens.append(OPERATORS.get(ch, ch))
-            i += 1
-        else:
-            raise ParseError(f"unexpected character {ch!r} at {i}")
+    at, end = 0, len(text.rstrip())
+    while at < end:
+        match = TOKEN.match(text, at)
+        if match is None:
+            raise ParseError(f"unexpected character {text[at:].lstrip()[0]!r} at {at}")
+        number, sign = match.groups()
+        if number is not None and len(number) > MAX_DIGITS:
+            raise ParseError(f"number longer than {MAX_DIGITS} digits at {at}")
+        tokens.append(int(number) if number is not None else OPERATORS.get(sign, sign))
         if len(tokens) > MAX_TOKENS:
             raise ParseError(f"more than {MAX_TOKENS} tokens")
+        at = match.end()
     return tokens
 
 
@@ -151,7 +140,8 @@ def _target_and_numbers(ground_truth: Any) -> tuple[int, list[int]]:
 def countdown_reward(
     response: str, ground_truth: Any, extra_info: dict | None = None, *, format_score: float = 0.1, score: float = 1.0
 ) -> float:
-    """Score one response; see the module docstring for the scale."""
+    """score when the equation uses each given number exactly once and equals the target within
+    1e-5; format_score (verl's 0.1) for a well-formed equation that misses; 0.0 otherwise."""
     target, numbers = _target_and_numbers(ground_truth)
     equation = extract_answer(response)
     if not equation:

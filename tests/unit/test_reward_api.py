@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import textwrap
 import time
+from contextlib import closing
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,7 @@ from minirl.reward.custom import CustomRewardError, load_custom_function
 REWARD_FILE = """
 import os
 import time
+from contextlib import closing
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if solution_str == "hang":
@@ -138,7 +140,7 @@ def test_pool_survives_a_hang_and_a_crash_and_keeps_order(reward_file, caplog):
         rec("ok", "4", 5, bonus=2.0),
     ]
     texts = ["1", "hang", "2", "abort", "9", "4"]
-    with manager(reward_file, num_workers=2, timeout_s=1.0) as rewards:
+    with closing(manager(reward_file, num_workers=2, timeout_s=1.0)) as rewards:
         start = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="minirl.reward"):
             result = rewards.score(records, texts)
@@ -159,7 +161,7 @@ def test_pool_runs_batch_functions_in_chunks(reward_file):
     scores 0 for its rows only."""
     records = [rec("s", str(i)) for i in range(6)]
     texts = ["0", "1", "x", "abort", "4", "5"]
-    with manager(reward_file, "batch_score", batch=True, num_workers=2, timeout_s=30) as rewards:
+    with closing(manager(reward_file, "batch_score", batch=True, num_workers=2, timeout_s=30)) as rewards:
         result = rewards.score(records, texts)
     assert result.scores == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     assert result.failures["crash"] == {"s": 3}
@@ -172,7 +174,7 @@ def test_pool_with_the_plugin_registry():
     from minirl.plugins import PluginManager
 
     registry = PluginManager(entry_points=False)["reward_functions"]
-    with build_reward_manager(reward, custom, registry, None) as rewards:
+    with closing(build_reward_manager(reward, custom, registry, None)) as rewards:
         result = rewards.score([rec("copy", "7"), rec("gsm8k", "4")], ["7", "#### 5"])
     assert result.scores == [1.0, 0.0]
 
