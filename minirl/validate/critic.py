@@ -1,10 +1,9 @@
 """The rules of the [critic] section's own keys and trainer.critic_warmup.
 
-They apply only when algorithm.adv_estimator needs values (gae): otherwise no critic is built and
-its keys are ignored, with a notice at start-up (minirl.build.critic). A key left unset takes the
-actor's value (minirl.critic.resolved), which the actor's rules already check, so these rules
-check only the keys that are set. The critic's batch, layout and token-budget rules sit beside
-the actor's in minirl.validate.layout, its model directory beside the actor's in minirl.validate.files.
+They apply only when algorithm.adv_estimator needs values (gae); otherwise no critic is built.
+A key left unset takes the actor's value, which the actor's rules already check, so these check
+only the keys that are set. The critic's batch, layout and token-budget rules sit beside the
+actor's in minirl.validate.layout, its model directory in minirl.validate.files.
 """
 
 from __future__ import annotations
