@@ -92,12 +92,6 @@ def response_mask(responses: list[list[int]], device) -> torch.Tensor:
     return (torch.arange(width, device=device)[None, :] < lens[:, None]).float()
 
 
-def scatter_tokens(flat_N: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    """Put per-response-token values (sequence-major, unpadded) into the padded [B, T] layout."""
-    out_BT = torch.zeros(mask_BT.shape, dtype=flat_N.dtype, device=flat_N.device)
-    return out_BT.masked_scatter(mask_BT.bool().to(flat_N.device), flat_N)
-
-
 def ragged_arange(starts_S: np.ndarray, lens_S: np.ndarray) -> np.ndarray:
     """arange(starts_S[s], starts_S[s] + lens_S[s]) for every s, concatenated, as int64: one shift
     per run of arange(sum of lens) instead of an arange and a concatenation per run (a host cost
@@ -106,13 +100,12 @@ def ragged_arange(starts_S: np.ndarray, lens_S: np.ndarray) -> np.ndarray:
 
 
 def scatter_rows(flat_N: torch.Tensor, lens: list[int], mask_BT: torch.Tensor) -> torch.Tensor:
-    """scatter_tokens for the training loss, given each row's token count on the host: row b's
-    first lens[b] positions take the next lens[b] values, and positions where mask_BT is 0 are 0
-    (all of the placeholder micro-batch's, select_micro). flat_N may carry trailing dimensions
-    ([N, k] -> [B, T, k]: several per-token values, one index). The same values as scatter_tokens
-    for a response mask, through an index_put whose backward is a gather; masked_scatter's
-    backward (masked_select) reads a count back from the device, which would stop the host once
-    per micro-batch of the update."""
+    """Per-response-token values (sequence-major, unpadded) in the padded [B, T] layout, given each
+    row's token count on the host: row b's first lens[b] positions take the next lens[b] values,
+    and positions where mask_BT is 0 are 0 (all of the placeholder micro-batch's, select_micro).
+    flat_N may carry trailing dimensions ([N, k] -> [B, T, k]: several values, one index).
+    An index_put, whose backward is a gather: masked_scatter's backward (masked_select) reads a
+    count back from the device, which would stop the host once per micro-batch of the update."""
     B, T = mask_BT.shape
     rest = flat_N.shape[1:]
     idx_N = ragged_arange(np.arange(B, dtype=np.int64) * T, np.asarray(lens, dtype=np.int64))  # row b from b * T
@@ -169,15 +162,14 @@ def split_micro(batch: RolloutBatch, micro: MicroBatching, agree=None, sp_size: 
     must run the same number of forward passes (collectives inside). A rank left with fewer
     micro-batches gets empty ones ([]); `select_micro` turns those into placeholders.
     """
-    if not micro.dynamic:
+    if micro.dynamic:
+        lens, budget = batch.seq_lens(), micro.max_tokens * sp_size
+        parts = _by_tokens(lens, budget)
+    else:
         idx = list(range(len(batch)))
         parts = [idx[i : i + micro.per_gpu] for i in range(0, len(idx), micro.per_gpu)]
-        count = agree(len(parts)) if agree else len(parts)
-        return parts + [[] for _ in range(count - len(parts))]
-    lens, budget = batch.seq_lens(), micro.max_tokens * sp_size
-    parts = _by_tokens(lens, budget)
     count = agree(len(parts)) if agree else len(parts)
-    if count > len(parts):
+    if micro.dynamic and count > len(parts):
         parts = _by_tokens(lens, budget, min_count=count)
     return parts + [[] for _ in range(count - len(parts))]
 

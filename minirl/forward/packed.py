@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from minirl.batch import MicroBatching, RolloutBatch, ragged_arange, scatter_tokens, select_micro, split_micro
+from minirl.batch import MicroBatching, RolloutBatch, ragged_arange, scatter_rows, select_micro, split_micro
 from minirl.dist.context import DistContext
 from minirl.dist.transfer import tensor_to, to_device
 from minirl.forward.logprob import chunked_logprobs
@@ -157,6 +157,7 @@ def per_token_pass(model, batch: RolloutBatch, micro: MicroBatching, head: Head,
         sub = select_micro(batch, idx)  # an empty idx still runs its forward: FSDP ranks run in step
         flat_R = packed_forward(model, sub.prompts, sub.responses, dist.device, head)[0]
         if idx:
-            out_BT[tensor_to(idx, torch.long, dist.device)] = scatter_tokens(flat_R.float(), sub.mask_BT)
+            lens = [len(r) for r in sub.responses]
+            out_BT[tensor_to(idx, torch.long, dist.device)] = scatter_rows(flat_R.float(), lens, sub.mask_BT)
     assembly.reshard(model)
     return out_BT

@@ -5,9 +5,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirl.batch import response_mask, scatter_rows, scatter_tokens
+from minirl.batch import response_mask, scatter_rows
 
 LENS = st.lists(st.integers(0, 7), min_size=1, max_size=6)
+
+
+def scatter_tokens(flat_N: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """The reference: masked_scatter of the values into zeros, in mask order."""
+    return torch.zeros(mask_BT.shape, dtype=flat_N.dtype).masked_scatter(mask_BT.bool(), flat_N)
 
 
 @settings(max_examples=60, deadline=None)
