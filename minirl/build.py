@@ -16,7 +16,6 @@ from minirl.critic import Critic, needs_values, resolved
 from minirl.critic.model import build_value_model
 from minirl.data.prompts import PromptLoader, load_prompts
 from minirl.dist.context import DistContext
-from minirl.errors import UserError
 from minirl.models import assembly
 from minirl.models.loading import load_model_for_rank
 from minirl.observe.evaluate import ValSet, load_val_set
@@ -25,18 +24,13 @@ from minirl.update import actor as actor_lib
 from minirl.update.loop import Update
 
 
-def needs_ref(cfg: Config) -> bool:
-    """A frozen reference policy is needed for a KL loss or a KL penalty in the reward."""
-    return cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-
-
 def models(pm, cfg: Config, dist: DistContext):
     """(tokenizer, actor, reference or None): the policy loaded once; the reference is a frozen
     copy taken before the actor is sharded and wrapped."""
     dtype = getattr(torch, cfg.model.dtype)
     model, tokenizer = load_model_for_rank(cfg.model, dist, dtype)  # ranks > 0: meta for a checkpoint
     ref = None
-    if needs_ref(cfg):
+    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:  # a KL needs the frozen reference
         ref = copy.deepcopy(model).eval().requires_grad_(False)
         ref = assembly.assemble_reference(pm, ref, cfg.ref, dist, cfg.model)
     actor = assembly.assemble_actor(pm, model, cfg, dist)
@@ -84,17 +78,13 @@ def update_loop(cfg: Config, section, model, optimizer, dist: DistContext, prefi
         epochs=section.ppo_epochs,
         shuffle=section.shuffle,
         seqs_per_mini=section.ppo_mini_batch_size * cfg.rollout.n // dist.dp_size,
-        micro=update_micro(section),
+        micro=MicroBatching(
+            section.ppo_micro_batch_size_per_gpu, section.use_dynamic_bsz, section.ppo_max_token_len_per_gpu
+        ),
         grad_clip=section.grad_clip,
         max_response_length=cfg.data.max_response_length,
         loss_scale_factor=loss_scale_factor,
     )
-
-
-def update_micro(section) -> MicroBatching:
-    """An update's micro-batches: ppo_micro_batch_size_per_gpu, use_dynamic_bsz, ppo_max_token_len_per_gpu."""
-    s = section
-    return MicroBatching(s.ppo_micro_batch_size_per_gpu, s.use_dynamic_bsz, s.ppo_max_token_len_per_gpu)
 
 
 def log_prob_micro(section) -> MicroBatching:
@@ -106,24 +96,15 @@ def log_prob_micro(section) -> MicroBatching:
 
 def train_loader(data_cfg, tokenizer, dist: DistContext) -> PromptLoader:
     """This rank's shard of the training prompts (whole groups per rank)."""
-    if not data_cfg.train_files:
-        raise UserError(
-            "data.train_files is empty: list one or more parquet files (make data writes data/*/train.parquet)"
-        )
     records = load_prompts(data_cfg.train_files, tokenizer, data_cfg)
     loader = PromptLoader(records, data_cfg.train_batch_size, data_cfg.shuffle, data_cfg.seed)
     return loader.shard(dist.dp_rank, dist.dp_size)
 
 
 def val_set(trainer_cfg, data_cfg, tokenizer, dist: DistContext) -> ValSet | None:
-    """The validation prompts, or None when the run never validates."""
+    """The validation prompts (data.val_files, validated up front), or None when the run never validates."""
     if not (trainer_cfg.val_before_train or trainer_cfg.test_freq > 0):
         return None
-    if not data_cfg.val_files:
-        raise UserError(
-            "trainer.test_freq / trainer.val_before_train need data.val_files: list parquet "
-            "files, or set trainer.test_freq = -1 and trainer.val_before_train = false"
-        )
     return load_val_set(data_cfg, tokenizer, dist)
 
 

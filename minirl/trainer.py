@@ -98,7 +98,7 @@ class Trainer:
 
     def _fit(self) -> list[dict[str, float]]:
         t = self.cfg.trainer
-        self._print(effective_batch_line(self.cfg, self.dist, self.loader.steps_per_epoch, self.total_steps))
+        self._print(self._batch_line())
         if self.critic is not None:
             self._print(critic_line(self.cfg, self.critic))
         if self.start_step >= self.total_steps:
@@ -112,9 +112,9 @@ class Trainer:
             disable=not (t.progress_bar and self.dist.is_main),
         )
         with StopRequest() as stop:
-            for step, records in self._batches(self.start_step):
-                metrics = self.train_step(records, step)
-                if self._validate_after(step):
+            for step in range(self.start_step + 1, self.total_steps + 1):  # a resume continues the data
+                metrics = self.train_step(self.loader.next_batch(), step)
+                if self.val is not None and self._is_due(t.test_freq, step):
                     metrics.update(self.validate())
                 self._log(metrics, step)
                 self.guard.observe(metrics, step)  # after the log: the bad step is on record
@@ -124,15 +124,6 @@ class Trainer:
                     raise self._stopped(signum, step, bar)
                 bar.update(1)
         return self._finish(bar)
-
-    def _batches(self, start_step: int):
-        """(step, prompts) for steps start_step+1 .. total_steps: the loader's next batch, epoch
-        after epoch (each epoch reshuffled); a resumed run continues at the checkpoint's position."""
-        for step in range(start_step + 1, self.total_steps + 1):
-            yield step, self.loader.next_batch()
-
-    def _validate_after(self, step: int) -> bool:
-        return self.val is not None and self._is_due(self.cfg.trainer.test_freq, step)
 
     def _is_due(self, freq: int, step: int) -> bool:
         """Every `freq` steps and after the last one; never when freq <= 0."""
@@ -365,21 +356,19 @@ class Trainer:
         if self.dist.is_main:
             print(text, flush=True)
 
-
-def effective_batch_line(cfg: Config, dist: DistContext, steps_per_epoch: int, total_steps: int) -> str:
-    """The one line that spells out the effective batch."""
-    d, a, n = cfg.data, cfg.actor, cfg.rollout.n
-    minis = d.train_batch_size // a.ppo_mini_batch_size
-    micro = build.update_micro(a).describe()
-    on_policy = actor_lib.on_policy(a, d.train_batch_size, cfg.algorithm.use_kl_in_reward)
-    old = "from the update's forward (on-policy: no prev-log-prob pass)" if on_policy else "a separate pass"
-    return (
-        f"batch: {d.train_batch_size} prompts x n={n} = {d.train_batch_size * n} sequences/step; "
-        f"{minis} mini-batch(es) of {a.ppo_mini_batch_size} prompts x {a.ppo_epochs} epoch(s) = "
-        f"{minis * a.ppo_epochs} optimizer steps/step; micro-batches: {micro}; old log-probs: {old}; "
-        f"world {dist.world_size} (dp {dist.dp_size}, sp {dist.sp_size}); {steps_per_epoch} steps/epoch, "
-        f"{total_steps} steps{_filter_groups_note(cfg.algorithm.filter_groups)}"
-    )
+    def _batch_line(self) -> str:
+        """The one line that spells out the effective batch."""
+        d, a, dist = self.cfg.data, self.cfg.actor, self.dist
+        minis = d.train_batch_size // a.ppo_mini_batch_size
+        old = "from the update's forward (on-policy: no prev-log-prob pass)" if self.on_policy else "a separate pass"
+        return (
+            f"batch: {d.train_batch_size} prompts x n={self.cfg.rollout.n} = {d.train_batch_size * self.cfg.rollout.n} "
+            f"sequences/step; {minis} mini-batch(es) of {a.ppo_mini_batch_size} prompts x {a.ppo_epochs} epoch(s) = "
+            f"{minis * a.ppo_epochs} optimizer steps/step; micro-batches: {self.actor_update.update.micro.describe()}; "
+            f"old log-probs: {old}; world {dist.world_size} (dp {dist.dp_size}, sp {dist.sp_size}); "
+            f"{self.loader.steps_per_epoch} steps/epoch, {self.total_steps} steps"
+            f"{_filter_groups_note(self.cfg.algorithm.filter_groups)}"
+        )
 
 
 def _filter_groups_note(fg) -> str:

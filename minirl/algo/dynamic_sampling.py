@@ -1,4 +1,5 @@
-"""Dynamic sampling (DAPO, Yu et al. 2025, §3.2; verl's algorithm.filter_groups).
+"""Dynamic sampling (DAPO, Yu et al. 2025, §3.2; verl's algorithm.filter_groups; docs/plugins.md
+has the keys, the metrics and the data position).
 
 A group (the rollout.n samples of one prompt) whose metric is the same for every sample gets
 zero advantage from GRPO-style estimators and carries no signal. Such groups are dropped, and
@@ -8,22 +9,15 @@ groups, where, with m_gi the metric of sample i of group g,
     informative(g)  <=>  max_i m_gi != min_i m_gi      (zero variance <=> all equal)
 
 How this departs from verl's DAPO trainer:
-1. When algorithm.filter_groups.max_num_gen_batches is reached first, verl raises; here the step
-   trains on the informative groups it has (a short step: filter_groups/cap_hit = 1, and a
-   warning). A short step's mini-batches hold actor.ppo_mini_batch_size groups, the last fewer.
-2. The keep set is decided in global prompt order (generation batch, rank, group): the first
-   train_batch_size informative groups, as one process deciding over the whole batch would.
-   Ranks then hand their surplus groups to ranks short of them, so that every rank holds the
-   same number of groups (the mini-/micro-batching and the global normalisation assume it).
-3. A short step's group count is rounded up to a positive multiple of the data-parallel size
-   with the step's first uninformative groups (zero GRPO advantage), so the ranks stay balanced
-   and a step never holds no group at all.
+1. At algorithm.filter_groups.max_num_gen_batches (verl raises) the step trains on the
+   informative groups it has: a short step, filter_groups/cap_hit = 1, and a warning.
+2. The keep set is the first train_batch_size informative groups in global prompt order
+   (generation batch, rank, group), as one process would choose; ranks then hand surplus
+   groups to ranks short of them, so every rank holds the same number of groups (the mini-/
+   micro-batching and the global normalisation assume it).
+3. A short step is rounded up to a positive multiple of the data-parallel size with its first
+   uninformative groups (zero GRPO advantage), so the ranks stay balanced.
 4. Groups of one sample (rollout.n = 1) are refused by validation (verl keeps them).
-
-Each generation batch consumes one more batch of the prompt loader, so the data position
-(PromptLoader.drawn, saved in checkpoints) runs ahead of the step; with trainer.total_epochs
-the run has total_epochs x steps-per-epoch steps and passes over the data more often than
-that: filter_groups/epoch says how far it has drawn.
 Legend: B sequences, G groups of this rank's generation batch, R data-parallel ranks.
 """
 
@@ -42,14 +36,10 @@ log = logging.getLogger(__name__)
 
 # algorithm.filter_groups.metric -> the per-sequence value [B] whose spread within a group decides
 SEQUENCE_METRICS: dict[str, Callable[[RolloutBatch], torch.Tensor]] = {
-    # the rule score of the sequence: what the reward function returned
-    "score": lambda b: b.scores_B,
-    # verl's seq_reward: the token-level scores summed over the response (the score plus any
-    # shaping placed on its tokens)
-    "seq_reward": lambda b: b.token_scores_BT.sum(-1),
-    # verl's seq_final_reward: the token-level rewards the advantage sees, summed. The KL penalty
-    # of use_kl_in_reward needs the old and reference log-probs, computed after the filter, so
-    # validation refuses the pair and this is seq_reward
+    "score": lambda b: b.scores_B,  # what the reward function returned
+    "seq_reward": lambda b: b.token_scores_BT.sum(-1),  # the token-level scores summed (shaping included)
+    # the rewards the advantage sees: seq_reward, as the KL penalty needs log-probs computed after
+    # the filter (validation refuses this metric with use_kl_in_reward)
     "seq_final_reward": lambda b: b.token_scores_BT.sum(-1),
 }
 
@@ -210,13 +200,9 @@ def _metrics(drawn: list[Generated], target: int, kept: int, padded: int, moved:
 def _warn_short(cap: int, found: int, target: int, kept: int, padded: int, dist: DistContext) -> None:
     if dist.is_main:
         log.warning(
-            "algorithm.filter_groups.max_num_gen_batches = %d reached with %d of %d informative groups: "
-            "this step trains on %d group(s), %d of them uninformative (padding to a multiple of the dp size)",
-            cap,
-            found,
-            target,
-            kept,
-            padded,
+            f"algorithm.filter_groups.max_num_gen_batches = {cap} reached with {found} of {target} informative "
+            f"groups: this step trains on {kept} group(s), {padded} of them uninformative (padding to a multiple "
+            "of the dp size)"
         )
 
 
@@ -224,10 +210,6 @@ def _warn_if_epoch_drawn(num: int, per_epoch: int, found: int, target: int, dist
     """Without a cap a step may draw forever on data the model always (or never) solves."""
     if dist.is_main and num % per_epoch == 0:
         log.warning(
-            "algorithm.filter_groups: one step drew %d prompt batches (%d epoch(s)) and found %d of %d "
-            "informative groups; set algorithm.filter_groups.max_num_gen_batches to cap it",
-            num,
-            num // per_epoch,
-            found,
-            target,
+            f"algorithm.filter_groups: one step drew {num} prompt batches ({num // per_epoch} epoch(s)) and found "
+            f"{found} of {target} informative groups; set algorithm.filter_groups.max_num_gen_batches to cap it"
         )

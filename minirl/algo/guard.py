@@ -73,15 +73,13 @@ def first_nonfinite_input(batch: RolloutBatch, reduce: Reducer) -> str:
 
 class NonFiniteGuard:
     """Counts training steps in a row whose update skipped an optimizer step for non-finite
-    numbers; raises a UserError at `max_consecutive`. A finite step resets the count.
+    numbers; raises a UserError at `max_consecutive` (>= 1, validated). A finite step resets the count.
 
     observe() must see the same metrics on every rank (they are reduced), so every rank stops
     at the same step. `verbose` (rank 0) prints one warning line per bad step on stderr.
     """
 
     def __init__(self, max_consecutive: int, verbose: bool = True):
-        if max_consecutive < 1:
-            raise UserError(f"trainer.max_nonfinite_steps = {max_consecutive}: must be at least 1; use 3")
         self.max_consecutive = max_consecutive
         self.verbose = verbose
         self.consecutive = 0

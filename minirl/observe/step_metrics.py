@@ -32,10 +32,6 @@ def global_mean(x: torch.Tensor, dist: DistContext) -> float:
     return float(sums[0] / sums[1].clamp(min=1))
 
 
-def share(name: str, flags: torch.Tensor, dist: DistContext) -> dict[str, float]:
-    return {name: global_mean(flags, dist)}
-
-
 def data_metrics(batch: RolloutBatch, dist: DistContext) -> dict[str, float]:
     dev = dist.device
     mask = batch.mask_BT.bool()
@@ -49,8 +45,8 @@ def data_metrics(batch: RolloutBatch, dist: DistContext) -> dict[str, float]:
     out.update(reduced_stats("response_length", resp_len, dist))
     out.update(reduced_stats("prompt_length", prompt_len, dist))
     truncated = torch.tensor([r == "length" for r in batch.finish_reasons], device=dev)
-    out.update(share("response_length/clip_ratio", truncated, dist))
-    out.update(share("batch/solve_none_or_all_share", equal_score_groups(batch), dist))
+    out["response_length/clip_ratio"] = global_mean(truncated, dist)
+    out["batch/solve_none_or_all_share"] = global_mean(equal_score_groups(batch), dist)
     return out
 
 
@@ -121,6 +117,6 @@ def value_metrics(batch: RolloutBatch, dist: DistContext) -> dict[str, float]:
     mask = batch.mask_BT.bool()
     values_BT, returns_BT = batch.values_BT, batch.returns_BT
     out = reduced_stats("critic/values", values_BT[mask], dist)
-    out["critic/returns/mean"] = reduced_stats("critic/returns", returns_BT[mask], dist)["critic/returns/mean"]
+    out["critic/returns/mean"] = global_mean(returns_BT[mask].detach(), dist)
     out["critic/vf_explained_var"] = explained_variance(returns_BT, values_BT, batch.mask_BT, dist.all_reduce)
     return out
