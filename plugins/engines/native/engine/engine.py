@@ -7,7 +7,6 @@ step t has then already been given step t+1; that token is dropped.
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import Iterable
 
@@ -38,7 +37,6 @@ class NativeEngine:
         self._init_weights(ctx)
         self.runner = ModelRunner(self.model, cfg, self.ops, self.device, self.dtype)
         self.runner.allocate_kv()
-        self._seq_ids = itertools.count(1)
         self.last_stats: dict = {}  # of the last generate (and the release after it)
         self._resume_s = 0.0
 
@@ -139,7 +137,7 @@ class NativeEngine:
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         seqs = []
         for prompt in prompts:
-            group = [Sequence(next(self._seq_ids), list(prompt), params.max_new_tokens, stop) for _ in range(params.n)]
+            group = [Sequence(list(prompt), params.max_new_tokens, stop) for _ in range(params.n)]
             seqs += group
             # a group larger than the batch limit is prefilled in parts
             for start in range(0, len(group), self.cfg.max_num_seqs):

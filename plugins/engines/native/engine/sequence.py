@@ -24,7 +24,6 @@ class Sequence:
     are being sampled. `output` holds the tokens already read back.
     """
 
-    seq_id: int
     prompt: list[int]
     max_new_tokens: int
     stop_ids: frozenset[int]
