@@ -62,9 +62,9 @@ def graph_buckets(max_bs: int) -> list[int]:
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, cfg: EngineConfig, ops: Ops, device, dtype):
-        self.model, self.cfg, self.ops, self.device, self.spec = model, cfg, ops, device, model.spec
+        self.model, self.cfg, self.ops, self.device = model, cfg, ops, device
+        self.spec = spec = model.spec
         self.kv_dtype = cfg.kv_cache_dtype or dtype
-        spec = model.spec
         self.rope = cos_sin_cache(inv_frequencies(spec.rope, spec.head_dim), cfg.max_model_len, device)
         self.page = cfg.page_size
         self.dummy_row = cfg.max_num_seqs  # padded graph rows use it; its page is page 0
@@ -157,10 +157,11 @@ class ModelRunner:
         """Packed ids, positions and KV slots of the groups' tokens; per sequence its row, length,
         page-table row and the group whose last logits it samples from."""
         groups, seqs = batch.groups, batch.seqs
-        lens = np.array([len(g.tokens) for g in groups])
+        lens = np.array([len(g.tokens) for g in groups], dtype=np.int64)
         per_group = [len(g.seqs) for g in groups]
         positions = np.concatenate([np.arange(n) for n in lens])
-        pages = np.concatenate([np.asarray(g.seqs[0].pages)[np.arange(n) // self.page] for g, n in zip(groups, lens)])
+        group_pages = [np.asarray(g.seqs[0].pages, dtype=np.int64) for g in groups]  # the others copy the tail
+        pages = np.concatenate([p[np.arange(n) // self.page] for p, n in zip(group_pages, lens)])
         width = max(len(s.pages) for s in seqs)
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         return dict(
