@@ -6,7 +6,7 @@ tokens by how the batch happened to be split. minirl instead counts tokens and s
 whole mini-batch once (`mini_batch_norm`, one all-reduce), and each micro-batch contributes its
 partial *sum* divided by those global counts (`aggregate`). The sum of the contributions over all
 micro-batches and ranks is then exactly the global value, and so is its gradient, for any split
-(the ranks' gradients are summed, not averaged: minirl.dist.context.DistContext.loss_scale).
+(the ranks' gradients are summed, not averaged: minirl.dist.context.DistContext).
 
 Sequences with no valid token (padding rows) are not counted: they contribute nothing and must not
 dilute the seq-mean modes. With sequence parallelism the masks are still the full-sequence masks

@@ -15,13 +15,9 @@ import torch.distributed as tdist
 
 @dataclass
 class DistContext:
-    """rank/world of the data-parallel group; `loss_scale` undoes gradient averaging.
-
-    minirl normalises every loss by global counts, so the gradient it wants is the SUM of the
-    ranks' gradients. The FSDP2 plugin reduce-scatters sums, so loss_scale stays 1 with it; a
-    data-parallel wrapper that averages over `world_size` ranks (DDP) would set loss_scale =
-    world_size to turn that mean back into the sum.
-    """
+    """This rank, the world, the (dp, sp) mesh and the device. minirl normalises every loss by
+    global counts, so the gradient it wants is the SUM of the ranks' gradients: a data-parallel
+    plugin must sum, not average (the FSDP2 plugin does)."""
 
     device: torch.device
     rank: int = 0
@@ -29,7 +25,6 @@ class DistContext:
     local_rank: int = 0
     mesh: Any = None
     sp_size: int = 1
-    loss_scale: float = 1.0
 
     @property
     def is_main(self) -> bool:

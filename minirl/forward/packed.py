@@ -120,8 +120,7 @@ def logprob_head(temperature: float, with_entropy: bool = False) -> Head:
 
     def head(model, hidden_rH, labels_r):
         out = model.get_output_embeddings()
-        grad = torch.is_grad_enabled()
-        return chunked_logprobs(hidden_rH, out, labels_r, temperature, with_entropy=with_entropy, recompute=grad)
+        return chunked_logprobs(hidden_rH, out, labels_r, temperature, with_entropy=with_entropy)
 
     return head
 

@@ -18,7 +18,6 @@ from minirl.algo.rollout_corr import MismatchStats, tis_weights
 from minirl.algo.stats import DeviceSums
 from minirl.batch import RolloutBatch, scatter_rows
 from minirl.dist.context import DistContext
-from minirl.errors import UserError
 from minirl.forward.packed import hidden_head, packed_forward, response_logprobs
 from minirl.update.loop import Update, run_update
 
@@ -76,7 +75,8 @@ def update_actor(job: ActorUpdate, batch: RolloutBatch, dist: DistContext) -> di
     The metrics count the optimizer steps skipped for non-finite numbers and name the phase of
     the first non-finite value: an input of the update, else "loss" or "grad_norm".
     """
-    check_advantages(batch)
+    # a third-party estimator's output shape is checked where it returns (minirl.plugins.guarded)
+    assert batch.advantages_BT.shape == batch.mask_BT.shape, "advantages must be [B, T]"
     assert job.on_policy == (batch.old_log_probs_BT is None), "the old-log-prob pass runs unless on-policy"
     input_phase = first_nonfinite_input(batch, dist.all_reduce)
     mismatch = _mismatch_stats(batch, dist)
@@ -97,17 +97,6 @@ def _mismatch_stats(batch: RolloutBatch, dist: DistContext) -> MismatchStats | N
     if batch.old_log_probs_BT is not None:
         stats.add(batch.old_log_probs_BT, batch.rollout_log_probs_BT, batch.mask_BT)
     return stats
-
-
-def check_advantages(batch: RolloutBatch) -> None:
-    """The estimator's output must be [B, T] like the mask (a plugin may return anything)."""
-    adv, mask = batch.advantages_BT, batch.mask_BT
-    if not isinstance(adv, torch.Tensor) or adv.shape != mask.shape:
-        got = tuple(adv.shape) if isinstance(adv, torch.Tensor) else type(adv).__name__
-        raise UserError(
-            f"algorithm.adv_estimator: the estimator returned advantages of shape {got}, expected "
-            f"[B, T] = {tuple(mask.shape)} (one value per response token); fix the estimator"
-        )
 
 
 def _micro_batch_loss(job: ActorUpdate, mismatch, dist, mb: RolloutBatch, norm: AggNorm, sums: DeviceSums):

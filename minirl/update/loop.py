@@ -71,7 +71,7 @@ def _mini_batch_step(update: Update, mb: RolloutBatch, loss: MicroBatchLoss, dis
     loss_sum = torch.zeros((), device=dist.device)
     for idx in split_micro(mb, update.micro, dist.max_over_ranks, dist.sp_size):
         micro_loss = loss(select_micro(mb, idx), norm, sums)
-        (micro_loss * dist.loss_scale).backward()
+        micro_loss.backward()
         loss_sum = loss_sum + micro_loss.detach().float()
     grad_norm = torch.nn.utils.clip_grad_norm_(update.model.parameters(), update.grad_clip)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm

@@ -4,8 +4,8 @@ step after activation checkpointing, active whenever there is a mesh (world size
 In torchtitan's order, every decoder layer is its own FSDP unit, then the root takes what is left
 (embeddings, final norm, lm_head), so a forward holds one gathered layer at a time. What the rest
 of minirl relies on (docs/architecture.md, "The mesh and who owns what", has the reasons):
-1. gradients are SUMMED over ranks, never averaged (`sum_gradients`), so DistContext.loss_scale
-   stays 1; with Ulysses the FSDP group is the whole world (dp x sp);
+1. gradients are SUMMED over ranks, never averaged (`sum_gradients`); with Ulysses the FSDP
+   group is the whole world (dp x sp);
 2. the packed forward calls the decoder and the lm_head, not model.forward, so it runs inside
    the root's FSDP hooks through the PackedForward hook (`install_packed_forward`);
 3. on CUDA bf16 compute copies over fp32 masters and fp32 gradient reduction; on CPU the model's
