@@ -1,20 +1,10 @@
-"""Rollout / training mismatch: the engine's sampled-token log-probs against the actor's.
-
-The rollout engine samples with its own kernels (bf16, CUDA graphs, another attention), so the
-probability it gave a sampled token, p_roll = exp(lp_roll), differs from the one the training
-forward gives the same weights, p_old = exp(lp_old). `lp_roll` is kept with the batch as
-`RolloutBatch.rollout_log_probs_BT` (rollout.calculate_log_probs); `lp_old` is the old log-prob the update
-uses (the prev-log-prob pass, or with the on-policy shortcut the update forward's own, detached).
-
-Metrics, over the valid tokens of the whole step on all data-parallel ranks (m the mask):
-    rollout_corr/prob_diff_mean = Σ m·|p_roll − p_old| / Σ m
-    rollout_corr/prob_diff_max  = max over valid tokens of |p_roll − p_old|
-    rollout_corr/log_ratio_mean = Σ m·(lp_old − lp_roll) / Σ m    (a k1 estimate of KL(roll ‖ old))
-All three are 0 when the two agree.
-
-Truncated importance sampling (TIS, actor.tis_imp_ratio_cap = C > 0, verl's key): the samples
-come from π_roll, not π_old, so each token's policy loss is reweighted before aggregation by
-    w = min(exp(lp_old − lp_roll), C)      (detached: a weight, not a path for the gradient)
+"""Rollout / training mismatch: the engine's sampled-token log-probs lp_roll (kept as
+RolloutBatch.rollout_log_probs_BT with rollout.calculate_log_probs) against the old log-probs lp_old
+the update uses. The engine samples with its own kernels (bf16, CUDA graphs, another attention),
+so the two differ for the same weights. Here: the mismatch metrics, rollout_corr/* over the valid
+tokens of the step on every rank (docs/algorithms.md §7), and truncated importance sampling
+(actor.tis_imp_ratio_cap = C > 0, §5): each token's policy loss is weighted by
+w = min(exp(lp_old − lp_roll), C), detached, since the samples come from π_roll, not π_old.
 Legend: B sequences, T response positions.
 """
 
