@@ -61,7 +61,7 @@ class Trainer:
         self.critic = build.critic(pm, cfg, dist, self.total_steps, self.estimator, self._print)
         self.engine = build.engine(pm, cfg, self.actor, self.tokenizer, dist)
         self.rewards = build_reward_manager(
-            cfg.reward, cfg.custom_reward_function, pm["reward_functions"], self.tokenizer, cfg.plugins.modules
+            cfg.reward, cfg.custom_reward_function, pm["reward_functions"], cfg.plugins.modules
         )
         # the old log-probs come from the update's own forward (minirl.update.actor.on_policy)
         self.on_policy = actor_lib.on_policy(cfg.actor, cfg.data.train_batch_size, cfg.algorithm.use_kl_in_reward)

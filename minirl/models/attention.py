@@ -3,8 +3,8 @@
 Training and log-prob forwards run one packed row with no padding: input_ids [1, N], position_ids
 restarting at 0 for every sequence, and the cumulative sequence lengths, all from
 `packed_forward_kwargs(seq_lens)`. transformers hands `cu_seq_lens_q` / `max_length_q` through
-every decoder layer to the attention function, which calls the varlen core: `varlen_attention`
-(minirl/models/varlen.py), or the wrapper sequence parallelism installs with `set_varlen_core`.
+every decoder layer to the attention function, which calls the varlen core `varlen_attention`
+(minirl/models/varlen.py).
 Calls without cu_seq_lens (generate, padded batches) take a plain SDPA path.
 
 Shape legend: N packed tokens, S sequences, H query heads, K key/value heads, D head dim,
@@ -13,7 +13,7 @@ B batch rows, Q query length, L key length.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,6 @@ from minirl.dist.transfer import to_device
 from minirl.models.varlen import repeat_kv, varlen_attention
 
 ATTN_NAME = "minirl"
-CORE_ATTR = "minirl_varlen_core"  # per-layer override of the core function (sequence parallelism)
 STAND_IN_MASK_SHAPE = (1, 1, 0, 0)
 
 
@@ -122,30 +121,16 @@ def minirl_attention_forward(
     cu_S1, max_len = _packed_boundaries(query, key, attention_mask, kwargs)
     if cu_S1 is None:
         return _padded_sdpa(query, key, value, attention_mask, scaling), None
-    core = getattr(module, CORE_ATTR, None) or varlen_attention
-    out_NHD = _call_core(
-        core, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_S1, max_len, scaling
-    )
+    q_NHD, k_NKD, v_NKD = (x[0].transpose(0, 1) for x in (query, key, value))
+    out_NHD = _eager_varlen(q_NHD, k_NKD, v_NKD, cu_S1, max_len, scaling)
     return out_NHD.unsqueeze(0), None
 
 
 @torch.compiler.disable
-def _call_core(core, q_NHD, k_NKD, v_NKD, cu_S1, max_len, scaling):
-    """The varlen kernel (or Ulysses' wrapper with its all-to-alls) always runs eagerly: a
+def _eager_varlen(q_NHD, k_NKD, v_NKD, cu_S1, max_len, scaling):
+    """The varlen kernel always runs eagerly: a
     compiled decoder layer (model.compile_layers) breaks its graph here."""
-    return core(q_NHD, k_NKD, v_NKD, cu_S1, int(max_len), scaling)
-
-
-def set_varlen_core(model: torch.nn.Module, core: Callable) -> int:
-    """Make `model`'s attention layers call `core` instead of `varlen_attention`; returns how many.
-    Sequence parallelism installs its wrapper of `varlen_attention` (all-to-alls around it) this
-    way on one model, the actor, leaving the registration other models share as it is."""
-    layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no *Attention modules to give a varlen core")
-    for layer in layers:
-        setattr(layer, CORE_ATTR, core)
-    return len(layers)
+    return varlen_attention(q_NHD, k_NKD, v_NKD, cu_S1, int(max_len), scaling)
 
 
 def _packed_boundaries(query, key, attention_mask, kwargs) -> tuple[torch.Tensor | None, int]:

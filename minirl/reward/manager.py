@@ -44,9 +44,8 @@ class RewardManager:
     """Scores decoded responses: by data_source, or with one custom function; in this process
     or in a RewardPool. `close()` stops the pool's workers."""
 
-    def __init__(self, registry: Any, tokenizer: Any = None, *, scorers: Scorers | None = None, pool=None, chunks=1):
+    def __init__(self, registry: Any, *, scorers: Scorers | None = None, pool=None, chunks=1):
         self.registry = registry  # every data_source must be in it, unless a custom function scores all
-        self.tokenizer = tokenizer
         self.scorers = scorers or Scorers(registry=registry)
         self.pool: RewardPool | None = pool
         self.chunks = chunks  # calls per batch (a batch manager splits the responses over the workers)
@@ -93,12 +92,6 @@ class RewardManager:
             return [self.scorers.run(call) for call in calls]
         return self.pool.run(calls)
 
-    def score_ids(self, records: Sequence[Any], response_ids: Sequence[Sequence[int]]) -> RewardResult:
-        """Decode (skipping special tokens such as EOS) with the tokenizer, then score."""
-        assert self.tokenizer is not None, "RewardManager.score_ids needs a tokenizer; pass one to RewardManager"
-        texts = [self.tokenizer.decode(list(ids), skip_special_tokens=True) for ids in response_ids]
-        return self.score(records, texts)
-
     def close(self) -> None:
         """Stop the worker processes, if any (a later score() starts them again)."""
         if self.pool is not None:
@@ -122,13 +115,13 @@ class RewardManager:
         )
 
 
-def build_reward_manager(reward_cfg, custom_cfg, registry: Any, tokenizer: Any, plugin_modules=()) -> RewardManager:
+def build_reward_manager(reward_cfg, custom_cfg, registry: Any, plugin_modules=()) -> RewardManager:
     """The RewardManager of the [reward] and [custom_reward_function] sections."""
     batch = reward_cfg.reward_manager == "batch"
     source = RewardSource(custom_cfg.path, custom_cfg.name, batch, tuple(plugin_modules))
     scorers = source.load() if custom_cfg.path else Scorers(registry=registry)
     pool = RewardPool(source.load, reward_cfg.num_workers, reward_cfg.timeout_s) if reward_cfg.num_workers else None
-    return RewardManager(registry, tokenizer, scorers=scorers, pool=pool, chunks=max(1, reward_cfg.num_workers))
+    return RewardManager(registry, scorers=scorers, pool=pool, chunks=max(1, reward_cfg.num_workers))
 
 
 def place_scores(scores_B: Any, response_lengths_B: Any, T: int) -> torch.Tensor:

@@ -326,19 +326,3 @@ def test_cuda_packed_model_forward_matches_unpacked_sdpa_bf16():
         got = packed(input_ids=ids, **packed_forward_kwargs(seq_lens, device="cuda")).logits
         baseline = _unpacked_logits(bf16_sdpa, ids, seq_lens)
     assert _max_err(got, ref) <= 2 * _max_err(baseline, ref) + 1e-2
-
-
-def test_a_model_can_swap_the_varlen_core():
-    """Sequence parallelism installs its wrapper of varlen_attention on one model only."""
-    from minirl.models.attention import set_varlen_core
-
-    seq_lens = [5, 9]
-    ids = _packed_batch(seq_lens)
-    model, untouched = _model("tiny", ATTN_NAME), _model("tiny", ATTN_NAME)
-    calls = []
-    assert set_varlen_core(model, lambda *args: calls.append(args[3]) or varlen_attention(*args)) == 2
-    kw = packed_forward_kwargs(seq_lens)
-    torch.testing.assert_close(model(input_ids=ids, **kw).logits, untouched(input_ids=ids, **kw).logits)
-    assert len(calls) == 2 and calls[0] is kw["cu_seq_lens_q"]
-    with pytest.raises(ValueError, match="Attention"):
-        set_varlen_core(torch.nn.Linear(2, 2), varlen_attention)

@@ -60,7 +60,7 @@ def rec(source, truth, row=0, bonus=0.0):
 def manager(path, name="compute_score", batch=False, num_workers=0, timeout_s=60.0):
     reward = SimpleNamespace(reward_manager="batch" if batch else "naive", num_workers=num_workers, timeout_s=timeout_s)
     custom = SimpleNamespace(path=path, name=name)
-    return build_reward_manager(reward, custom, registry={}, tokenizer=None)
+    return build_reward_manager(reward, custom, registry={})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def test_pool_with_the_plugin_registry():
     from minirl.plugins import PluginManager
 
     registry = PluginManager(entry_points=False)["reward_functions"]
-    with closing(build_reward_manager(reward, custom, registry, None)) as rewards:
+    with closing(build_reward_manager(reward, custom, registry)) as rewards:
         result = rewards.score([rec("copy", "7"), rec("gsm8k", "4")], ["7", "#### 5"])
     assert result.scores == [1.0, 0.0]
 

@@ -303,17 +303,10 @@ def test_manager_counts_failing_functions_and_logs_once(caplog):
     assert "non-finite" in caplog.text
 
 
-def test_manager_accepts_verl_dict_scores_and_decodes_ids():
-    """verl reward functions may return {"score": x}; score_ids decodes with the tokenizer."""
-
-    class Tok:
-        def decode(self, ids, skip_special_tokens=False):
-            assert skip_special_tokens
-            return "".join(map(chr, ids))
-
-    manager = RewardManager(registry(d=lambda r, t, e: {"score": 0.5, "acc": True}), Tok())
+def test_manager_accepts_verl_dict_scores():
+    """verl reward functions may return {"score": x}."""
+    manager = RewardManager(registry(d=lambda r, t, e: {"score": 0.5, "acc": True}))
     assert manager.score([rec("d", "x")], ["r"]).scores == [0.5]
-    assert manager.score_ids([rec("copy", "7")], [[ord("7")]]).scores == [1.0]
     with pytest.raises(AssertionError, match="2 records but 1 responses"):  # a caller's bug
         manager.score([rec("d", "x")] * 2, ["r"])
 
