@@ -100,6 +100,8 @@ RANGES: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("algorithm.gamma", between(0, 1), "a discount must lie in [0, 1]", "use 1.0"),
     ("algorithm.lam", between(0, 1), "must lie in [0, 1]", "use 1.0"),
     ("algorithm.kl_ctrl.kl_coef", at_least(0), "a negative β rewards drifting away", "use a value >= 0"),
+    ("algorithm.kl_ctrl.target_kl", lambda v: v > 0, "the adaptive controller divides by it", "use e.g. 0.1"),
+    ("algorithm.kl_ctrl.horizon", lambda v: v > 0, "must be a positive number of sequences", "use e.g. 10000"),
     ("trainer.total_training_steps", at_least(0), "must be >= 0 (0: from total_epochs and the data)", "use 0"),
     ("trainer.total_epochs", at_least(0), "must be >= 0", "use 1"),
     ("trainer.n_gpus_per_node", at_least(1), "must be at least 1", "use the number of GPUs to train on"),

@@ -196,6 +196,7 @@ CONFIG_CASES = {
     "no_train_files": (["data.train_files=[]"], "data.train_files = []"),
     "gamma_above_one": (["algorithm.gamma=2.0"], "algorithm.gamma = 2.0"),
     "kl_coef_negative": (["actor.kl_loss_coef=-0.1"], "actor.kl_loss_coef = -0.1"),
+    "kl_target_zero": (["algorithm.kl_ctrl.target_kl=0.0"], "algorithm.kl_ctrl.target_kl = 0.0", "divides by it"),
     "max_nonfinite_zero": (["trainer.max_nonfinite_steps=0"], "trainer.max_nonfinite_steps = 0"),
     "resume_mode": (["trainer.resume_mode=always"], "trainer.resume_mode = 'always'"),
     "resume_path_without_path": (["trainer.resume_mode=resume_path"], "trainer.resume_from_path = ''"),
