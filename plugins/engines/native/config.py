@@ -63,13 +63,7 @@ class EngineConfig:
         return cfg
 
     def validate(self) -> None:
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"rollout.gpu_memory_utilization = {self.gpu_memory_utilization}: must be in (0, 1], "
-                "the share of free device memory given to the KV cache"
-            )
-        if self.max_num_seqs < 1:
-            raise ValueError(f"rollout.max_num_seqs = {self.max_num_seqs}: must be at least 1")
-        # ctx.extra comes from code (minirl.build, tests), not from the user
+        # the rollout keys are validated up front (minirl.validate); ctx.extra comes from code
+        assert 0.0 < self.gpu_memory_utilization <= 1.0 and self.max_num_seqs >= 1, self
         assert self.max_batch_rows >= 0 and self.page_size >= 1 and self.decode_steps >= 1, self
         assert self.max_model_len >= 1 and self.max_num_batched_tokens >= 1, self
