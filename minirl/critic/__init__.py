@@ -49,15 +49,8 @@ def needs_values(estimator) -> bool:
 
 
 # critic keys that default to the actor's value when unset (verl's config interpolates them)
-FROM_ACTOR = (
-    "ppo_mini_batch_size",
-    "ppo_micro_batch_size_per_gpu",
-    "use_dynamic_bsz",
-    "ppo_max_token_len_per_gpu",
-    "ppo_epochs",
-    "shuffle",
-    "loss_agg_mode",
-)
+FROM_ACTOR = ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu")
+FROM_ACTOR += ("ppo_epochs", "shuffle", "loss_agg_mode")
 
 
 # values-pass keys that default to the critic's own update keys when unset (verl's interpolation)

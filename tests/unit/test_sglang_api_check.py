@@ -34,7 +34,7 @@ class Engine(EngineBase):
 """
 SERVER_ARGS = (
     "model_path skip_tokenizer_init load_format dtype mem_fraction_static enable_memory_saver tp_size base_gpu_id "
-    "random_seed port nccl_port log_level disable_cuda_graph context_length max_running_requests"
+    "random_seed port nccl_port log_level disable_cuda_graph context_length max_running_requests kv_cache_dtype"
 ).split()
 FILES = {
     "sglang/srt/entrypoints/engine.py": ENGINE,

@@ -53,22 +53,10 @@ USED_ONE_OF = [
 ]
 
 # ServerArgs fields the plugin passes to Engine(**kwargs)
-USED_SERVER_ARGS = (
-    "model_path",
-    "skip_tokenizer_init",
-    "load_format",
-    "dtype",
-    "mem_fraction_static",
-    "enable_memory_saver",
-    "tp_size",
-    "base_gpu_id",
-    "random_seed",
-    "port",
-    "nccl_port",
-    "log_level",
-    "disable_cuda_graph",
-    "context_length",
-    "max_running_requests",
+USED_SERVER_ARGS = tuple(
+    """model_path skip_tokenizer_init load_format dtype mem_fraction_static enable_memory_saver tp_size
+    base_gpu_id random_seed port nccl_port log_level disable_cuda_graph context_length max_running_requests
+    kv_cache_dtype""".split()
 )
 
 # keys of the per-request sampling_params dict (SamplingParams fields)
