@@ -21,9 +21,9 @@ from minirl.algo.guard import NonFiniteGuard
 from minirl.algo.kl_control import apply_kl_in_reward, build_kl_controller
 from minirl.algo.rollout_corr import require_rollout_log_probs, rollout_log_probs_BT
 from minirl.batch import RolloutBatch, response_mask
-from minirl.checkpoint import save_hf_checkpoint
 from minirl.checkpoint import state as ckpt_state
 from minirl.checkpoint import training as ckpt_training
+from minirl.checkpoint.hf import save_hf_checkpoint
 from minirl.checkpoint.resume import plan_run
 from minirl.checkpoint.training import TrainingState
 from minirl.config.load import Config
@@ -39,7 +39,9 @@ from minirl.observe.evaluate import validate
 from minirl.observe.metrics import PhaseTimer, summary_table
 from minirl.observe.step_metrics import data_metrics, engine_metrics, perf_metrics, value_metrics
 from minirl.protocols import AdvantageInputs, SamplingParams
-from minirl.reward import build_reward_manager, overlong_penalty, place_scores, reward_metrics
+from minirl.reward.manager import build_reward_manager, place_scores
+from minirl.reward.metrics import reward_metrics
+from minirl.reward.overlong import overlong_penalty
 from minirl.update import actor as actor_lib
 
 

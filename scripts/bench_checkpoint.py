@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from minirl.checkpoint import save_hf_checkpoint
 from minirl.checkpoint import state as ckpt_state
+from minirl.checkpoint.hf import save_hf_checkpoint
 from minirl.config.load import load_config, to_toml
 from minirl.dist import spmd
 from minirl.models import assembly

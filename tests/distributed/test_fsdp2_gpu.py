@@ -108,8 +108,7 @@ def _bf16_results(model, loss: float, ref, ref_loss: float, p0: torch.Tensor) ->
 def _sync_results(actor, dist) -> dict:
     """full_weights gives this rank's own shard at this rank's rows (every rank checks its own),
     and a bf16 model loaded from it (the native engine's load) checksums like the actor."""
-    from minirl_plugins.engines.native import weights_checksum
-    from minirl_plugins.engines.native.weights import load_weights
+    from minirl_plugins.engines.native.weights import load_weights, weights_checksum
 
     params = {assembly.hf_name(n): p for n, p in actor.named_parameters()}
     own = True

@@ -65,7 +65,7 @@ def h_sum(x: torch.Tensor) -> torch.Tensor:
 
 def _weight_sync(actor, plain, engine, results):
     """The sync path of the trainer: engine.load_weights(assembly.full_weights(actor))."""
-    from minirl_plugins.engines.native import weights_checksum
+    from minirl_plugins.engines.native.weights import weights_checksum
 
     stale = engine.checksum(torch.float32)
     weights = assembly.full_weights(actor)
@@ -114,7 +114,7 @@ def _rank0_loading(pm, cfg, dist, rank, ckpt_dir, results):
     (load_model_for_rank) and FSDP2 fills its shards from rank 0's weights."""
     from minirl.config.schema import ModelConfig
     from minirl.models.tokenizers import byte_tokenizer
-    from minirl_plugins.engines.native import weights_checksum
+    from minirl_plugins.engines.native.weights import weights_checksum
 
     want = h.tiny_model(seed=7)
     if rank == 0:

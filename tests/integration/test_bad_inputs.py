@@ -523,7 +523,7 @@ def test_reward_manager_error_is_a_user_error():
     """Scoring a record whose data_source has no function is a UserError (one line), not a
     ValueError traceback, when a trainer meets it."""
     from minirl.errors import UserError
-    from minirl.reward import RewardManager
+    from minirl.reward.manager import RewardManager
 
     class Rec:
         data_source, source = "nope", "f.parquet:3"

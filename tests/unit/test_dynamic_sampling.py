@@ -18,7 +18,7 @@ from minirl.batch import RolloutBatch, concat, response_mask
 from minirl.config.schema import FilterGroupsConfig
 from minirl.data.prompts import PromptLoader, PromptRecord, expand_groups
 from minirl.dist.context import DistContext
-from minirl.reward import place_scores
+from minirl.reward.manager import place_scores
 
 CPU = torch.device("cpu")
 N = 4

@@ -10,7 +10,7 @@ import pytest
 from minirl.config.schema import DataConfig
 from minirl.data.prompts import load_prompts
 from minirl.plugins import Registry
-from minirl.reward import RewardManager
+from minirl.reward.manager import RewardManager
 from minirl_plugins import rewards
 from tests.scripts import import_script
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from minirl.protocols import SamplingParams
-from minirl_plugins.engines.native import build_native_engine, weights_checksum
+from minirl_plugins.engines.native import build_native_engine
 from minirl_plugins.engines.native.layers.sampling import filter_top_k_top_p
+from minirl_plugins.engines.native.weights import weights_checksum
 from tests.tiny_models import PROMPTS, engine_context, greedy, hf_greedy, tiny_config, tiny_hf_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

@@ -32,7 +32,7 @@ def _pair(family, overrides, dtype=torch.float32, std=0.05):
 @pytest.mark.parametrize("family,overrides", FAMILIES)
 def test_parameter_names_match_transformers(family, overrides):
     hf, eng = _pair(family, overrides)
-    assert [n for n, _ in eng.named_parameters()] == [n for n, _ in hf.named_parameters()]
+    assert [n for n, _ in eng.model.named_parameters()] == [n for n, _ in hf.named_parameters()]
 
 
 @pytest.mark.parametrize("family,overrides", FAMILIES)

@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 from minirl.data.prompts import PromptRecord
 from minirl.dist.context import DistContext
 from minirl.errors import UserError
-from minirl.reward import build_reward_manager, overlong_penalty, reward_metrics
 from minirl.reward.custom import CustomRewardError, load_custom_function
+from minirl.reward.manager import build_reward_manager
+from minirl.reward.metrics import reward_metrics
+from minirl.reward.overlong import overlong_penalty
 
 REWARD_FILE = """
 import os

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from minirl.data.prompts import PromptRecord
 from minirl.plugins import Registry
-from minirl.reward import RewardManager, place_scores
+from minirl.reward.manager import RewardManager, place_scores
 from minirl_plugins import rewards
 from minirl_plugins.rewards import copy_reward, gsm8k_reward
 from minirl_plugins.rewards import countdown as reward_countdown

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 from minirl import hookimpl
 from minirl.protocols import EngineContext
-from minirl_plugins.engines.native.weights import weights_checksum
-
-__all__ = ["build_native_engine", "weights_checksum"]
 
 
 def build_native_engine(rollout_cfg, ctx: EngineContext):

@@ -1,10 +1,8 @@
 """Rollout engine `sglang`: SGLang's in-process Engine, one per rank, colocated with the actor.
 
-Select it with `rollout.name = "sglang"`; install SGLang with `pip install 'minirl[sglang]'`.
-Nothing here imports sglang until the engine is built. The config keys it reads, and what each
-SGLang version (0.4.10 to 0.5.23) gets, found by inspection (api.detect) and checked against the
-newest wheel by scripts/check_sglang_api.py: docs/plugins.md, "The SGLang rollout engine".
-Tested against a fake of 0.4.10, 0.5.14 and 0.5.23 (tests/fakes/sglang), never a real SGLang.
+Select it with `rollout.name = "sglang"` (`pip install 'minirl[sglang]'`); sglang is imported only
+when the engine is built. Its keys and what each version (0.4.10 to 0.5.23, found by api.detect,
+checked by scripts/check_sglang_api.py) gets: docs/plugins.md. Tested on fakes (tests/fakes/sglang).
 """
 
 from __future__ import annotations
@@ -14,8 +12,6 @@ import importlib.util
 from minirl import hookimpl
 from minirl.errors import UserError
 from minirl.protocols import EngineContext
-
-__all__ = ["build_sglang_engine"]
 
 
 def build_sglang_engine(rollout_cfg, ctx: EngineContext):

@@ -110,9 +110,6 @@ class NativeEngine:
         h = self.model(torch.tensor(tokens, device=self.device), pos, meta, self.runner.rope)
         return self.model.compute_logits(h)
 
-    def named_parameters(self):
-        return self.model.named_parameters()
-
     # ---------------------------------------------------------------------------- internals
 
     def _validate(self, prompts, params: SamplingParams) -> None:
