@@ -32,6 +32,7 @@ bench: install data
 lint: install
 	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PIP) install -q ruff
 	$(PY) -m ruff check minirl plugins scripts dev tests
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) $(DATA) runs build *.egg-info
