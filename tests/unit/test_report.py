@@ -91,6 +91,18 @@ def test_three_runs_overlay_with_a_legend_and_missing_metrics_leave_an_empty_axe
     assert len(figures["phases"].axes) == 3
 
 
+def test_runs_with_the_same_values_stay_visible(tmp_path):
+    """Two runs that log the same validation scores draw the same points: each run has its own
+    dash and hollow marker, so the later line does not hide the earlier one; a long series is
+    marked at intervals, not at every point."""
+    long = [{"step": s, "score/mean": 0.5} for s in range(1, 101)]
+    paths = [write_run(tmp_path, n, records(0.1) + long[5:], None) for n in ("a", "b")]
+    lines = build_figures([read_run(p) for p in paths])["score"].axes[0].get_lines()
+    assert len({(ln.get_linestyle(), ln.get_marker()) for ln in lines}) == 2
+    assert all(ln.get_fillstyle() == "none" for ln in lines)
+    assert all(ln.get_markevery() > 1 for ln in lines)
+
+
 def test_metric_no_run_logged_says_so(tmp_path):
     run = read_run(write_run(tmp_path, "a", records(0.1, kl=False), None))
     kl_axes = build_figures([run])["kl_entropy"].axes[0]

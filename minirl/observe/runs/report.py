@@ -32,7 +32,12 @@ LINE_FIGURES = {
 PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights")
 AXES_INCHES = (4.2, 3.0)
 DPI = 90
-MARKERS_BELOW = 30  # points per line under which each point gets a marker (validation curves)
+MARKERS_BELOW = 30  # points per line under which every point gets a marker, else about MARKS_PER_LINE
+MARKS_PER_LINE = 15
+# Runs often draw the same values (a validation score two runs share), so each run has its own dash
+# and hollow marker: a later line never hides an earlier one.
+LINE_STYLES = ("-", "--", ":", "-.")
+MARKER_SHAPES = ("o", "s", "^", "v", "D", "x")
 
 
 def figure_class():
@@ -74,7 +79,7 @@ def line_figure(runs: list[Run], panels: tuple[tuple[str, str], ...]):
     fig, axes = new_figure(len(panels))
     for ax, (title, key) in zip(axes, panels):
         _style(ax, title)
-        drawn = [_plot_run(ax, run, key) for run in runs]
+        drawn = [_plot_run(ax, run, key, i) for i, run in enumerate(runs)]
         if any(drawn):
             ax.legend(fontsize=7)
         else:
@@ -91,12 +96,13 @@ def _style(ax, title: str) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
 
 
-def _plot_run(ax, run: Run, key: str) -> bool:
+def _plot_run(ax, run: Run, key: str, index: int) -> bool:
     steps, values = run.series(key)
     if not steps:
         return False
-    marker = "o" if len(steps) < MARKERS_BELOW else None
-    ax.plot(steps, values, label=run.name, marker=marker, markersize=3, linewidth=1.2)
+    every = 1 if len(steps) < MARKERS_BELOW else max(1, len(steps) // MARKS_PER_LINE)
+    style = dict(linestyle=LINE_STYLES[index % len(LINE_STYLES)], marker=MARKER_SHAPES[index % len(MARKER_SHAPES)])
+    ax.plot(steps, values, label=run.name, markevery=every, markersize=4, fillstyle="none", linewidth=1.2, **style)
     return True
 
 
