@@ -4,9 +4,12 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DATA := data
 
-.PHONY: install test bench data lint clean
+.PHONY: install install-test test bench data lint clean
 
+# install: what a training run needs (minirl and its dependencies); install-test adds the test
+# extras (dev: pytest, import-linter, matplotlib, ...; ray: its launcher's tests), about 2 GB.
 install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
 
 # Reuse a torch that is already importable (GPU machines); otherwise the CPU build torch==2.13.0.
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -14,10 +17,14 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	  echo "minirl: using the torch already installed"; python3 -m venv --system-site-packages $(VENV); \
 	else python3 -m venv $(VENV); fi
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e '.[dev,ray]'  # ray: its launcher's tests run in CI
+	$(PIP) install -q -c constraints.txt -e .
 	@touch $@
 
-test: install
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q -c constraints.txt -e '.[dev,ray]'
+	@touch $@
+
+test: install-test
 	bash scripts/run_tests.sh $(PY)
 
 $(DATA)/.done: scripts/make_data.py | install
@@ -29,7 +36,7 @@ data: $(DATA)/.done
 bench: install data
 	$(PY) -m minirl --config bench.toml
 
-lint: install
+lint: install-test
 	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PIP) install -q ruff
 	$(PY) -m ruff check minirl plugins scripts dev tests
 	$(VENV)/bin/lint-imports
