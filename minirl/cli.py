@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minirl.config.load import load_config, parse_overrides, profiles_in, to_toml
+from minirl.config.load import load_config, plugin_modules, profiles_in, to_toml
 from minirl.errors import UserError
 from minirl.observe.runs.commands import COMMANDS
 from minirl.plugins import PluginManager
@@ -47,11 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def plugin_modules(path: str | None, overrides: list[str]) -> list[str]:
-    """[plugins] modules, read before the full config because plugins may add sections."""
-    modules = load_config(path, []).plugins.modules if path else []
-    from_cli = parse_overrides(overrides).get("plugins", {}).get("modules")
-    return list(from_cli) if from_cli is not None else modules
+def plugin_manager(path: str | None, overrides: list[str], profile: str | None) -> PluginManager:
+    """The plugins of [plugins] modules, loaded before the full config because they may add
+    sections to it; an import error names the layer that listed the module."""
+    modules, source = plugin_modules(path, overrides, profile)
+    where = "plugins.modules on the command line" if source == "command line" else f"plugins.modules in {source}"
+    return PluginManager(modules, source=where)
 
 
 def notice(text: str) -> None:
@@ -76,8 +77,8 @@ def default_profile(path: str | None) -> str | None:
 
 def resolve(args: argparse.Namespace):
     """Plugins first (they may add config sections), then the config."""
-    pm = PluginManager(plugin_modules(args.config, args.overrides))
     profile = args.profile or default_profile(args.config)
+    pm = plugin_manager(args.config, args.overrides, profile)
     sections = dict(pm["config_sections"].items)
     cfg = load_config(args.config, args.overrides, profile, extra_sections=sections)
     return pm, cfg
@@ -86,7 +87,7 @@ def resolve(args: argparse.Namespace):
 def list_plugins(argv: list[str]) -> int:
     """`python -m minirl plugins [--config X] [overrides]`: the config's plugin modules included."""
     args = build_parser().parse_intermixed_args(argv)
-    print(PluginManager(plugin_modules(args.config, args.overrides)).describe())
+    print(plugin_manager(args.config, args.overrides, args.profile).describe())
     return 0
 
 
@@ -100,10 +101,11 @@ def run(argv: list[str]) -> int:
         build_parser().error("--config is required to run a job")
     pm, cfg = resolve(args)
     from minirl.validate.core import validate
+    from minirl.validate.critic import unused_keys
 
     validate(cfg, pm, files=not args.print_config)
     if args.print_config:
-        print(to_toml(cfg), end="")
+        print(to_toml(cfg, unused_keys(cfg, pm)), end="")
         return 0
     from minirl.launch import launch
 

@@ -104,7 +104,9 @@ def _plugin_label(pm: pluggy.PluginManager, plugin: object) -> str:
 class PluginManager:
     """Loads the plugins and builds every registry from their answers."""
 
-    def __init__(self, modules: Iterable[str] = (), *, entry_points: bool = True):
+    def __init__(
+        self, modules: Iterable[str] = (), *, entry_points: bool = True, source: str = "config [plugins] modules"
+    ):
         self.pm = pluggy.PluginManager("minirl")
         self.pm.add_hookspecs(hookspecs)
         for name in BUILTIN_MODULES:
@@ -112,7 +114,7 @@ class PluginManager:
         if entry_points:
             self._load_entry_points()
         for name in modules:
-            self._register_module(name, "config [plugins] modules")
+            self._register_module(name, source)
         self._check_hook_names()
         self.pm.check_pending()  # anything our own check does not cover
         self.hook = self.pm.hook

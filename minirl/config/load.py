@@ -116,15 +116,52 @@ def parse_overrides(items: typing.Iterable[str]) -> dict[str, Any]:
         *parents, leaf = key.strip().split(".")
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = _parse_value(raw.strip())
+        node[leaf] = _parse_value(key.strip(), raw.strip())
     return out
 
 
-def _parse_value(raw: str) -> Any:
+def _parse_value(key: str, raw: str) -> Any:
     try:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
-        return raw  # a bare word such as grpo or low_var_kl
+        if raw[:1] not in "[{\"'":
+            return raw  # a bare word such as grpo or low_var_kl
+        # meant as TOML; the shell often ate the quotes: key=["a"] unquoted arrives as key=[a]
+        raise ConfigError(
+            f"command line: {key}={raw} is not valid TOML; quote the strings in it and the "
+            f"whole override, so the shell keeps the quotes: {_quoted_override(key, raw)}"
+        ) from None
+
+
+def _quoted_override(key: str, raw: str) -> str:
+    if raw.startswith("[") and raw.endswith("]"):
+        raw = "[" + ", ".join(_toml_word(w.strip()) for w in raw[1:-1].split(",") if w.strip()) + "]"
+    return f"'{key}={raw}'"
+
+
+def _toml_word(word: str) -> str:
+    try:
+        tomllib.loads(f"v = {word}")
+        return word
+    except tomllib.TOMLDecodeError:
+        return '"' + word.strip("\"'") + '"'
+
+
+def plugin_modules(path: str | None, overrides: typing.Iterable[str], profile: str | None) -> tuple[list[str], str]:
+    """[plugins] modules and the layer that set them, read (and checked) before the full config
+    because plugins may add sections to it."""
+    file_data = _read_toml(path) if path else {}
+    layers = [(f"{path}", file_data)]
+    if profile is not None:
+        layers.append((f"{path} [profiles.{profile}]", file_data.get("profiles", {}).get(profile, {})))
+    layers.append(("command line", parse_overrides(overrides)))
+    modules, source = [], "default"
+    for where, data in layers:
+        table = data.get("plugins", {})
+        _check_layer({"plugins": table}, {"plugins": CORE_SECTIONS["plugins"]}, where)
+        if "modules" in table:
+            modules, source = table["modules"], where
+    return modules, source
 
 
 def _deep_merge(dst: dict, src: dict) -> None:
@@ -171,9 +208,22 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
         return None if value is None else _coerce(value, inner[0], key, source)
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{source}: {key} must be a list, got {_tname(value)} {value!r}")
+            raise ConfigError(
+                f"{source}: {key} must be a list, got {_tname(value)} {value!r}{_list_fix(key, value, source)}"
+            )
         return [_coerce(v, args[0], f"{key}[{i}]", source) for i, v in enumerate(value)]
     return _scalar(value, hint, key, source)
+
+
+def _list_fix(key: str, value: Any, source: str) -> str:
+    """One rule for every list key: a single value is refused, never split or wrapped, and the
+    fix is written for the layer it came from."""
+    if isinstance(value, dict):
+        return ""
+    item = _toml_value(value)
+    if source == "command line":
+        return f"; write '{key}=[{item}]' (single quotes keep the shell off the double ones)"
+    return f"; write {key.rsplit('.', 1)[1]} = [{item}] (a list of one)"
 
 
 def _scalar(value: Any, hint: type, key: str, source: str) -> Any:
@@ -222,15 +272,35 @@ def _tname(value: Any) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def to_toml(cfg: Config) -> str:
-    """The resolved config as TOML (unset optional keys appear as comments)."""
-    lines: list[str] = []
+def to_toml(cfg: Config, unused: typing.Collection[str] = ()) -> str:
+    """The resolved config as TOML (unset optional keys appear as comments). Keys under an
+    `unused` prefix ("critic" when no critic is built) appear only where a layer set them: a
+    default written out would count as set, and draw an "ignored" notice when the file runs."""
+
+    def keep(key: str) -> bool:
+        return key in cfg.origins or not any(key == p or key.startswith(f"{p}.") for p in unused)
+
+    lines = [f"# written only where set (this run does not use them): {', '.join(unused)}", ""] if unused else []
     for name, section in cfg.to_dict().items():
-        _emit_table(lines, name, section)
+        _emit_table(lines, name, _kept(section, name, keep))
     return "\n".join(lines).strip() + "\n"
 
 
+def _kept(table: dict, prefix: str, keep: typing.Callable[[str], bool]) -> dict:
+    out = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            value = _kept(value, f"{prefix}.{key}", keep)
+            if value:
+                out[key] = value
+        elif keep(f"{prefix}.{key}"):
+            out[key] = value
+    return out
+
+
 def _emit_table(lines: list[str], name: str, table: dict) -> None:
+    if not table:
+        return
     lines.append(f"[{name}]")
     nested = {k: v for k, v in table.items() if isinstance(v, dict)}
     for key, value in table.items():

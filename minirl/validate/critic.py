@@ -42,3 +42,9 @@ def uses_critic(cfg: Config, pm) -> bool:
     name = cfg.algorithm.adv_estimator
     estimators = pm["advantage_estimators"]
     return name in estimators and needs_values(estimators.get(name))
+
+
+def unused_keys(cfg: Config, pm) -> tuple[str, ...]:
+    """The keys (dotted prefixes) a run without a critic ignores; --print-config leaves their
+    defaults out, so running the printed file draws no "ignored" notice."""
+    return () if uses_critic(cfg, pm) else ("critic", "trainer.critic_warmup")

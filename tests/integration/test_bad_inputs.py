@@ -357,6 +357,46 @@ def test_wrong_type(capsys, base):
     fails(capsys, base + ["rollout.n=two"], "rollout.n must be int, got str 'two'")
 
 
+LIST_CASES = {
+    "module_bare": (
+        "plugins.modules=my_estimators",
+        "command line: plugins.modules must be a list, got str 'my_estimators'",
+        """'plugins.modules=["my_estimators"]'""",
+    ),
+    "module_unquoted": (
+        "plugins.modules=[my_estimators]",
+        "command line: plugins.modules=[my_estimators] is not valid TOML",
+        """'plugins.modules=["my_estimators"]'""",
+    ),
+    "logger_bare": (
+        "trainer.logger=jsonl",
+        "command line: trainer.logger must be a list",
+        """'trainer.logger=["jsonl"]'""",
+    ),
+    "train_files_bare": ("data.train_files=a.parquet", "data.train_files must be a list", "data.train_files=["),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LIST_CASES))
+def test_a_string_for_a_list_key(capsys, base, case):
+    """Every list key refuses a bare string (never splits it into characters, never imports a
+    plugin module 'm'), from the command line as from a file, naming the key, the layer that set
+    it and the override to write instead; a list whose strings lost their quotes in the shell too."""
+    override, *needles = LIST_CASES[case]
+    fails(capsys, base + [override], *needles)
+
+
+def test_a_string_for_a_list_key_in_the_file(capsys, tmp_path, base):
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(Path(BENCH).read_text().replace("[model]", '[plugins]\nmodules = "my_estimators"\n\n[model]', 1))
+    argv = ["--config", str(cfg)] + base[2:]
+    fails(capsys, argv, f"{cfg}: plugins.modules must be a list", 'modules = ["my_estimators"]')
+
+
+def test_plugin_module_error_names_the_command_line(capsys, base):
+    fails(capsys, base + ['plugins.modules=["tmp_plugin_absent"]'], "(plugins.modules on the command line)")
+
+
 def test_override_without_equals(capsys, base):
     fails(capsys, base + ["rollout.n"], "'rollout.n' is not an override")
 

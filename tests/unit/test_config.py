@@ -149,3 +149,27 @@ def test_layout_of_a_world_the_launcher_learns_late(overrides, match):
     check_world(load_config(None, fits), pm, 4)
     with pytest.raises(ConfigError, match=match):
         check_world(load_config(None, [*fits, *overrides]), pm, 4)
+
+
+@pytest.mark.parametrize("overrides", [[], ["critic.grad_clip=2.0"], ["algorithm.adv_estimator=gae"]])
+def test_printed_config_runs_quietly(tmp_path, capsys, overrides):
+    """--print-config writes what the run uses: without a critic (grpo) the critic's defaults are
+    left out, so the printed file loads back to the same config and running it draws no
+    "ignored" notice; a critic key the user did set is kept, and draws the notice it drew before."""
+    from minirl import build
+    from minirl.cli import main
+    from minirl.plugins import PluginManager
+
+    argv = ["--config", str(ROOT / "bench.toml"), "--profile", "cpu", *overrides]
+    assert main([*argv, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    cfg, again = load_config(argv[1], overrides, "cpu"), load_config(write(tmp_path, printed))
+    assert again.to_dict() == cfg.to_dict()
+    if cfg.algorithm.adv_estimator == "gae":
+        assert "[critic]" in printed and "critic_warmup = 0" in printed
+        return
+    pm, said = PluginManager(), []
+    estimator = pm["advantage_estimators"].get("grpo")
+    assert build.critic(pm, again, None, 1, estimator, said.append) is None  # none built: dist unused
+    assert len(said) == len(overrides)
+    assert all("critic.grad_clip ignored" in line for line in said)
