@@ -3,7 +3,7 @@ ray.cluster_utils.Cluster (2 nodes x 2 CPUs, gloo). It must run the same job as 
 launcher, order ranks by node, and end every failure (a user error, a vanished process, a lost
 node, a cluster too small) with one clear line, a non-zero status and nothing left behind.
 
-Ray is a test dependency (the `ray` extra, installed by `make install`): without it this file
+Ray is a test dependency (the `ray` extra, installed by `make test` (make install-test)): without it this file
 fails to import, which fails CI instead of skipping. The node-removal test runs last: it
 replaces the worker node it removes.
 """
