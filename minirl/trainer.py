@@ -37,6 +37,7 @@ from minirl.forward.packed import logprob_head, per_token_pass
 from minirl.models import assembly
 from minirl.observe.evaluate import validate
 from minirl.observe.metrics import PhaseTimer, summary_table
+from minirl.observe.runs.read import METRICS_FILE, read_metrics
 from minirl.observe.step_metrics import data_metrics, engine_metrics, perf_metrics, value_metrics
 from minirl.protocols import AdvantageInputs, SamplingParams
 from minirl.reward.manager import build_reward_manager, place_scores
@@ -51,9 +52,6 @@ class Trainer:
     def __init__(self, cfg: Config, pm, dist: DistContext):
         self.cfg, self.pm, self.dist = cfg, pm, dist
         torch.manual_seed(cfg.trainer.seed + dist.dp_rank)  # sp ranks share a batch: same draws
-        self.plan = plan_run(cfg.trainer, dist)
-        self.run_dir = self.plan.run_dir
-        self._print(self.plan.notice)
         self.tokenizer, self.actor, self.ref = build.models(pm, cfg, dist)
         self.loader = build.train_loader(cfg.data, self.tokenizer, dist)
         self.total_steps = build.total_steps(cfg.trainer, self.loader.steps_per_epoch)
@@ -65,6 +63,9 @@ class Trainer:
         self.rewards = build_reward_manager(
             cfg.reward, cfg.custom_reward_function, pm["reward_functions"], cfg.plugins.modules
         )
+        if cfg.custom_reward_function.path:
+            crf = cfg.custom_reward_function
+            self._print(f"reward: {crf.name}() from {crf.path} (custom_reward_function) scores every data_source")
         # the old log-probs come from the update's own forward (minirl.update.actor.on_policy)
         self.on_policy = actor_lib.on_policy(cfg.actor, cfg.data.train_batch_size, cfg.algorithm.use_kl_in_reward)
         losses = build.losses(pm, cfg.actor, self.ref)
@@ -74,10 +75,11 @@ class Trainer:
         self.val = build.val_set(cfg.trainer, cfg.data, self.tokenizer, dist)
         self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_steps, verbose=dist.is_main)
         self.history: list[dict[str, float]] = []
-        self.val_scores: list[tuple[int, float]] = []  # (step, greedy validation score)
         self.state = self._training_state()
         self.start_step = self._resume()  # last: restores the random streams too
         self.loggers = build.loggers(pm, cfg, self.run_dir, self.start_step, dist)
+        # (step, greedy validation score), with those a resumed run logged before its checkpoint
+        self.val_scores: list[tuple[int, float]] = _logged_val_scores(self.run_dir, self.start_step)
 
     def _training_state(self) -> TrainingState:
         """What a checkpoint saves and a resume restores (minirl.checkpoint.training)."""
@@ -104,7 +106,11 @@ class Trainer:
         if self.critic is not None:
             self._print(critic_line(self.cfg, self.critic))
         if self.start_step >= self.total_steps:
-            self._print(f"nothing to train: the checkpoint is at step {self.start_step} of {self.total_steps}")
+            self._print(
+                f"nothing to train: the checkpoint is at step {self.start_step} of {self.total_steps}, the run is "
+                "complete; raise trainer.total_training_steps to continue it, or set trainer.resume_mode = "
+                "'disable' to start another run"
+            )
         if t.val_before_train and self.start_step == 0:
             self._log(self.validate(), step=0)
         bar = tqdm(
@@ -146,7 +152,15 @@ class Trainer:
         return path
 
     def _resume(self) -> int:
-        """Restore the checkpoint the run plan names; returns the step to continue after."""
+        """Decide the run directory (minirl.checkpoint.resume) and restore the checkpoint it names;
+        returns the step to continue after. Decided once everything is built: whether an auto
+        resume fits this run depends on the critic, the data and the run's length."""
+        self.plan = plan_run(self.cfg.trainer, self.dist)
+        if self.plan.resume_from is not None and self.cfg.trainer.resume_mode == "auto":
+            why = ckpt_training.why_not_resume(self.plan.resume_from, self.state, self.cfg, self.total_steps)
+            self.plan = self.plan.declined(why) if why else self.plan
+        self.run_dir = self.plan.run_dir
+        self._print(self.plan.notice)
         if self.plan.resume_from is None:
             return 0
         step = ckpt_training.resume(self.plan.resume_from, self.state, self.cfg, self.dist, self._print)
@@ -371,6 +385,16 @@ class Trainer:
             f"{self.loader.steps_per_epoch} steps/epoch, {self.total_steps} steps"
             f"{_filter_groups_note(self.cfg.algorithm.filter_groups)}"
         )
+
+
+def _logged_val_scores(run_dir: str, upto: int) -> list[tuple[int, float]]:
+    """The validation scores a resumed run logged before its checkpoint (metrics.jsonl), so that
+    the end-of-run line shows the whole run."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    if upto == 0 or not os.path.isfile(path):  # a fresh run, or trainer.logger without 'jsonl'
+        return []
+    scores = [(r["step"], r.get("val/score/mean")) for r in read_metrics(path) if r["step"] <= upto]
+    return [(step, score) for step, score in scores if score is not None]
 
 
 def _filter_groups_note(fg) -> str:

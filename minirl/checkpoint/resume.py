@@ -1,8 +1,9 @@
 """Where a run writes and what it resumes from (trainer.resume_mode), decided once at start, and
 the config check of a resume (README.md, Resuming). A fresh start never touches a previous run's
-output: it goes to the next free `<name>-2`, `<name>-3`, ...; `auto` resumes the newest of these.
-A resume is refused when a key that changes the math differs from the checkpoint's (the keys of
-speed, memory, logging and the run's length, FREE_KEYS, may differ).
+output: it goes to the next free `<name>-2`, `<name>-3`, ...; `auto` resumes the newest of these
+unless it is another run's: complete, or written with other values of a key that changes the math
+(the keys of speed, memory, logging and the run's length, FREE_KEYS, may differ). Then `auto`
+starts fresh and says why; an explicit `resume_path` is refused instead.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ class RunPlan:
     run_dir: str
     resume_from: str | None  # a complete checkpoint directory, or None for a fresh start
     notice: str  # the line printed at start
+    fresh_dir: str = ""  # where a declined auto-resume starts fresh (chosen on rank 0 like run_dir)
+
+    def declined(self, why: str) -> RunPlan:
+        """A fresh start instead of resuming `resume_from` (auto mode), for the reason `why`."""
+        return RunPlan(self.fresh_dir, None, f"starting fresh in {self.fresh_dir}, not resuming: {why}")
 
 
 def plan_run(trainer_cfg, dist) -> RunPlan:
@@ -77,12 +83,12 @@ def _plan(t) -> RunPlan:
     if t.resume_mode == "resume_path":
         return _plan_from_path(t, run_dir)
     found = store.complete_checkpoints(run_dir)
+    fresh = f"{base}-{len(family) + 1}"
     if t.resume_mode == "auto" and found:
         step, path = found[-1]
-        return RunPlan(run_dir, path, f"resuming from step {step}: {path} (trainer.resume_mode = 'auto')")
+        return RunPlan(run_dir, path, f"resuming from step {step}: {path} (trainer.resume_mode = 'auto')", fresh)
     if not _holds_output(run_dir):
         return RunPlan(run_dir, None, f"starting fresh in {run_dir} (no checkpoint to resume)")
-    fresh = f"{base}-{len(family) + 1}"
     why = "trainer.resume_mode = 'disable'" if t.resume_mode == "disable" else "it has no complete checkpoint"
     return RunPlan(fresh, None, f"starting fresh in {fresh}: {run_dir} holds a previous run ({why}), left untouched")
 

@@ -5,12 +5,13 @@ trainer_state.json, and restoring all of it (minirl.checkpoint.state moves the b
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from minirl.checkpoint import state as ckpt_state
-from minirl.checkpoint.resume import check_config
-from minirl.config.load import Config, to_toml
+from minirl.checkpoint.resume import check_config, config_differences
+from minirl.config.load import Config, to_toml, tomllib
 from minirl.dist.context import DistContext
 from minirl.errors import UserError
 
@@ -72,18 +73,45 @@ def save(state: TrainingState, step: int, cfg: Config, run_dir: str, dist: DistC
     return ckpt_state.save(run_dir, step, state.parts, trainer_state, to_toml(cfg), dist, t.max_ckpt_to_keep)
 
 
+def why_not_resume(path: str, state: TrainingState, cfg: Config, total_steps: int) -> str | None:
+    """Why checkpoint `path`, found by trainer.resume_mode = 'auto', belongs to another run (None:
+    resume it). Running a command again means to continue it; a changed key that changes the math,
+    other training data or a finished run means a new run, which auto starts fresh."""
+    saved = ckpt_state.read_trainer_state(path)
+    step, run_dir = int(saved["step"]), os.path.dirname(path)
+    if step >= total_steps:
+        return (
+            f"the run in {run_dir} is complete (its checkpoint is at step {step} of {total_steps}); "
+            "raise trainer.total_training_steps to continue it instead"
+        )
+    if cfg.trainer.resume_ignore_config_changes:
+        return None
+    diffs = config_differences(tomllib.loads(ckpt_state.read_config(path)), cfg.to_dict(), *_baseline(cfg, state))
+    diffs += _data_differences(state.loader, saved["data"])
+    if not diffs:
+        return None
+    return (
+        f"{path} was written with other values of keys that change the math: {'; '.join(diffs)} "
+        "(trainer.resume_ignore_config_changes = true resumes it anyway)"
+    )
+
+
 def resume(path: str, state: TrainingState, cfg: Config, dist: DistContext, say: Callable[[str], None]) -> int:
     """Restore `state` from checkpoint `path`; returns the step to continue after."""
     t = cfg.trainer
     saved = ckpt_state.read_trainer_state(path)
-    defaults = {name: dataclasses.asdict(type(section)()) for name, section in cfg.sections.items()}
-    unused = () if "critic" in state.schedulers else ("critic.", "trainer.critic_warmup")  # no critic: no effect
     diffs = check_config(
-        ckpt_state.read_config(path), cfg.to_dict(), path, t.resume_ignore_config_changes, defaults, unused
+        ckpt_state.read_config(path), cfg.to_dict(), path, t.resume_ignore_config_changes, *_baseline(cfg, state)
     )
     if diffs:
         say(f"minirl: resuming despite config changes (trainer.resume_ignore_config_changes): {'; '.join(diffs)}")
-    _check_data_position(state.loader, saved["data"], path, t.resume_ignore_config_changes)
+    changed = _data_differences(state.loader, saved["data"])
+    if changed and not t.resume_ignore_config_changes:
+        raise UserError(
+            f"resume refused: the training data differs from checkpoint {path}'s ({', '.join(changed)}), so "
+            "its data position would point at other prompts; restore data.train_files and the filters, or "
+            "set trainer.resume_ignore_config_changes = true"
+        )
     ckpt_state.load(path, state.parts, dist)
     state.restore(saved, path)
     if saved.get("world_size") != dist.world_size:
@@ -95,13 +123,14 @@ def resume(path: str, state: TrainingState, cfg: Config, dist: DistContext, say:
     return int(saved["step"])
 
 
-def _check_data_position(loader, data: dict, path: str, ignore: bool) -> None:
+def _baseline(cfg: Config, state: TrainingState) -> tuple[dict, tuple[str, ...]]:
+    """config_differences' `defaults` (for keys an older checkpoint lacks) and `unused` prefixes."""
+    defaults = {name: dataclasses.asdict(type(section)()) for name, section in cfg.sections.items()}
+    unused = () if "critic" in state.schedulers else ("critic.", "trainer.critic_warmup")  # no critic: no effect
+    return defaults, unused
+
+
+def _data_differences(loader, data: dict) -> list[str]:
     """The saved position (epoch, batch) means the same prompts only over the same data."""
     now = {"steps_per_epoch": loader.steps_per_epoch, "num_prompts": len(loader.records)}
-    changed = [f"{k} {data.get(k)} (checkpoint) vs {v} (now)" for k, v in now.items() if data.get(k) != v]
-    if changed and not ignore:
-        raise UserError(
-            f"resume refused: the training data differs from checkpoint {path}'s ({', '.join(changed)}), so "
-            "its data position would point at other prompts; restore data.train_files and the filters, or "
-            "set trainer.resume_ignore_config_changes = true"
-        )
+    return [f"{k} {data.get(k)} (checkpoint) vs {v} (now)" for k, v in now.items() if data.get(k) != v]

@@ -1,10 +1,12 @@
 """Checkpoint handling that needs no killed process, run in-process through the CLI's main():
 the epoch-boundary resume, retention, damaged files, config changes, never overwriting a
-previous run, the checkpoint hook, and metrics.jsonl staying strict JSON."""
+previous run, which runs auto resumes, the checkpoint hook, metrics.jsonl staying strict JSON and
+a resumed run's summary (with the console line of a custom reward file)."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -56,11 +58,39 @@ def test_resume_at_an_epoch_boundary_trains_the_remaining_steps(tmp_path, small_
     assert (tmp_path / "bench" / "ckpt_6" / "manifest.json").exists()
 
 
-def test_a_finished_run_resumes_to_nothing_and_says_so(tmp_path, small_data, capsys):
+def test_a_finished_run_is_not_resumed_the_same_command_starts_another(tmp_path, small_data, capsys):
+    """Running a finished run's command again starts a fresh run in <name>-2 and says the first
+    one is complete; pointed at explicitly (resume_path), its checkpoint has nothing to train and
+    the line says how to go on."""
     assert run(tmp_path, small_data, "trainer.total_training_steps=2", "trainer.save_freq=2") == 0
-    assert run(tmp_path, small_data, "trainer.total_training_steps=2", "trainer.save_freq=2") == 0
-    assert "nothing to train: the checkpoint is at step 2 of 2" in capsys.readouterr().out
-    assert steps(tmp_path / "bench") == [1, 2]
+    first = (tmp_path / "bench" / "metrics.jsonl").read_text()
+    assert run(tmp_path, small_data, "trainer.total_training_steps=2") == 0
+    out = capsys.readouterr().out
+    assert f"starting fresh in {tmp_path / 'bench-2'}, not resuming: the run in {tmp_path / 'bench'} is complete" in out
+    assert (tmp_path / "bench" / "metrics.jsonl").read_text() == first and steps(tmp_path / "bench-2") == [1, 2]
+    explicit = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path / 'bench' / 'ckpt_2'}"]
+    assert run(tmp_path, small_data, "trainer.total_training_steps=2", *explicit) == 0
+    assert "nothing to train: the checkpoint is at step 2 of 2, the run is complete" in capsys.readouterr().out
+
+
+def test_a_resumed_run_ends_with_the_validation_scores_of_the_whole_run(tmp_path, small_data, capsys):
+    """The end-of-run validation line of a resumed run lists the scores logged before the resume
+    too (read from metrics.jsonl), not only those of its own steps."""
+    val = [f'data.val_files=["{small_data / "copy" / "test.parquet"}"]', "trainer.test_freq=1"]
+    assert run(tmp_path, small_data, *val, "trainer.total_training_steps=2", "trainer.save_freq=2") == 0
+    capsys.readouterr()
+    assert run(tmp_path, small_data, *val, "trainer.total_training_steps=3") == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("validation score"))
+    assert [int(s) for s in re.findall(r"\(step (\d+)\)", line)] == [1, 2, 3], line
+
+
+def test_a_custom_reward_file_is_named_at_start(tmp_path, small_data, capsys):
+    """A custom_reward_function file replaces the registered rewards: the console says so."""
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    crf = [f"custom_reward_function.path={reward}", "custom_reward_function.name=score"]
+    assert run(tmp_path, small_data, *crf, "trainer.total_training_steps=1") == 0
+    assert f"reward: score() from {reward} (custom_reward_function)" in capsys.readouterr().out
 
 
 def test_max_ckpt_to_keep_keeps_the_two_newest(tmp_path, small_data):
@@ -101,18 +131,26 @@ def test_a_damaged_checkpoint_is_one_error_naming_the_file(tmp_path, small_data,
     assert named in one_error_line(capsys)
 
 
-def test_a_resume_with_a_math_changing_key_is_refused_with_the_keys(tmp_path, small_data, capsys):
-    """lr and the estimator changed: refused, both named; the run's length may change freely;
-    resume_ignore_config_changes lets it through."""
+def test_a_math_changing_key_starts_fresh_under_auto_and_is_refused_under_resume_path(tmp_path, small_data, capsys):
+    """lr and the estimator changed: an explicit resume_path is refused, both keys named; auto
+    (running the command again) starts a fresh run in <name>-2 with one line naming them; the
+    run's length may change freely; resume_ignore_config_changes resumes anyway."""
     assert run(tmp_path, small_data, "trainer.total_training_steps=2", "trainer.save_freq=2") == 0
     capsys.readouterr()
     changed = ["actor.optim.lr=0.5", "algorithm.adv_estimator=rloo", "trainer.total_training_steps=3"]
-    assert run(tmp_path, small_data, *changed) == 2
+    explicit = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path / 'bench' / 'ckpt_2'}"]
+    assert run(tmp_path, small_data, *changed, *explicit) == 2
     line = one_error_line(capsys)
     assert "actor.optim.lr = 0.002 (checkpoint) vs 0.5 (now)" in line
     assert "algorithm.adv_estimator" in line and "total_training_steps" not in line
     assert run(tmp_path, small_data, *changed, "trainer.resume_ignore_config_changes=true") == 0
     assert steps(tmp_path / "bench") == [1, 2, 3]
+    capsys.readouterr()
+    assert run(tmp_path, small_data, *changed) == 0  # ckpt_2 still newest: step 2 of 3, other keys
+    notice = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("starting fresh"))
+    assert notice.startswith(f"starting fresh in {tmp_path / 'bench-2'}, not resuming: {tmp_path / 'bench' / 'ckpt_2'}")
+    assert "actor.optim.lr = 0.002 (checkpoint) vs 0.5 (now)" in notice and "algorithm.adv_estimator" in notice
+    assert steps(tmp_path / "bench") == [1, 2, 3] and steps(tmp_path / "bench-2") == [1, 2, 3]
 
 
 def test_a_fresh_start_never_touches_a_previous_run(tmp_path, small_data, capsys):
@@ -267,8 +305,6 @@ def test_critic_keys_are_math_only_for_a_run_with_a_critic(tmp_path, small_data,
         == 0
     )
     capsys.readouterr()
-    assert (
-        run(gae, small_data, "algorithm.adv_estimator=gae", "trainer.total_training_steps=3", "critic.optim.lr=0.1")
-        == 2
-    )
+    explicit = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={gae / 'bench' / 'ckpt_2'}"]
+    assert run(gae, small_data, "algorithm.adv_estimator=gae", "critic.optim.lr=0.1", *explicit) == 2
     assert "critic.optim.lr = 1e-05 (checkpoint) vs 0.1 (now)" in one_error_line(capsys)
