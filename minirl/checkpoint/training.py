@@ -79,21 +79,21 @@ def why_not_resume(path: str, state: TrainingState, cfg: Config, total_steps: in
     other training data or a finished run means a new run, which auto starts fresh."""
     saved = ckpt_state.read_trainer_state(path)
     step, run_dir = int(saved["step"]), os.path.dirname(path)
+    diffs = []
+    if not cfg.trainer.resume_ignore_config_changes:
+        diffs = config_differences(tomllib.loads(ckpt_state.read_config(path)), cfg.to_dict(), *_baseline(cfg, state))
+        diffs += _data_differences(state.loader, saved["data"])
+    if diffs:  # the likelier reason first: the user changed the job
+        return (
+            f"{path} was written with other values of keys that change the math: {'; '.join(diffs)} "
+            "(trainer.resume_ignore_config_changes = true resumes it anyway)"
+        )
     if step >= total_steps:
         return (
-            f"the run in {run_dir} is complete (its checkpoint is at step {step} of {total_steps}); "
-            "raise trainer.total_training_steps to continue it instead"
+            f"the run in {run_dir} is complete (its checkpoint is at step {step}, this run has {total_steps} "
+            "steps); raise trainer.total_training_steps to continue it instead"
         )
-    if cfg.trainer.resume_ignore_config_changes:
-        return None
-    diffs = config_differences(tomllib.loads(ckpt_state.read_config(path)), cfg.to_dict(), *_baseline(cfg, state))
-    diffs += _data_differences(state.loader, saved["data"])
-    if not diffs:
-        return None
-    return (
-        f"{path} was written with other values of keys that change the math: {'; '.join(diffs)} "
-        "(trainer.resume_ignore_config_changes = true resumes it anyway)"
-    )
+    return None
 
 
 def resume(path: str, state: TrainingState, cfg: Config, dist: DistContext, say: Callable[[str], None]) -> int:
