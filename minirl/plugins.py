@@ -84,13 +84,15 @@ class Registry:
 
     def unknown(self, name: str) -> str:
         """The message for a name nobody registered: the closest name, then the registered ones."""
-        component, key = KINDS[self.kind]
+        rule, fix = self.unknown_rule_fix(name)
+        return f"{KINDS[self.kind][1]} = {name!r}: {rule}; {fix}"
+
+    def unknown_rule_fix(self, name: str) -> tuple[str, str]:
+        """`unknown`'s rule and fix, for the validation pass, which names the key itself."""
         hint = difflib.get_close_matches(name, list(self.items), n=1)
         did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
-        return (
-            f"{key} = {name!r}: no such {component}{did_you_mean}; "
-            f"registered: {', '.join(sorted(self.items)) or '(none)'}"
-        )
+        registered = ", ".join(sorted(self.items)) or "(none)"
+        return f"no such {KINDS[self.kind][0]}{did_you_mean}", f"registered: {registered}"
 
     def __contains__(self, name: str) -> bool:
         return name in self.items

@@ -171,7 +171,7 @@ def _registries(cfg: Config, pm) -> list[Problem]:
     out = []
     for key, kind, name, used in wanted:
         if used and name not in pm[kind]:
-            rule, _, fix = pm[kind].unknown(name).partition(": ")[2].partition("; ")
+            rule, fix = pm[kind].unknown_rule_fix(name)
             out.append(Problem(key, name, rule, fix))
     return out + _kl_penalty_per_token(cfg, pm)
 
