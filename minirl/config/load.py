@@ -250,9 +250,9 @@ def _suggest_key(cls: type, key: str, where: str) -> str:
 
 
 def _flat_keys(cls: type, prefix: str) -> list[str]:
-    keys = []
+    keys, hints = [], typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        hint = typing.get_type_hints(cls)[f.name]
+        hint = hints[f.name]
         full = f"{prefix}.{f.name}"
         keys += _flat_keys(hint, full) if dataclasses.is_dataclass(hint) else [full]
     return keys
