@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from minirl.batch import MicroBatching, RolloutBatch, ragged_arange, scatter_rows, select_micro, split_micro
+from minirl.batch import MicroBatching, RolloutBatch, ragged_arange, scatter_rows, split_micro
 from minirl.dist.context import DistContext
 from minirl.dist.transfer import tensor_to, to_device
 from minirl.forward.logprob import chunked_logprobs
@@ -150,13 +150,18 @@ def response_logprobs(
 @torch.no_grad()
 def per_token_pass(model, batch: RolloutBatch, micro: MicroBatching, head: Head, dist: DistContext) -> torch.Tensor:
     """head's first output at every response token as [B, T] float32 (0 at padding), micro-batch
-    by micro-batch; the model is resharded after (no backward follows to do it)."""
-    out_BT = torch.zeros(batch.mask_BT.shape, device=dist.device)
+    by micro-batch; the model is resharded after (no backward follows to do it).
+
+    A micro-batch reads only its token ids and mask rows: no RolloutBatch.select, which would
+    gather every tensor field of the batch and copy the index to the device a second time."""
+    mask_BT = batch.mask_BT.to(dist.device)
+    out_BT = torch.zeros(mask_BT.shape, device=dist.device)
     for idx in split_micro(batch, micro, dist.max_over_ranks, dist.sp_size):
-        sub = select_micro(batch, idx)  # an empty idx still runs its forward: FSDP ranks run in step
-        flat_R = packed_forward(model, sub.prompts, sub.responses, dist.device, head)[0]
+        rows = idx or [0]  # an empty idx still runs a forward (sequence 0's): FSDP ranks run in step
+        responses = [batch.responses[i] for i in rows]
+        flat_R = packed_forward(model, [batch.prompts[i] for i in rows], responses, dist.device, head)[0]
         if idx:
-            lens = [len(r) for r in sub.responses]
-            out_BT[tensor_to(idx, torch.long, dist.device)] = scatter_rows(flat_R.float(), lens, sub.mask_BT)
+            idx_B = tensor_to(idx, torch.long, dist.device)
+            out_BT[idx_B] = scatter_rows(flat_R.float(), [len(r) for r in responses], mask_BT[idx_B])
     assembly.reshard(model)
     return out_BT
