@@ -161,7 +161,8 @@ def minirl_build_optimizer(model: torch.nn.Module, cfg: Any, total_steps: int) -
 
     Called last, for the actor and the critic; the first non-None answer wins.
     :param cfg: the ``actor.optim`` (or ``critic.optim``) config section.
-    :param total_steps: optimizer steps of the whole run (for warm-up ratios and decay).
+    :param total_steps: training steps of the whole run (for warm-up ratios and decay); the
+        trainer steps the schedule once per training step, whatever its number of optimizer steps.
     :return: (optimizer, lr_scheduler).
     Built-in: ``minirl_plugins.algorithms.optim`` (AdamW with warm-up and constant/cosine decay).
     """
