@@ -16,6 +16,7 @@ import itertools
 import torch
 
 from minirl.batch import scatter_rows
+from minirl.dist.transfer import to_device
 from minirl.errors import UserError
 
 
@@ -33,7 +34,7 @@ def rollout_log_probs_BT(completions, mask_BT: torch.Tensor, engine: str) -> tor
             )
     flat = array.array("f", itertools.chain.from_iterable(c.logprobs for c in completions))  # 3x torch.tensor(list)
     flat_N = torch.frombuffer(flat, dtype=torch.float32) if len(flat) else torch.zeros(0)
-    return scatter_rows(flat_N.to(mask_BT.device), [len(c.token_ids) for c in completions], mask_BT)
+    return scatter_rows(to_device(flat_N, mask_BT.device), [len(c.token_ids) for c in completions], mask_BT)
 
 
 def require_rollout_log_probs(rollout_BT: torch.Tensor | None, cap: float, engine: str) -> None:
