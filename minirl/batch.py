@@ -65,9 +65,9 @@ class RolloutBatch:
         return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
 
     def select(self, idx: list[int]) -> RolloutBatch:
-        t = torch.tensor(idx, dtype=torch.long)
+        t, tensors = torch.tensor(idx, dtype=torch.long), self.tensors()
         on_device = {}  # the index, copied once to each device the tensors live on
-        for v in self.tensors().values():
+        for v in tensors.values():
             if v.device not in on_device:
                 on_device[v.device] = to_device(t, v.device)
         return dataclasses.replace(
@@ -76,7 +76,7 @@ class RolloutBatch:
             responses=[self.responses[i] for i in idx],
             records=[self.records[i] for i in idx] if self.records else [],
             finish_reasons=[self.finish_reasons[i] for i in idx] if self.finish_reasons else [],
-            **{k: v[on_device[v.device]] for k, v in self.tensors().items()},
+            **{k: v[on_device[v.device]] for k, v in tensors.items()},
         )
 
     def to(self, device: torch.device) -> RolloutBatch:
