@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-_HALF = (torch.float16, torch.bfloat16)
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # the only dtypes the "flash_attn" and "torch" backends take
 
 
 def varlen_attention(
@@ -40,7 +40,7 @@ def varlen_attention(
 
 
 def _pick_backend(q: torch.Tensor) -> str:
-    if q.is_cuda and q.dtype in _HALF:
+    if q.is_cuda and q.dtype in FLASH_DTYPES:
         return "flash_attn" if _flash_attn_varlen() is not None else "torch"
     return "sdpa"
 

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from minirl.kernels.selfcheck import self_check
+from minirl.models.varlen import FLASH_DTYPES
 from minirl_plugins.engines.native.layers import activation, attention, jit, norm, paged_attention, rotary, sampling
 
 
@@ -55,7 +56,8 @@ def select_ops(
     ops = Ops()
     if device.type != "cuda":
         return ops
-    candidates = [("prefill_attention", *VARLEN_PREFILL, "torch_varlen")]
+    # a float32 engine has no fast prefill: the flash kernel takes half precision only
+    candidates = [("prefill_attention", *VARLEN_PREFILL, "torch_varlen")] if dtype in FLASH_DTYPES else []
     if use_triton and jit.UNAVAILABLE:
         warnings.warn(f"native engine: Triton unavailable ({jit.UNAVAILABLE}); using pure-torch kernels")
     elif use_triton:
