@@ -178,7 +178,7 @@ class ModelRunner:
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
         pages = self.kv.unflatten(2, (self.num_pages, self.page))
-        src, dst = (self._upload(np.asarray(c, dtype=np.int64)) for c in zip(*copies))
+        src, dst = self._upload(np.asarray(copies, dtype=np.int64).T)  # one upload for both
         pages[:, :, dst] = pages[:, :, src]
 
     @torch.inference_mode()
@@ -186,7 +186,7 @@ class ModelRunner:
         """batch.num_steps decode steps for the batch's rows; tokens come back as [rows, steps]."""
         n, k = len(batch.seqs), batch.num_steps
         if batch.page_updates:
-            r, c, p = (self._upload(np.asarray(x, dtype=np.int64)) for x in zip(*batch.page_updates))
+            r, c, p = self._upload(np.asarray(batch.page_updates, dtype=np.int64).T)  # one upload, not three
             self.page_table[r, c] = p.to(torch.int32)
         bucket = self._bucket(n)
         width = bucket or n
