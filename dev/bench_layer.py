@@ -24,7 +24,6 @@ from minirl.models.attention import packed_forward_kwargs
 from minirl.models.compile import compile_layers
 from minirl.models.loading import random_model
 from minirl.models.presets import preset_config
-from minirl.observe.metrics import synchronize
 
 VARIANTS = ("eager", "hf_rotary", "hf_rotary_32bit", "seq_major", "seq_major_32bit")
 
@@ -50,6 +49,11 @@ def inputs(model, seq_len: int, seqs: int, device: torch.device):
 def hidden_of(out):
     """A decoder layer returns its hidden states, or (in older transformers) a tuple of them first."""
     return out[0] if isinstance(out, tuple) else out
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def timed(fn, iters: int, device: torch.device) -> float:

@@ -29,8 +29,9 @@ import torch
 
 from minirl.config.schema import RolloutConfig
 from minirl.protocols import EngineContext, SamplingParams
-from minirl_plugins.engines.native import build_native_engine, weights_checksum
+from minirl_plugins.engines.native import build_native_engine
 from minirl_plugins.engines.native.layers import paged_attention
+from minirl_plugins.engines.native.weights import weights_checksum
 
 BANDWIDTH = 4.28e12
 # w3: the 32 x 8 x 1,024 training workload's generation (32 prompts x 8 samples, gsm8k prompts of
