@@ -25,15 +25,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "distributed"))
 import dist_helpers as h  # noqa: E402
+from test_fsdp2_gpu import EPS, LR, PROMPT_LENS, RESPONSE_LENS, _step  # noqa: E402  the test's own step
 
 from minirl.dist import spmd  # noqa: E402
 from minirl.dist.launchers import spawn  # noqa: E402
-from minirl.forward.packed import response_logprobs  # noqa: E402
 from minirl.models import assembly
 from minirl.plugins import PluginManager  # noqa: E402
 
-PROMPT_LENS, RESPONSE_LENS = [5, 9, 3, 12], [7, 2, 11, 4]
-LR, EPS = 0.01, 1e-4
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of this script only
 
 
@@ -70,12 +68,9 @@ def snapshot(model) -> dict:
 
 
 def one_step(model, pm, cfg, prompts, responses, device):
-    optimizer, _ = assembly.build_optimizer(pm, model, cfg.actor.optim, 10)
-    logp, _ = response_logprobs(model, prompts, responses, 1.0, device)
-    loss = -logp.sum() / sum(RESPONSE_LENS)
-    loss.backward()
-    optimizer.step()
-    return loss.detach().double().cpu(), optimizer
+    """The test's AdamW step; its loss in float64 on the CPU, beside the reference's."""
+    loss, optimizer = _step(model, pm, cfg, prompts, responses, device)
+    return loss.double().cpu(), optimizer
 
 
 def flat(snap, which: int) -> torch.Tensor:
@@ -170,7 +165,7 @@ def shard_check(model, rank: int, world: int) -> dict:
 
 
 def worker(rank: int, out_path: str, world: int) -> None:
-    from minirl_plugins.engines.native import weights_checksum
+    from minirl_plugins.engines.native.weights import weights_checksum
 
     cfg = base_cfg(world)
     dist = spmd.init_from_env(cfg)
