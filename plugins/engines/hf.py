@@ -73,7 +73,8 @@ class HFEngine:
             logits_BTV = logits_BTV / params.temperature
         logp_BT = torch.log_softmax(logits_BTV, -1).gather(-1, new_BT.unsqueeze(-1)).squeeze(-1)
         stops = set() if params.ignore_eos else set(self.eos) | set(params.stop_token_ids)
-        return [cut_at_stop(t.tolist(), lp.tolist(), stops) for t, lp in zip(new_BT, logp_BT)]
+        # one device-to-host copy per tensor, not one per row
+        return [cut_at_stop(t, lp, stops) for t, lp in zip(new_BT.tolist(), logp_BT.tolist())]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in weights:
