@@ -12,7 +12,7 @@ import torch
 
 from minirl.batch import MicroBatching
 from minirl.config.load import Config, to_toml
-from minirl.critic import Critic, needs_values, resolved
+from minirl.critic import Critic, critic_only, needs_values, resolved
 from minirl.critic.model import build_value_model
 from minirl.data.prompts import PromptLoader, load_prompts
 from minirl.dist.context import DistContext
@@ -42,7 +42,7 @@ def critic(pm, cfg: Config, dist: DistContext, total_steps: int, estimator, say)
     values (gae); else None, and a configured [critic] key or trainer.critic_warmup is unused,
     which `say` reports."""
     if not needs_values(estimator):
-        unused = sorted(k for k in cfg.origins if k.startswith("critic.") or k == "trainer.critic_warmup")
+        unused = sorted(k for k in cfg.origins if critic_only(k))
         if unused:
             say(
                 f"minirl: notice: {', '.join(unused)} ignored: algorithm.adv_estimator = "

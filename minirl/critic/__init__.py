@@ -49,6 +49,15 @@ def needs_values(estimator) -> bool:
 
 
 # critic keys that default to the actor's value when unset (verl's config interpolates them)
+# what a run without a critic ignores: the [critic] section and trainer.critic_warmup
+CRITIC_ONLY_KEYS = ("critic", "trainer.critic_warmup")
+
+
+def critic_only(key: str) -> bool:
+    """Whether the dotted config key belongs to CRITIC_ONLY_KEYS."""
+    return any(key == p or key.startswith(f"{p}.") for p in CRITIC_ONLY_KEYS)
+
+
 FROM_ACTOR = ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu")
 FROM_ACTOR += ("ppo_epochs", "shuffle", "loss_agg_mode")
 

@@ -9,7 +9,7 @@ actor's in minirl.validate.layout, its model directory in minirl.validate.files.
 from __future__ import annotations
 
 from minirl.config.load import Config
-from minirl.critic import needs_values
+from minirl.critic import CRITIC_ONLY_KEYS, needs_values
 from minirl.validate.problem import Problem
 from minirl.validate.values import CHOICES, RANGES, at_least, choice_problems, optional, range_problems
 
@@ -47,4 +47,4 @@ def uses_critic(cfg: Config, pm) -> bool:
 def unused_keys(cfg: Config, pm) -> tuple[str, ...]:
     """The keys (dotted prefixes) a run without a critic ignores; --print-config leaves their
     defaults out, so running the printed file draws no "ignored" notice."""
-    return () if uses_critic(cfg, pm) else ("critic", "trainer.critic_warmup")
+    return () if uses_critic(cfg, pm) else CRITIC_ONLY_KEYS
