@@ -12,6 +12,7 @@ import pluggy
 import torch
 
 from minirl.protocols import (
+    AgentLoopFactory,
     AdvantageEstimator,
     EngineFactory,
     KLEstimator,
@@ -19,6 +20,7 @@ from minirl.protocols import (
     LoggerFactory,
     PolicyLoss,
     RewardFunction,
+    ToolFactory,
 )
 
 hookspec = pluggy.HookspecMarker("minirl")
@@ -81,6 +83,28 @@ def minirl_rollout_engines() -> dict[str, EngineFactory]:
     Called once at start-up; every answer is merged.
     :return: name -> factory(rollout_cfg, ctx).
     Built-in: ``minirl_plugins.engines.native`` (native), ``minirl_plugins.engines.hf`` (hf).
+    """
+
+
+@hookspec
+def minirl_agent_loops() -> dict[str, AgentLoopFactory]:
+    """Register agent loops, selected per row by the parquet column ``agent_name``, else by
+    ``rollout.agent.default_agent_loop``.
+
+    Called once at start-up; every answer is merged.
+    :return: name -> factory(rollout_cfg).
+    Built-in: ``minirl_plugins.agents`` (single_turn, tool_agent).
+    """
+
+
+@hookspec
+def minirl_tools() -> dict[str, ToolFactory]:
+    """Register tools, named by the ``class_name`` of an entry of the tool config file
+    (``rollout.multi_turn.tool_config_path``; a dotted path there imports a class instead).
+
+    Called once at start-up; every answer is merged.
+    :return: name -> factory(config).
+    Built-in: ``minirl_plugins.tools`` (calculator, python).
     """
 
 

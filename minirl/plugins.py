@@ -35,6 +35,8 @@ BUILTIN_MODULES = (
     "minirl_plugins.parallel.fsdp2",
     "minirl_plugins.launchers",
     "minirl_plugins.launchers.ray",
+    "minirl_plugins.agents",
+    "minirl_plugins.tools",
 )
 
 ENTRY_POINT_GROUP = "minirl"
@@ -51,6 +53,8 @@ KINDS = {
     "loggers": ("logger", "trainer.logger"),
     "config_sections": ("config section", "a [section] of the config file"),
     "launchers": ("launcher", "trainer.launcher"),
+    "agent_loops": ("agent loop", "rollout.agent.default_agent_loop / the agent_name column of the data"),
+    "tools": ("tool", "the class_name of an entry of rollout.multi_turn.tool_config_path"),
 }
 
 

@@ -10,7 +10,7 @@ Shape legend: B sequences, T response positions, N packed tokens, V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 import torch
 
@@ -157,7 +157,70 @@ class EngineContext:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass
+class TurnOutput:
+    """One finished turn of a request: the tokens sampled since the request's last submit.
+
+    finish_reason: "stop" (EOS / stop token), "length" (max_new_tokens) or "abort".
+    cached_tokens: prompt tokens whose KV the engine kept from the request's earlier turns
+    (not prefilled again); 0 for a first turn or an engine without that reuse.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str
+    cached_tokens: int = 0
+
+
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The ids of the n samples a request of params.n = n becomes: the request's own id when
+    n == 1, else request_id/0 ... request_id/(n-1). Outputs, continuations and release use them."""
+    return [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
+
+
 class RolloutEngine(Protocol):
+    """A rollout engine, at two levels.
+
+    Request level (what agent loops and asynchronous rollouts drive): submit requests, step the
+    engine, collect finished turns. A request id names one sequence for as long as it is held: a
+    later submit under the same id continues it (the agent loop's next turn), and the engine may
+    keep its KV cache across turns. Every request in flight is sampled with the same temperature,
+    top_k and top_p (one sampler per busy period, seeded by the first request's params.seed);
+    max_new_tokens, stop_token_ids and ignore_eos are per request.
+
+    Batch level: generate(), a thin helper over the request level (generate_batch below).
+    """
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request of params.n samples that share one prefill (ids: sample_ids).
+
+        If request_id names a held request (finished, not released), this continues it:
+        prompt_ids must start with that request's whole context (its prompt and every token
+        sampled so far); only the tokens after it need prefilling. Raises ValueError for a
+        request id that is still running, or a sampler setting that differs from the running
+        requests'."""
+
+    def step(self) -> list[TurnOutput]:
+        """Advance the requests in flight by one engine step; returns the turns that finished."""
+
+    def has_work(self) -> bool:
+        """Whether any submitted request has not finished its turn yet."""
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (a sample id); its turn comes back from step() with finish_reason
+        "abort" and the tokens sampled so far. Unknown or finished ids are ignored."""
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (a sample id) and free what the engine held for it."""
+
+    def pause_generation(self) -> None:
+        """Finish the work in flight and stop stepping: the requests keep their state and KV
+        cache, so that load_weights may run and continue_generation resume them."""
+
+    def continue_generation(self) -> None:
+        """Resume the requests that pause_generation held."""
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Sample params.n responses for each prompt; returns len(prompts) * n completions,
         prompt-major (the n samples of prompt i are at [i*n, (i+1)*n))."""
@@ -174,6 +237,87 @@ class RolloutEngine(Protocol):
 
 EngineFactory = Callable[[Any, EngineContext], RolloutEngine]
 """factory(rollout_cfg, ctx) -> engine; rollout_cfg is the `rollout` config section."""
+
+
+def generate_batch(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    """RolloutEngine.generate over the request level: submit every prompt in order, step until
+    all finished, release them. Prompt-major, as generate promises."""
+    ids = [f"generate-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.submit(request_id, prompt, params)
+    done: dict[str, TurnOutput] = {}
+    while engine.has_work():
+        done.update((turn.request_id, turn) for turn in engine.step())
+    out = []
+    for request_id in ids:
+        for sample in sample_ids(request_id, params.n):
+            turn = done.pop(sample)
+            engine.release(sample)
+            out.append(Completion(turn.token_ids, turn.logprobs, turn.finish_reason))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# tools (called by agent loops; minirl.agent.tools runs them)
+# ---------------------------------------------------------------------------------------------
+
+
+class Tool(Protocol):
+    """A function the model may call. `schema` is the OpenAI function schema that the chat template
+    shows the model ({"type": "function", "function": {"name", "description", "parameters"}});
+    `name` is schema["function"]["name"]. Calling returns the tool message's text (or an awaitable
+    of it); raising ToolError (or any exception) becomes an error message the model sees.
+    `timeout_s` bounds one call's wall-clock time."""
+
+    name: str
+    schema: dict
+    timeout_s: float
+
+    def __call__(self, arguments: dict, **sample: Any) -> str | Awaitable[str]:
+        """arguments: the call's parsed JSON arguments; sample: the row's tools_kwargs for this tool
+        (extra_info.tools_kwargs[name], verl's layout) when the data gives any."""
+
+
+ToolFactory = Callable[[dict], Tool]
+"""factory(config) -> tool; config is the entry's `config` mapping of the tool config file
+(rollout.multi_turn.tool_config_path), with its `tool_schema` (if any) under "tool_schema"."""
+
+
+# ---------------------------------------------------------------------------------------------
+# agent loops (minirl.agent runs many concurrently over the engine's request level)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Trajectory:
+    """What one agent loop returns for one sample: token ids in, token ids out, never re-tokenized.
+
+    response_ids: everything after the prompt, the model's tokens and the tool/user messages'
+    tokens interleaved; response_mask: 1 where the model sampled the token, 0 for tool/user
+    tokens; logprobs: the engine's log-prob of each model token, 0.0 at mask-0 positions.
+    messages: the conversation as the reward may want it ({"role", "content"}, tool calls and
+    results included). metrics: counts the loop wants summed into the step metrics.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "stop"
+    num_turns: int = 1  # assistant turns
+    messages: list[dict] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class AgentLoop(Protocol):
+    async def run(self, ctx: Any, sample: Any) -> Trajectory:
+        """One sample's rollout. ctx (minirl.agent.loop.AgentContext) generates turns, calls tools
+        and tokenizes messages; sample (minirl.agent.loop.Sample) is the row (prompt ids, messages,
+        data_source, ground_truth, extra_info) and the sampling parameters."""
+
+
+AgentLoopFactory = Callable[[Any], AgentLoop]
+"""factory(rollout_cfg) -> loop, built once per run; rollout_cfg is the `rollout` config section."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -89,6 +89,25 @@ class ActorConfig:
 
 
 @dataclass(frozen=True)
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools (verl's rollout.multi_turn names; docs/agents.md)."""
+
+    enable: bool = False  # false: every row runs rollout.agent.default_agent_loop's single turn
+    max_assistant_turns: Optional[int] = None  # stop after this many model turns (None: the budget decides)
+    max_user_turns: Optional[int] = None  # stop after this many tool/user messages
+    max_parallel_calls: int = 1  # tool calls run per turn (concurrently); the rest get an error message
+    max_tool_response_length: int = 256  # characters of one tool result the model sees
+    tool_response_truncate_side: str = "middle"  # left: cut the head (keep the tail), right: cut the tail, middle: keep both ends
+    tool_config_path: str = ""  # YAML or JSON file in verl's shape: tools: [{class_name, config, tool_schema}]
+    format: str = "hermes"  # tool-call format: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    default_agent_loop: str = "single_turn"  # for rows without an agent_name column (single_turn | tool_agent | plugin)
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     name: str = "native"  # native | hf | sglang
     n: int = 4
@@ -110,6 +129,8 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: int = 16384
     calculate_log_probs: bool = True  # keep the engine's sampled-token log-probs (rollout_log_probs, rollout_corr/*)
     update_weights_bucket_megabytes: int = 512  # sglang: weight-sync bucket size
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Built-in tools: calculator (exact arithmetic by parsing) and python (a sandboxed subprocess)."""
