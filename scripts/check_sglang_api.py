@@ -6,10 +6,11 @@
 
 It downloads the release without dependencies (SGLang cannot be installed next to our torch),
 reads its source with `ast`, never imports it, and compares it with the lists in
-plugins/engines/sglang/api.py: import paths, classes, methods and their keyword arguments, ServerArgs
-fields, sampling-param keys, output keys. On the newest release everything the plugin may use must
-exist; on an older named release only what the plugin cannot do without (the rest is reported as
-a fallback). Exit 0: all present; 1: something the plugin uses is gone; 2: the release could not
+plugins/engines/sglang/api.py: import paths, classes, methods and their keyword arguments,
+argument annotations (sampling_params may be a list, one per request), ServerArgs fields,
+sampling-param keys, output keys. On the newest release everything the plugin may use must exist;
+on an older named release only what the plugin cannot do without (the rest is reported as a
+fallback). Exit 0: all present; 1: something the plugin uses is gone; 2: the release could not
 be fetched (the package index unreachable is a failure, never a pass).
 """
 
@@ -149,6 +150,13 @@ def accepts(fn: ast.FunctionDef, kwarg: str) -> bool:
     return kwarg in names or fn.args.kwarg is not None
 
 
+def annotated(fn: ast.FunctionDef, arg: str, text: str) -> bool:
+    """Whether fn's argument `arg` has an annotation whose text (api.annotation_text) holds `text`."""
+    args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+    found = [a.annotation for a in args if a.arg == arg and a.annotation is not None]
+    return bool(found) and text in api.annotation_text(ast.unparse(found[0]))
+
+
 def class_fields(pkg: Package, files: list[str], class_filter) -> set[str]:
     fields: set[str] = set()
     for path in files:
@@ -186,6 +194,9 @@ def check(pkg: Package, strict: bool) -> list[tuple[str, str]]:
         add(fn is not None, required, f"{module}.{cls}.{method}")
         for kwarg in kwargs if fn is not None else ():
             add(accepts(fn, kwarg), required, f"{module}.{cls}.{method}({kwarg})")
+    for module, cls, method, arg, text in api.USED_ANNOTATIONS:
+        fn = pkg.method(module, cls, method)
+        add(fn is not None and annotated(fn, arg, text), True, f"{module}.{cls}.{method}({arg}: ...{text}...)")
     for module, name, required in api.USED_NAMES:
         add(pkg.lookup(module, name) is not None, required, f"{module}.{name}")
     for group in api.USED_ONE_OF:

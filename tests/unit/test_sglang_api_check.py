@@ -23,7 +23,8 @@ def checker():
 ENGINE = """
 class Engine(EngineBase):
     def __init__(self, **kwargs): ...
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False): ...
+    def generate(self, prompt=None, sampling_params: Optional[Union[List[Dict], Dict]] = None, input_ids=None,
+                 return_logprob=False): ...
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True): ...
     def flush_cache(self): ...
     def release_memory_occupation(self, tags=None): ...
@@ -50,7 +51,7 @@ FILES = {
     "sglang/srt/server_args.py": "class ServerArgs:\n" + "".join(f"    {f}: int = 0\n" for f in SERVER_ARGS),
     "sglang/srt/sampling/sampling_params.py": "class SamplingParams:\n    def __init__(self, max_new_tokens=128, "
     "temperature=1.0, top_p=1.0, top_k=-1, stop_token_ids=None, ignore_eos=False): ...\n",
-    "sglang/srt/managers/tokenizer_manager.py": 'x = ["output_token_logprobs", "finish_reason"]\n',
+    "sglang/srt/managers/tokenizer_manager.py": 'x = ["output_token_logprobs", "finish_reason", "cached_tokens"]\n',
     "sglang/srt/managers/schedule_batch.py": 'y = {"type": "length"}\n',
 }
 
@@ -83,6 +84,18 @@ def test_a_removed_server_arg_or_moved_module_fails(checker, tmp_path, capsys):
     assert checker.main(["--archive", str(wheel)]) == 1
     out = capsys.readouterr().out
     assert "ServerArgs.nccl_port" in out and "monkey_patch_torch_reductions" in out
+
+
+def test_a_generate_without_per_request_sampling_params_fails(checker, tmp_path, capsys):
+    """step() sends one sampling dict per request; a release whose generate takes a single dict
+    only, or that stops reporting cached_tokens, must fail the check."""
+    one_dict = ENGINE.replace("Optional[Union[List[Dict], Dict]]", "Optional[Dict]")
+    tokenizer = 'x = ["output_token_logprobs", "finish_reason"]\n'
+    files = {"sglang/srt/entrypoints/engine.py": one_dict, "sglang/srt/managers/tokenizer_manager.py": tokenizer}
+    assert checker.main(["--archive", str(_wheel(tmp_path, **files))]) == 1
+    out = capsys.readouterr().out
+    assert "MISSING   sglang.srt.entrypoints.engine.Engine.generate(sampling_params: ...list[dict...)" in out
+    assert "mentions 'cached_tokens'" in out
 
 
 def test_an_unreachable_registry_fails_loudly(checker, monkeypatch, capsys):

@@ -37,6 +37,16 @@ USED_METHODS = [
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorBucket", "get_metadata", (), False),
 ]
 
+# argument annotations that must name a type: (module, class, method, argument, text in the
+# annotation, lower case, "typing." dropped). step() sends one sampling dict per request.
+USED_ANNOTATIONS = [
+    (ENGINE, "Engine", "generate", "sampling_params", "list[dict"),
+]
+
+# Not used, on purpose: abort_request, pause_generation, continue_generation. The offline Engine
+# has none of them in 0.4.10 to 0.5.23 (only the async TokenizerManager does), and step() runs
+# each turn to its end, so nothing is in flight inside SGLang to abort or pause (engine.py).
+
 # names that must be importable from a module: (module, name, required)
 USED_NAMES = [
     ("sglang.srt.constants", "GPU_MEMORY_TYPE_KV_CACHE", True),
@@ -66,6 +76,7 @@ USED_SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_t
 USED_LITERALS = [
     ("srt/managers/tokenizer_manager.py", "output_token_logprobs"),
     ("srt/managers/tokenizer_manager.py", "finish_reason"),
+    ("srt/managers/tokenizer_manager.py", "cached_tokens"),
     ("srt/managers/schedule_batch.py", "length"),
 ]
 
@@ -136,6 +147,16 @@ def _check_engine(engine_cls) -> None:
         absent = [k for k in kwargs if k not in inspect.signature(getattr(engine_cls, method)).parameters]
         if absent:
             unsupported(f"Engine.{method} takes no {absent}")
+    for _module, _cls, method, arg, text in USED_ANNOTATIONS:
+        annotation = inspect.signature(getattr(engine_cls, method)).parameters[arg].annotation
+        if annotation is not inspect.Parameter.empty and text not in annotation_text(annotation):
+            unsupported(f"Engine.{method}'s {arg} is annotated {annotation}, not a list of one per request")
+
+
+def annotation_text(annotation) -> str:
+    """An annotation (object or string) as comparable text: lower case, no spaces, no "typing."."""
+    text = annotation if isinstance(annotation, str) else repr(annotation)
+    return text.replace("typing.", "").replace(" ", "").lower()
 
 
 def unsupported(what: str):

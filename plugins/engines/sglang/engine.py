@@ -3,6 +3,15 @@
 Built on the rank's own GPU, tensor parallel 1, token ids in and out, dummy weights that the
 actor's replace (docs/plugins.md). Its model directory holds only config.json, without
 eos_token_id: stopping is then entirely the stop_token_ids each request sends (sampling.py).
+
+Request level: submit() queues turns (request_table.py); step() sends every queued turn in one
+Engine.generate(input_ids=[...]) call and returns them all finished, so between steps nothing
+runs inside SGLang. That is why abort, pause and continue need no SGLang call (its offline Engine
+has none in 0.4.10 to 0.5.23; only its async TokenizerManager does): abort drops a queued turn,
+pause refuses step() until continue. Agent loops get concurrency by calling step() often with
+whatever is queued. A continuation sends its whole context; SGLang's radix cache finds the KV
+of the earlier turns by prefix, as long as neither memory pressure, release_memory nor the
+flush after a weight sync has dropped it (then it is prefilled again: slower, never wrong).
 """
 
 from __future__ import annotations
@@ -14,9 +23,10 @@ from typing import Iterable
 import torch
 
 from minirl.dist.spmd import free_port
-from minirl.protocols import Completion, EngineContext, SamplingParams
+from minirl.protocols import Completion, EngineContext, SamplingParams, TurnOutput, generate_batch
 from minirl_plugins.engines.sglang.api import SGLangAPI, unsupported
-from minirl_plugins.engines.sglang.sampling import repeat_prompts, sampling_dict, to_completion
+from minirl_plugins.engines.sglang.request_table import Pending, RequestTable
+from minirl_plugins.engines.sglang.sampling import aborted_turn, sampling_dict, shared_or_list, to_turn
 from minirl_plugins.engines.sglang.weights import WeightSync
 
 
@@ -25,6 +35,7 @@ class SGLangEngine:
         self.api, self.eos_ids = api, tuple(ctx.eos_token_ids or ())
         self.memory_saver = bool(getattr(rollout_cfg, "free_cache_engine", True))
         self.released: tuple[str, ...] = ()
+        self.requests, self.paused = RequestTable(), False
         self.model_dir = write_model_dir(ctx.model_config)
         api.patch_reductions()  # CUDA tensors pickle by GPU UUID, whatever each side's visible devices
         try:
@@ -39,20 +50,67 @@ class SGLangEngine:
 
     # ---------------------------------------------------------------------------- protocol
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """params.n samples per prompt, prompt-major; log-probs at the sampling temperature."""
-        if not prompts:
-            return []
-        if params.n < 1 or params.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams n={params.n}, max_new_tokens={params.max_new_tokens}: both must be >= 1")
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue params.n samples (sample_ids), or continue a held one; see RolloutEngine.submit."""
+        self.requests.submit(request_id, prompt_ids, params, sampling_dict(params, self.eos_ids))
+
+    def step(self) -> list[TurnOutput]:
+        """Run every queued turn to its end in one Engine.generate call; returns them in submit order."""
+        if self.paused:
+            raise RuntimeError("sglang engine: step() while generation is paused; call continue_generation() first")
         if self.released:
-            raise RuntimeError(f"sglang engine: generate() while {list(self.released)} are released; resume first")
+            raise RuntimeError(
+                f"sglang engine: step() while {list(self.released)} are released; call resume_memory() first"
+            )
+        batch = self.requests.take()
+        live = [p for p in batch if not p.aborted]
+        turns = dict(zip((p.sample_id for p in live), self._generate(live)))
+        for pending in batch:
+            if pending.aborted:  # held with its prompt alone: no token was sampled
+                turns[pending.sample_id] = aborted_turn(pending.sample_id)
+            self.requests.finish(pending, turns[pending.sample_id].token_ids)
+        return [turns[p.sample_id] for p in batch]
+
+    def _generate(self, live: list[Pending]) -> list[TurnOutput]:
+        if not live:
+            return []
         outputs = self.engine.generate(
-            input_ids=repeat_prompts(prompts, params.n),
-            sampling_params=sampling_dict(params, self.eos_ids),
+            input_ids=[p.prompt_ids for p in live],
+            sampling_params=shared_or_list([p.sampling for p in live]),
             return_logprob=True,
         )
-        return [to_completion(out, i) for i, out in enumerate(outputs)]
+        return [to_turn(out, p.sample_id, p.held_len) for out, p in zip(outputs, live, strict=True)]
+
+    def has_work(self) -> bool:
+        return bool(self.requests.queued)
+
+    def abort(self, request_id: str) -> None:
+        """A queued turn comes back from the next step() with finish_reason "abort" and no tokens."""
+        self.requests.abort(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Forget a held context (SGLang's radix cache evicts its KV when it needs the room)."""
+        self.requests.release(request_id)
+
+    def pause_generation(self) -> None:
+        """Nothing runs between steps, so pausing only makes step() refuse until continue."""
+        self.paused = True
+
+    def continue_generation(self) -> None:
+        self.paused = False
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """params.n samples per prompt, prompt-major; log-probs at the sampling temperature."""
+        if self.requests.queued:  # generate_batch would step them and drop their turns
+            raise RuntimeError(
+                f"sglang engine: generate() while {len(self.requests.queued)} submitted requests wait for step(); "
+                f"step them first"
+            )
+        try:
+            return generate_batch(self, prompts, params)
+        except BaseException:  # a refused batch leaves nothing queued, as before the request level
+            self.requests.take()
+            raise
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Bucketed update_weights_from_tensor by Hugging Face name, then one cache flush."""

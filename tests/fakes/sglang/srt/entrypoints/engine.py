@@ -7,10 +7,17 @@ to release memory while requests run (an assert) and raise KeyError when resumin
 not released. Memory is only "paused" with enable_memory_saver; generating while the KV cache or
 the weights are paused, or loading into paused weights, raises (on a GPU it would read freed
 memory). Everything runs in this process on the CPU; base_gpu_id is recorded, not used.
+
+Like the real offline Engine of every version played, it has no abort_request, pause_generation
+or continue_generation (SGLang has them only on its async TokenizerManager and HTTP server).
+generate takes one sampling_params dict for the batch or a list of one per request; flushing
+the cache, a flushing weight update and releasing the KV cache empty the radix cache whose
+matches meta_info["cached_tokens"] counts (srt/managers/scheduler.py).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -45,6 +52,7 @@ class Engine:
         self.session_open = False
         self.running = 0
         self.calls: list = []  # (method, detail), for tests
+        self.generate_args: list = []  # (input_ids, sampling_params) of each generate call, for tests
 
     # ------------------------------------------------------------------------ generation
 
@@ -72,8 +80,11 @@ class Engine:
         single = bool(input_ids) and isinstance(input_ids[0], int)
         batch = [input_ids] if single else list(input_ids)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(batch)
+        if len(params) != len(batch):
+            raise ValueError(f"{len(params)} sampling_params for a batch of {len(batch)} requests")
         sps = [self.scheduler.normalize(dict(sp)) for sp in params]
         self.calls.append(("generate", len(batch)))
+        self.generate_args.append((copy.deepcopy(input_ids), copy.deepcopy(sampling_params)))
         self.running += 1
         try:
             outputs = self.scheduler.generate(batch, sps, bool(return_logprob))
@@ -134,6 +145,8 @@ class Engine:
 
     def flush_cache(self):
         self.calls.append(("flush_cache", None))
+        if self.running == 0:
+            self.scheduler.flush()
         return FlushCacheReqOutput(success=self.running == 0)
 
     # ------------------------------------------------------------------------ memory
@@ -145,6 +158,8 @@ class Engine:
         if at_least("0.5.14"):
             self.offload_tags.update(tags)
         self.calls.append(("release_memory_occupation", tuple(tags)))
+        if "kv_cache" in tags:
+            self.scheduler.flush()  # the radix cache's KV is freed with the pool
         for tag in tags:
             if tag in GPU_MEMORY_ALL_TYPES and self.server_args.enable_memory_saver:
                 if tag in self.paused:

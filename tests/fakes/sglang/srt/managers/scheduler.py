@@ -6,6 +6,13 @@ Sampling: temperature < 1e-6 is greedy (top_k = 1 and temperature 1, as Sampling
 does); the returned log-prob is log_softmax(logits / temperature) of the sampled token, before
 top-k / top-p renormalisation, as in SGLang's sampler. A request stops on a token in its
 stop_token_ids or the model config's eos_token_id, unless ignore_eos, which disables both.
+
+Radix cache: the fake prefills every prompt whole (same numbers), but keeps the token sequences
+whose KV SGLang's radix cache would hold: a finished request's prompt and output minus its last
+token (sampled, never fed). meta_info["cached_tokens"] is a prompt's longest prefix shared with
+one of them, at most len(prompt) - 1 (SGLang always computes the last prompt position), as in
+every version played. flush() forgets them: flush_cache, a weight update that flushes, releasing
+the KV cache.
 """
 
 from __future__ import annotations
@@ -55,6 +62,15 @@ class Scheduler:
         self.vocab_size = config.vocab_size
         self.context_length = args.context_length or config.max_position_embeddings
         self.gen = torch.Generator().manual_seed(args.random_seed or 0)
+        self.radix: set[tuple[int, ...]] = set()
+        self.radix_enabled = not args.disable_radix_cache
+
+    def flush(self) -> None:
+        self.radix.clear()
+
+    def cached_prefix(self, prompt: list[int]) -> int:
+        best = max((_common_prefix(prompt, seq) for seq in self.radix), default=0)
+        return min(best, len(prompt) - 1)
 
     # ------------------------------------------------------------------------ sampling params
 
@@ -107,7 +123,11 @@ class Scheduler:
                 use_cache=True,
             )
             logits_BV, cache = out.logits[:, -1].float(), out.past_key_values
-        return [self._output(p, t, lp, d, return_logprob) for p, t, lp, d in zip(prompts, tokens, logps, done)]
+        cached = [self.cached_prefix(p) for p in prompts]
+        if self.radix_enabled:
+            self.radix.update(tuple(p + t[:-1]) for p, t in zip(prompts, tokens))
+        rows = zip(prompts, tokens, logps, done, cached)
+        return [self._output(p, t, lp, d, c, return_logprob) for p, t, lp, d, c in rows]
 
     def _prefill(self, prompts):
         width = max(len(p) for p in prompts)
@@ -139,13 +159,13 @@ class Scheduler:
         return None
 
     @staticmethod
-    def _output(prompt, tokens, logps, finish, return_logprob) -> dict:
+    def _output(prompt, tokens, logps, finish, cached, return_logprob) -> dict:
         meta = {
             "id": uuid.uuid4().hex,
             "finish_reason": finish,
             "prompt_tokens": len(prompt),
             "completion_tokens": len(tokens),
-            "cached_tokens": 0,
+            "cached_tokens": cached,
         }
         if return_logprob:
             meta["input_token_logprobs"] = [(None, prompt[0], None)]
@@ -169,6 +189,15 @@ class Scheduler:
                 return False, f"fake sglang: {name} shape {tuple(tensor.shape)} != {tuple(params[name].shape)}"
             params[name].copy_(tensor)
         return True, "Success"
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _top_k_top_p(probs_V: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
