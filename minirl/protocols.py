@@ -216,7 +216,10 @@ class RolloutEngine(Protocol):
 
     def pause_generation(self) -> None:
         """Finish the work in flight and stop stepping: the requests keep their state and KV
-        cache, so that load_weights may run and continue_generation resume them."""
+        cache, so that load_weights may run and continue_generation resume them. An engine that
+        runs each turn to its end inside step() (hf, sglang) has nothing in flight: step() then
+        refuses until continue_generation (sglang's cache flush after a weight load may drop the
+        held requests' KV; they are prefilled again)."""
 
     def continue_generation(self) -> None:
         """Resume the requests that pause_generation held."""
@@ -241,7 +244,10 @@ EngineFactory = Callable[[Any, EngineContext], RolloutEngine]
 
 def generate_batch(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
     """RolloutEngine.generate over the request level: submit every prompt in order, step until
-    all finished, release them. Prompt-major, as generate promises."""
+    all finished, release them. Prompt-major, as generate promises. It steps every request in
+    flight, so it refuses to start while others are: their turns would be lost."""
+    if engine.has_work():
+        raise RuntimeError("generate() while requests submitted at the request level are in flight; step them first")
     ids = [f"generate-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
         engine.submit(request_id, prompt, params)

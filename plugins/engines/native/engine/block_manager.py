@@ -58,6 +58,24 @@ class BlockManager:
             seq.num_cached = num_tokens
         return copies
 
+    def pages_to_continue(self, seq: Sequence) -> int:
+        """Pages a continuing sequence takes to hold all its tokens (its own pages kept)."""
+        return max(0, cdiv(len(seq.tokens), self.page_size) - len(seq.pages))
+
+    def allocate_continue(self, seq: Sequence) -> None:
+        """A row, and pages up to all of seq.tokens, for a sequence whose first num_cached
+        tokens' KV it holds already; its pages past the prompt's full pages are its own."""
+        seq.row = self.free_rows.popleft()
+        for _ in range(self.pages_to_continue(seq)):
+            seq.pages.append(self._take())
+        seq.num_cached = len(seq.tokens)
+
+    def free_row(self, seq: Sequence) -> None:
+        """Give back the row of a sequence whose turn ended; its pages (its KV) stay."""
+        if seq.row >= 0:
+            self.free_rows.append(seq.row)
+        seq.row = -1
+
     def append_page(self, seq: Sequence) -> int:
         page = self._take()
         seq.pages.append(page)
@@ -69,9 +87,7 @@ class BlockManager:
             if self.refs[page] == 0:
                 self.free_pages.append(page)
         seq.pages = []
-        if seq.row >= 0:
-            self.free_rows.append(seq.row)
-        seq.row = -1
+        self.free_row(seq)
         seq.num_cached = 0
 
     def _take(self) -> int:

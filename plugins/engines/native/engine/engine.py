@@ -1,8 +1,13 @@
 """The native rollout engine: the RolloutEngine protocol over scheduler, block manager and runner.
 
-generate() runs a pipelined loop: it queues step t+1 on the device before reading step t's
+step() is one turn of a pipelined loop: it queues step t+1 on the device before reading step t's
 tokens back, so the host's bookkeeping overlaps the device's work. A sequence that stopped at
-step t has then already been given step t+1; that token is dropped.
+step t has then already been given step t+1; that token is dropped. generate() submits every
+prompt and steps until all finished (minirl.protocols.generate_batch).
+
+A request's turn that ends keeps its KV pages (the scheduler parks it) until release(): its
+next turn, submitted under the same id with the conversation so far plus new tokens, prefills
+only the new tokens, attending to the cached ones (extend attention).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from typing import Iterable
 
 import torch
 
-from minirl.protocols import Completion, EngineContext, SamplingParams
+from minirl.protocols import Completion, EngineContext, SamplingParams, TurnOutput, generate_batch, sample_ids
 from minirl_plugins.engines.native.config import EngineConfig
 from minirl_plugins.engines.native.engine.block_manager import BlockManager
 from minirl_plugins.engines.native.engine.model_runner import ModelRunner, StepResult
@@ -20,7 +25,6 @@ from minirl_plugins.engines.native.engine.scheduler import OutOfPages, PrefillBa
 from minirl_plugins.engines.native.engine.sequence import Group, Sequence, Status
 from minirl_plugins.engines.native.layers.meta import StepMeta
 from minirl_plugins.engines.native.layers.ops import select_ops
-from minirl_plugins.engines.native.layers.sampling import SamplerState
 from minirl_plugins.engines.native.models.decoder import DecoderLM
 from minirl_plugins.engines.native.models.spec import ModelSpec
 from minirl_plugins.engines.native.weights import init_random, iter_checkpoint, load_weights, weights_checksum
@@ -38,7 +42,13 @@ class NativeEngine:
         self.runner = ModelRunner(self.model, cfg, self.ops, self.device, self.dtype)
         self.runner.allocate_kv()
         self.last_stats: dict = {}  # of the last generate (and the release after it)
-        self._resume_s = 0.0
+        self._resume_s = self._host_wait = 0.0
+        self.requests: dict[str, Sequence] = {}  # sample id -> its sequence, until release()
+        self.scheduler: Scheduler | None = None  # of the current busy period (and the held requests)
+        self.sampler, self.sampler_setting = None, None
+        self.pending: StepResult | None = None  # the step in flight
+        self.finished: list[TurnOutput] = []  # turns ended since the last step() returned
+        self.paused = False
 
     def _init_weights(self, ctx: EngineContext) -> None:
         if ctx.actor is not None:
@@ -48,28 +58,100 @@ class NativeEngine:
         else:
             init_random(self.model, self.spec.initializer_range, int(ctx.extra.get("seed", 0)))
 
-    # ---------------------------------------------------------------------------- protocol
+    # ---------------------------------------------------------------------------- request level
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue params.n samples (sample_ids) sharing one prefill, or continue a held request."""
+        self._validate([prompt_ids], params)
+        held = self.requests.get(request_id)
+        if held is not None:
+            self._continue(held, prompt_ids, params)
+            return
+        ids = sample_ids(request_id, params.n)
+        taken = [i for i in ids if i in self.requests]
+        if taken:
+            raise ValueError(f"native engine: request id {taken[0]!r} is held; release it or use a new id")
+        self._start_sampler(params)
+        stop = self._stop_ids(params)
+        seqs = [Sequence(i, list(prompt_ids), params.max_new_tokens, stop) for i in ids]
+        self.requests.update(zip(ids, seqs))
+        if params.n == 1 and self._joins_last_group(seqs[0]):
+            self.scheduler.waiting[-1].seqs.append(seqs[0])
+            return
+        # a group larger than the batch limit is prefilled in parts
+        for start in range(0, len(seqs), self.cfg.max_num_seqs):
+            self.scheduler.add(Group(seqs[start : start + self.cfg.max_num_seqs]))
+
+    def step(self) -> list[TurnOutput]:
+        """One iteration of the pipelined loop: schedule and launch a step, then read back the
+        previous one (or drain the pipeline and preempt when pages run out)."""
+        if self.paused:
+            raise RuntimeError("native engine: step() while paused; call continue_generation() first")
+        scheduler, pending = self.scheduler, self.pending
+        try:
+            batch = scheduler.schedule()
+        except OutOfPages:
+            if pending is None:
+                scheduler.preempt_newest()
+            else:
+                self.pending = None
+                self._postprocess(pending)
+            return self._take_finished()
+        if batch is None and pending is None:
+            scheduler.check_progress()
+            raise RuntimeError("native engine: nothing to schedule and nothing in flight")
+        result = None
+        if batch is not None:
+            run = self.runner.prefill if isinstance(batch, PrefillBatch) else self.runner.decode
+            result = run(batch, self.sampler)
+        self.pending = result
+        if pending is not None:
+            self._postprocess(pending)
+        return self._take_finished()
+
+    def has_work(self) -> bool:
+        return self.scheduler is not None and (not self.scheduler.is_done() or self.pending is not None)
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.get(request_id)
+        if seq is None or seq.status is Status.FINISHED:
+            return
+        self.scheduler.drop(seq)  # its KV goes: a continuation prefills it again
+        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        self.finished.append(seq.to_turn())
+
+    def release(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and self.scheduler is not None:
+            self.scheduler.drop(seq)
+
+    def pause_generation(self) -> None:
+        """Read back the step in flight; until continue_generation nothing runs on the device."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._postprocess(pending)
+        self.paused = True
+
+    def continue_generation(self) -> None:
+        self.paused = False
+
+    # ---------------------------------------------------------------------------- batch level
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """params.n samples per prompt, prompt-major; log-probs of the sampled tokens."""
         self._validate(prompts, params)
-        self.resume_memory()
+        self._ensure_scheduler()
         captures = dict(self.runner.capture_stats)
-        blocks = BlockManager(self.runner.num_pages, self.cfg.page_size, self.cfg.max_num_seqs)
-        scheduler = Scheduler(blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.cfg.decode_steps)
-        seqs = self._add_requests(scheduler, prompts, params)
-        # without a seed, follow torch's global RNG (torch.manual_seed makes runs repeatable)
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 1 << 31, ()).item())
-        sampler = self.runner.new_sampler(params, seed)
-        self._run(scheduler, sampler)
+        self._host_wait, preemptions = 0.0, self.scheduler.num_preemptions
+        completions = generate_batch(self, prompts, params)
         self.last_stats = {
-            "preemptions": scheduler.num_preemptions,
+            "preemptions": self.scheduler.num_preemptions - preemptions,
             "host_wait_s": self._host_wait,
             "kv_resume_s": self._resume_s,
             **{k: v - captures[k] for k, v in self.runner.capture_stats.items()},
         }
         self._resume_s = 0.0
-        return [seq.to_completion() for seq in seqs]
+        return completions
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy weights in place by Hugging Face name; captured graphs stay valid."""
@@ -78,7 +160,13 @@ class NativeEngine:
             torch.cuda.synchronize(self.device)
 
     def release_memory(self) -> None:
+        """Free the KV cache; held requests keep their tokens (a continuation prefills again)."""
+        if self.has_work():
+            raise RuntimeError("native engine: release_memory() with requests in flight; finish or abort them first")
         start = time.perf_counter()
+        for seq in list(self.requests.values()):
+            self.scheduler.drop(seq)  # frees the pages' bookkeeping; the request stays held
+        self.scheduler = None
         self.runner.release()
         self.last_stats["kv_release_s"] = time.perf_counter() - start
 
@@ -130,42 +218,70 @@ class NativeEngine:
             if max(prompt) >= self.spec.vocab_size or min(prompt) < 0:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.spec.vocab_size})")
 
-    def _add_requests(self, scheduler: Scheduler, prompts, params: SamplingParams) -> list[Sequence]:
-        stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        seqs = []
-        for prompt in prompts:
-            group = [Sequence(list(prompt), params.max_new_tokens, stop) for _ in range(params.n)]
-            seqs += group
-            # a group larger than the batch limit is prefilled in parts
-            for start in range(0, len(group), self.cfg.max_num_seqs):
-                scheduler.add(Group(group[start : start + self.cfg.max_num_seqs]))
-        return seqs
+    def _continue(self, seq: Sequence, prompt_ids: list[int], params: SamplingParams) -> None:
+        if seq.status is not Status.FINISHED:
+            raise ValueError(f"native engine: request {seq.request_id!r} is still running; wait for its turn to finish")
+        if params.n != 1:
+            raise ValueError(f"native engine: continuing request {seq.request_id!r} needs n = 1, got {params.n}")
+        context = seq.tokens
+        if prompt_ids[: len(context)] != context:
+            raise ValueError(
+                f"native engine: continuing request {seq.request_id!r}: prompt_ids must start with its "
+                f"{len(context)} tokens so far (prompt and sampled tokens), token ids in and out"
+            )
+        self._start_sampler(params)
+        self.scheduler.unpark(seq)
+        seq.continue_with(prompt_ids, params.max_new_tokens, self._stop_ids(params))
+        self.scheduler.add(Group([seq]))
 
-    def _run(self, scheduler: Scheduler, sampler: SamplerState) -> None:
-        pending: StepResult | None = None
-        self._host_wait = 0.0
-        while not scheduler.is_done() or pending is not None:
-            try:
-                batch = scheduler.schedule()
-            except OutOfPages:
-                if pending is None:
-                    scheduler.preempt_newest()
-                else:
-                    self._postprocess(scheduler, pending)
-                    pending = None
-                continue
-            if batch is None and pending is None:
-                scheduler.check_progress()
-                raise RuntimeError("native engine: nothing to schedule and nothing in flight")
-            result = None
-            if batch is not None:
-                run = self.runner.prefill if isinstance(batch, PrefillBatch) else self.runner.decode
-                result = run(batch, sampler)
-            if pending is not None:
-                self._postprocess(scheduler, pending)
-            pending = result
+    def _joins_last_group(self, seq: Sequence) -> bool:
+        """A single sample "X/k" whose prompt is that of the newest waiting group of X's samples
+        joins it, so that submitting X's samples one by one equals submitting X with n."""
+        if not self.scheduler.waiting or "/" not in seq.request_id:
+            return False
+        group = self.scheduler.waiting[-1]
+        first = group.seqs[0]
+        return (
+            len(group.seqs) < self.cfg.max_num_seqs
+            and first.request_id.rsplit("/", 1)[0] == seq.request_id.rsplit("/", 1)[0]
+            and first.num_cached == 0
+            and not first.output
+            and first.prompt == seq.prompt
+        )
 
-    def _postprocess(self, scheduler: Scheduler, result: StepResult) -> None:
+    def _start_sampler(self, params: SamplingParams) -> None:
+        """A busy period's one sampler, from the first request; later ones must sample alike."""
+        self._ensure_scheduler()
+        if self.has_work():
+            setting = (params.temperature, params.top_k, params.top_p)
+            if setting != self.sampler_setting:
+                raise ValueError(
+                    f"native engine: requests in flight sample at (temperature, top_k, top_p) = "
+                    f"{self.sampler_setting}, this one at {setting}; submit it once they finished"
+                )
+            return
+        # without a seed, follow torch's global RNG (torch.manual_seed makes runs repeatable)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 1 << 31, ()).item())
+        self.sampler = self.runner.new_sampler(params, seed)
+        self.sampler_setting = (params.temperature, params.top_k, params.top_p)
+
+    def _ensure_scheduler(self) -> None:
+        """A fresh scheduler and page pool when nothing is held, as in a new engine."""
+        self.resume_memory()
+        if self.scheduler is None or not (self.has_work() or self.requests):
+            blocks = BlockManager(self.runner.num_pages, self.cfg.page_size, self.cfg.max_num_seqs)
+            self.scheduler = Scheduler(
+                blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.cfg.decode_steps
+            )
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+
+    def _take_finished(self) -> list[TurnOutput]:
+        out, self.finished = self.finished, []
+        return out
+
+    def _postprocess(self, result: StepResult) -> None:
         start = time.perf_counter()
         tokens, logprobs = result.fetch()
         self._host_wait += time.perf_counter() - start  # time the host had nothing to do
@@ -174,4 +290,5 @@ class NativeEngine:
                 continue  # stopped in an earlier batch; these tokens were sampled past its end
             seq.extend(seq_tokens, seq_logprobs)
             if seq.status is Status.FINISHED:
-                scheduler.finish(seq)
+                self.scheduler.park(seq)
+                self.finished.append(seq.to_turn())

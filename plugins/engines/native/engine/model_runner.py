@@ -144,6 +144,9 @@ class ModelRunner:
         rows, max_seqlen = dev["rows"], int(np.diff(host["cu"]).max())
         self.page_table[rows, : dev["table"].shape[1]] = dev["table"]
         meta = StepMeta(True, dev["slots"], self.kv, cu_seqlens_S1=dev["cu"], max_seqlen=max_seqlen)
+        if batch.extends:
+            meta.ctx_slots_M, meta.cu_ctx_S1 = dev["ctx_slots"], dev["cu_ctx"]
+            meta.max_ctx_len = int(np.diff(host["cu_ctx"]).max())
         h = self.model(dev["ids"], dev["positions"], meta, self.rope)
         logits = self.model.compute_logits(h[dev["last"]])
         if batch.copies:
@@ -154,20 +157,23 @@ class ModelRunner:
         return StepResult.copy_to_host(batch.seqs, tokens[:, None], logprobs[:, None])
 
     def _prefill_inputs(self, batch: PrefillBatch) -> dict[str, np.ndarray]:
-        """Packed ids, positions and KV slots of the groups' tokens; per sequence its row, length,
-        page-table row and the group whose last logits it samples from."""
+        """Packed ids, positions and KV slots of the groups' new tokens (from each group's start);
+        per sequence its row, length, page-table row and the group whose last logits it samples
+        from; for an extend, the KV slots of every sequence's whole context."""
         groups, seqs = batch.groups, batch.seqs
+        starts = np.asarray(batch.starts or [0] * len(groups), dtype=np.int64)
         lens = np.array([len(g.tokens) for g in groups], dtype=np.int64)
         per_group = [len(g.seqs) for g in groups]
-        positions = np.concatenate([np.arange(n) for n in lens])
         group_pages = [np.asarray(g.seqs[0].pages, dtype=np.int64) for g in groups]  # the others copy the tail
-        pages = np.concatenate([p[np.arange(n) // self.page] for p, n in zip(group_pages, lens)])
+        ctx_slots = [
+            p[np.arange(n) // self.page] * self.page + np.arange(n) % self.page for p, n in zip(group_pages, lens)
+        ]
         width = max(len(s.pages) for s in seqs)
-        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        return dict(
-            ids=np.concatenate([np.asarray(g.tokens, dtype=np.int64) for g in groups]),
-            positions=positions,
-            slots=pages * self.page + positions % self.page,
+        cu = np.concatenate([[0], np.cumsum(lens - starts)]).astype(np.int32)
+        out = dict(
+            ids=np.concatenate([np.asarray(g.tokens[a:], dtype=np.int64) for g, a in zip(groups, starts)]),
+            positions=np.concatenate([np.arange(a, n) for a, n in zip(starts, lens)]),
+            slots=np.concatenate([slots[a:] for slots, a in zip(ctx_slots, starts)]),
             cu=cu,
             last=cu[1:].astype(np.int64) - 1,
             rows=np.array([s.row for s in seqs], dtype=np.int64),
@@ -175,6 +181,10 @@ class ModelRunner:
             sample_rows=np.repeat(np.arange(len(groups)), per_group),
             table=np.array([s.pages + [0] * (width - len(s.pages)) for s in seqs], dtype=np.int32),
         )
+        if batch.extends:
+            out["ctx_slots"] = np.concatenate(ctx_slots)
+            out["cu_ctx"] = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        return out
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
         pages = self.kv.unflatten(2, (self.num_pages, self.page))

@@ -4,10 +4,16 @@ Each step is either a prefill (new groups, packed varlen) or a decode (one token
 running sequence). Prefill goes first whenever a waiting group fits, as in nano-vllm. When the
 KV cache runs out of pages during decode, the newest sequence is preempted: its pages are freed
 and it is later recomputed from prompt + output, which gives the same tokens.
+
+A sequence whose turn ended is parked: its row is free, its pages (its KV) stay, so that the
+request's next turn prefills only its new tokens. Parked pages are evicted, oldest first, as soon
+as a waiting group or a decode step needs them: holding them never changes what is admitted
+or preempted, only what a continuation has to recompute.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -19,6 +25,12 @@ from minirl_plugins.engines.native.engine.sequence import Group, Sequence, Statu
 class PrefillBatch:
     groups: list[Group]
     copies: list[tuple[int, int]]  # (src page, dst page) tail copies for the forks
+    starts: list[int] = field(default_factory=list)  # per group: positions already cached (continuations)
+
+    @property
+    def extends(self) -> bool:
+        """Some group continues a cached sequence: its new tokens attend to the KV cache."""
+        return any(self.starts)
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -44,10 +56,49 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Group] = deque()
         self.running: list[Sequence] = []
+        self.parked: dict[Sequence, None] = {}  # oldest first
         self.num_preemptions = 0
+        self.num_evictions = 0
 
     def add(self, group: Group) -> None:
         self.waiting.append(group)
+
+    def park(self, seq: Sequence) -> None:
+        """seq's turn ended: free its row, keep its pages for its next turn."""
+        self.running.remove(seq)
+        self.blocks.free_row(seq)
+        self.parked[seq] = None
+
+    def unpark(self, seq: Sequence) -> None:
+        self.parked.pop(seq, None)
+
+    def drop(self, seq: Sequence) -> None:
+        """Forget seq wherever it is: parked, waiting or running; its pages are freed."""
+        self.parked.pop(seq, None)
+        for group in self.waiting:
+            if seq in group.seqs:
+                group.seqs.remove(seq)
+        self.waiting = deque(g for g in self.waiting if g.seqs)
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.free(seq)
+
+    def _evict_until(self, enough, keep: Group | None = None) -> bool:
+        """Free kept KV until enough() holds: parked sequences' oldest first, then that of
+        continuations still waiting (newest first; they will prefill everything), never keep's.
+        Returns enough()."""
+        while not enough():
+            if self.parked:
+                seq = next(iter(self.parked))
+                del self.parked[seq]
+            else:
+                waiting = [g.seqs[0] for g in reversed(self.waiting) if g is not keep and g.start]
+                if not waiting:
+                    break
+                seq = waiting[0]
+            self.blocks.free(seq)
+            self.num_evictions += 1
+        return enough()
 
     def is_done(self) -> bool:
         return not self.waiting and not self.running
@@ -57,25 +108,36 @@ class Scheduler:
         return self._schedule_prefill() or self._schedule_decode()
 
     def _schedule_prefill(self) -> PrefillBatch | None:
-        groups, copies, num_tokens = [], [], 0
+        groups, copies, starts, num_tokens = [], [], [], 0
         while self.waiting:
             group = self.waiting[0]
-            n, length = len(group.seqs), len(group.tokens)
+            n, length = len(group.seqs), len(group.tokens) - group.start
             if groups and num_tokens + length > self.max_num_batched_tokens:
                 break
             # keep one free page per running sequence so that decode can go on after admission
             reserve = len(self.running) + n
-            if len(self.running) + n > self.max_num_seqs or not self.blocks.can_allocate(length, n, reserve):
+            admit = functools.partial(self._can_admit, group, reserve)
+            if len(self.running) + n > self.max_num_seqs or not self._evict_until(admit, keep=group):
                 break
             self.waiting.popleft()
-            copies += self.blocks.allocate_group(group.seqs, length)
+            starts.append(group.start)
+            if group.start:
+                self.blocks.allocate_continue(group.seqs[0])
+            else:
+                copies += self.blocks.allocate_group(group.seqs, length)
             for seq in group.seqs:
                 seq.status = Status.RUNNING
                 seq.num_scheduled += 1
                 self.running.append(seq)
             groups.append(group)
             num_tokens += length
-        return PrefillBatch(groups, copies) if groups else None
+        return PrefillBatch(groups, copies, starts) if groups else None
+
+    def _can_admit(self, group: Group, reserve: int) -> bool:
+        if group.start:  # a continuing sequence keeps its pages
+            need = self.blocks.pages_to_continue(group.seqs[0]) + reserve
+            return need <= self.blocks.num_free_pages and bool(self.blocks.free_rows)
+        return self.blocks.can_allocate(len(group.tokens), len(group.seqs), reserve)
 
     def _schedule_decode(self) -> DecodeBatch | None:
         """Every running sequence advances by k tokens, k <= decode_steps and <= what each may
@@ -86,9 +148,9 @@ class Scheduler:
             return None
         k = min(self.decode_steps, min(s.max_new_tokens - s.num_scheduled for s in seqs))
         need = self._pages_needed(seqs, k)
-        if k > 1 and sum(need) > self.blocks.num_free_pages:  # fall back to one step
+        if k > 1 and not self._evict_until(lambda: sum(need) <= self.blocks.num_free_pages):  # fall back to one step
             k, need = 1, self._pages_needed(seqs, 1)
-        if sum(need) > self.blocks.num_free_pages:
+        if not self._evict_until(lambda: sum(need) <= self.blocks.num_free_pages):
             raise OutOfPages
         updates = []
         for seq, n in zip(seqs, need):
@@ -100,10 +162,6 @@ class Scheduler:
 
     def _pages_needed(self, seqs: list[Sequence], k: int) -> list[int]:
         return [cdiv(s.num_cached + k, self.blocks.page_size) - len(s.pages) for s in seqs]
-
-    def finish(self, seq: Sequence) -> None:
-        self.blocks.free(seq)
-        self.running.remove(seq)
 
     def preempt_newest(self) -> None:
         """Free the newest running sequence's pages; it is recomputed from its tokens later, so

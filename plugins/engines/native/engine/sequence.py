@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from minirl.protocols import Completion
+from minirl.protocols import TurnOutput
 
 
 class Status(enum.Enum):
@@ -22,8 +22,12 @@ class Sequence:
     this one's results), so two counters run ahead of `output`: `num_cached` tokens have their KV
     written (or being written) on the device, `num_scheduled` responses tokens have been sampled or
     are being sampled. `output` holds the tokens already read back.
+
+    A request's next turn continues the same Sequence (`continue_with`): `prompt` becomes the whole
+    conversation so far, and the KV of every token but the last sampled one stays cached.
     """
 
+    request_id: str
     prompt: list[int]
     max_new_tokens: int
     stop_ids: frozenset[int]
@@ -35,6 +39,7 @@ class Sequence:
     num_scheduled: int = 0
     status: Status = Status.WAITING
     finish_reason: str = "length"
+    reused: int = 0  # prompt tokens of this turn whose KV was kept from the earlier turns
 
     @property
     def tokens(self) -> list[int]:
@@ -55,8 +60,16 @@ class Sequence:
         elif len(self.output) >= self.max_new_tokens:
             self.status, self.finish_reason = Status.FINISHED, "length"
 
-    def to_completion(self) -> Completion:
-        return Completion(list(self.output), list(self.logprobs), self.finish_reason)
+    def to_turn(self) -> TurnOutput:
+        return TurnOutput(self.request_id, list(self.output), list(self.logprobs), self.finish_reason, self.reused)
+
+    def continue_with(self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> None:
+        """The next turn: prompt (starting with self.tokens) is prefilled from num_cached on."""
+        self.num_cached = min(self.num_cached, len(self.tokens) - 1)  # the last sampled token is not fed yet
+        self.prompt, self.output, self.logprobs = list(prompt), [], []
+        self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
+        self.num_scheduled, self.status, self.finish_reason = 0, Status.WAITING, "length"
+        self.reused = self.num_cached
 
 
 @dataclass(eq=False)
@@ -69,3 +82,8 @@ class Group:
     @property
     def tokens(self) -> list[int]:
         return self.seqs[0].tokens
+
+    @property
+    def start(self) -> int:
+        """The first position to prefill: 0, or a continuing sequence's cached length."""
+        return self.seqs[0].num_cached

@@ -29,6 +29,11 @@ class StepMeta:
     # prefill: packed causal sequences
     cu_seqlens_S1: torch.Tensor | None = None  # int32
     max_seqlen: int = 0
+    # extend (a prefill that continues cached sequences): queries are the new tokens (cu_seqlens_S1),
+    # keys and values every cached position of each sequence, read from the cache at these slots
+    ctx_slots_M: torch.Tensor | None = None  # int64, M = the sequences' whole lengths summed
+    cu_ctx_S1: torch.Tensor | None = None  # int32 boundaries of each sequence's context in ctx_slots_M
+    max_ctx_len: int = 0
     # decode: one query token per row, keys read through the page table
     rows_B: torch.Tensor | None = None  # int64 row of the device state (page table row)
     ctx_lens_B: torch.Tensor | None = None  # int32 tokens to attend to, the new one included

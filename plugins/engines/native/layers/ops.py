@@ -26,6 +26,7 @@ class Ops:
     silu_mul: Callable = activation.silu_mul
     rope_store: Callable = rotary.rope_store
     prefill_attention: Callable = attention.prefill_attention
+    extend_attention: Callable = attention.extend_attention
     decode_attention: Callable = paged_attention.decode_attention
     fast_sample: Callable | None = None  # (logits, params, seed) -> (tokens, logprobs); sampling.fast_sample
     chosen: dict = field(default_factory=dict)  # op -> "triton" | "torch_varlen", where not the reference
@@ -45,8 +46,10 @@ TRITON = {
     "decode_attention": (paged_attention.decode_attention_triton, paged_attention.check_decode_attention),
     "fast_sample": (sampling.fast_sample, sampling.check_fast_sample),
 }
-# prefill attention has no Triton kernel: torch's varlen flash attention is its fast path
+# prefill attention has no Triton kernel: torch's varlen flash attention is its fast path, and
+# the flash kernel's that of extend attention
 VARLEN_PREFILL = (attention.prefill_attention_varlen, attention.check_prefill_attention)
+FLASH_EXTEND = (attention.extend_attention_flash, attention.check_extend_attention)
 
 
 def select_ops(
@@ -57,7 +60,12 @@ def select_ops(
     if device.type != "cuda":
         return ops
     # a float32 engine has no fast prefill: the flash kernel takes half precision only
-    candidates = [("prefill_attention", *VARLEN_PREFILL, "torch_varlen")] if dtype in FLASH_DTYPES else []
+    candidates = []
+    if dtype in FLASH_DTYPES:
+        candidates += [
+            ("prefill_attention", *VARLEN_PREFILL, "torch_varlen"),
+            ("extend_attention", *FLASH_EXTEND, "flash"),
+        ]
     if use_triton and jit.UNAVAILABLE:
         warnings.warn(f"native engine: Triton unavailable ({jit.UNAVAILABLE}); using pure-torch kernels")
     elif use_triton:

@@ -65,7 +65,9 @@ class Attention(nn.Module):
         k_cache, v_cache = meta.kv_cache[0, self.layer], meta.kv_cache[1, self.layer]
         norms = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
         ops.rope_store(qkv, positions_N, *rope, meta.slot_mapping_N, k_cache, v_cache, heads, *norms, s.rms_norm_eps)
-        if meta.is_prefill:
+        if meta.ctx_slots_M is not None:
+            o = ops.extend_attention(qkv, k_cache, v_cache, meta, heads, self.scale)
+        elif meta.is_prefill:
             o = ops.prefill_attention(qkv, meta, heads, self.scale)
         else:
             o = ops.decode_attention(qkv, k_cache, v_cache, meta, heads, self.scale)
