@@ -2,6 +2,12 @@
 
 Sequences are kept unpadded (lists of token ids) for the packed forward passes, and as padded
 [B, T] tensors (T = the longest response of the step) for the per-token math.
+
+The response mask: 1 at the tokens the model sampled (EOS included), 0 at tool and user tokens
+inside a multi-turn response (a mask with holes) and in the padding after it. The forward runs
+over every response token, so the model reads the tool text; every loss, statistic and estimator
+counts only the mask's 1s (docs/algorithms.md). Lengths (len(response)) stay right for packing
+and token budgets; the number of trained tokens is the mask's sum.
 Legend: B sequences, T response positions.
 """
 
@@ -9,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,10 +30,10 @@ class RolloutBatch:
     and the per-sequence [B] and per-token [B, T] tensors the step's phases add to it.
 
     field                  written by (minirl.trainer phase)     read by
-    mask_BT                gen (1.0 up to and including EOS)     every phase
+    mask_BT                gen (1.0 at model tokens, see above)  every phase
     rollout_log_probs_BT   gen (rollout.calculate_log_probs)     update_actor (TIS, rollout_corr/*)
     scores_B               reward                                dynamic sampling, data metrics
-    token_scores_BT        reward (the score on the last token)  adv, dynamic sampling, guard
+    token_scores_BT        reward (score on last model token)    adv, dynamic sampling, guard
     old_log_probs_BT       old_log_prob (not on-policy)          adv (KL in reward), update_actor, guard
     ref_log_probs_BT       ref (a KL loss or KL in the reward)   adv (KL in reward), update_actor, guard
     values_BT              values (an estimator of values)       adv, update_critic, value metrics
@@ -90,6 +97,19 @@ def response_mask(responses: list[list[int]], device) -> torch.Tensor:
     width = max(1, max(len(r) for r in responses))
     lens = torch.tensor([len(r) for r in responses], device=device)
     return (torch.arange(width, device=device)[None, :] < lens[:, None]).float()
+
+
+def trajectory_mask(masks: list[list[int]], device) -> torch.Tensor:
+    """mask_BT of multi-turn responses: row b is masks[b] (1 at model tokens, 0 at tool/user
+    tokens, one entry per response token), right-padded with 0.0 to the longest. With masks of
+    all ones it is response_mask of the same responses, bit for bit."""
+    lens_B = np.fromiter(map(len, masks), np.int64, len(masks))
+    width = max(1, int(lens_B.max(initial=0)))
+    flat_N = np.fromiter(itertools.chain.from_iterable(masks), np.float32, int(lens_B.sum()))
+    assert np.isin(flat_N, (0.0, 1.0)).all(), "a response mask holds 0 and 1 only"
+    out_BT = np.zeros(len(masks) * width, np.float32)
+    out_BT[ragged_arange(np.arange(len(masks), dtype=np.int64) * width, lens_B)] = flat_N
+    return to_device(torch.from_numpy(out_BT.reshape(len(masks), width)), device)
 
 
 def ragged_arange(starts_S: np.ndarray, lens_S: np.ndarray) -> np.ndarray:

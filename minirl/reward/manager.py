@@ -124,19 +124,21 @@ def build_reward_manager(reward_cfg, custom_cfg, registry: Any, plugin_modules=(
     return RewardManager(registry, scorers=scorers, pool=pool, chunks=max(1, reward_cfg.num_workers))
 
 
-def place_scores(scores_B: Any, response_lengths_B: Any, T: int) -> torch.Tensor:
-    """token_scores_BT: each score on its response's last valid token (index length - 1).
+def place_scores(scores_B: Any, mask_BT: torch.Tensor) -> torch.Tensor:
+    """token_scores_BT: each score on its response's last model token (the last 1 of its mask).
 
-    A zero-length response has no valid token, so its row is all zero: the estimators read a
-    sequence's score as Σ token_rewards·mask (plugins/algorithms/advantage.py, convention 1), which is 0
-    for it whatever it scored, and this row says the same.
+    Not at index length - 1: a multi-turn response may end in tool tokens (mask 0), which carry
+    no reward. With a contiguous mask the last 1 is at length - 1, so single-turn scores sit where
+    they always did. A row without a model token has nowhere to hold its score and stays all
+    zero: the estimators read a sequence's score as Σ token_rewards·mask
+    (plugins/algorithms/advantage.py, convention 1), which is 0 for it whatever it scored.
     """
-    scores_B = torch.as_tensor(scores_B, dtype=torch.float32)
-    lengths_B = torch.as_tensor(response_lengths_B, dtype=torch.long, device=scores_B.device)
-    assert scores_B.ndim == 1 and scores_B.shape == lengths_B.shape, (scores_B.shape, lengths_B.shape)
-    assert T >= 1 and bool(((lengths_B >= 0) & (lengths_B <= T)).all()), f"lengths {lengths_B.tolist()} in T = {T}"
-    token_scores_BT = torch.zeros(len(scores_B), T, dtype=torch.float32, device=scores_B.device)
-    last_B = (lengths_B - 1).clamp(min=0)
-    placed_B = torch.where(lengths_B > 0, scores_B, torch.zeros_like(scores_B))
-    token_scores_BT[torch.arange(len(scores_B), device=scores_B.device), last_B] = placed_B
+    assert mask_BT.ndim == 2 and mask_BT.shape[1] >= 1, f"mask_BT must be [B, T >= 1], got {tuple(mask_BT.shape)}"
+    scores_B = torch.as_tensor(scores_B, dtype=torch.float32).to(mask_BT.device)
+    assert scores_B.shape == mask_BT.shape[:1], (scores_B.shape, mask_BT.shape)
+    pos_BT = torch.arange(mask_BT.shape[1], device=mask_BT.device).expand_as(mask_BT)
+    last_B = torch.where(mask_BT.bool(), pos_BT, -1).amax(-1)  # -1: no model token
+    placed_B = torch.where(last_B >= 0, scores_B, torch.zeros_like(scores_B))
+    token_scores_BT = torch.zeros(mask_BT.shape, dtype=torch.float32, device=mask_BT.device)
+    token_scores_BT[torch.arange(len(scores_B), device=mask_BT.device), last_B.clamp(min=0)] = placed_B
     return token_scores_BT

@@ -50,7 +50,7 @@ def fake_engine(score_of=half_solved, rank: int = 0, dp: int = 1, calls: list | 
             records=expanded,
             finish_reasons=["stop"] * len(expanded),
             scores_B=scores_B,
-            token_scores_BT=place_scores(scores_B, [len(r) for r in responses], mask_BT.shape[1]),
+            token_scores_BT=place_scores(scores_B, mask_BT),
         )
         if calls is not None:
             calls.append(number)

@@ -312,12 +312,13 @@ def test_manager_accepts_verl_dict_scores():
 
 
 def test_place_scores_on_last_valid_token():
-    """The outcome score sits on the last response token; a zero-length response has no token
-    to hold it, so its row is all zero, which is the score the estimators see for it (they sum
-    token rewards times the mask)."""
-    token_scores_BT = place_scores(torch.tensor([1.0, 0.5, 2.0]), torch.tensor([3, 1, 0]), 4)
-    expected = torch.tensor([[0, 0, 1.0, 0], [0.5, 0, 0, 0], [0.0, 0, 0, 0]])
+    """The outcome score sits on the last model token (the last 1 of the mask); a response
+    without one has no token to hold it, so its row is all zero, which is the score the
+    estimators see for it (they sum token rewards times the mask)."""
+    mask_BT = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 0, 1, 0]], dtype=torch.float32)
+    token_scores_BT = place_scores(torch.tensor([1.0, 0.5, 2.0, 3.0]), mask_BT)
+    expected = torch.tensor([[0, 0, 1.0, 0], [0.5, 0, 0, 0], [0.0, 0, 0, 0], [0, 0, 3.0, 0]])
     assert torch.equal(token_scores_BT, expected)
-    assert torch.equal(place_scores([1.0], [4], 4), torch.tensor([[0, 0, 0, 1.0]]))
-    with pytest.raises(AssertionError, match=r"lengths \[5\] in T = 4"):  # a caller's bug
-        place_scores([1.0], [5], 4)
+    assert torch.equal(place_scores([1.0], torch.ones(1, 4)), torch.tensor([[0, 0, 0, 1.0]]))
+    with pytest.raises(AssertionError, match=r"mask_BT must be \[B, T >= 1\]"):  # a caller's bug
+        place_scores([1.0], torch.ones(4))
