@@ -8,7 +8,10 @@ partial *sum* divided by those global counts (`aggregate`). The sum of the contr
 micro-batches and ranks is then exactly the global value, and so is its gradient, for any split
 (the ranks' gradients are summed, not averaged: minirl.dist.context.DistContext).
 
-Sequences with no valid token (padding rows) are not counted: they contribute nothing and must not
+Valid tokens are the mask's 1s: a multi-turn response's tool and user tokens (mask 0) are neither
+summed nor counted, so a sequence's token count is its model tokens, and seq-mean-token-sum-norm's
+S is a constant, never the padded width (tests/unit/test_masked_math.py). Sequences with no valid
+token (padding rows, or only tool tokens) are not counted: they contribute nothing and must not
 dilute the seq-mean modes. With sequence parallelism the masks are still the full-sequence masks
 (a sequence split over shards is one sequence).
 """

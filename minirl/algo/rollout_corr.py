@@ -49,8 +49,9 @@ def require_rollout_log_probs(rollout_BT: torch.Tensor | None, cap: float, engin
 
 
 def tis_weights(old_BT: torch.Tensor, rollout_BT: torch.Tensor, cap: float) -> torch.Tensor:
-    """w = min(exp(lp_old − lp_roll), cap), detached. Padding positions get some weight; the
-    per-token loss there is 0 already."""
+    """w = min(exp(lp_old − lp_roll), cap), detached: one weight per token, so a multi-turn
+    response's tool tokens enter no product. Masked positions (padding, tool tokens) get some
+    weight; the per-token loss there is 0 already."""
     return torch.exp(old_BT.detach() - rollout_BT).clamp(max=cap)
 
 

@@ -9,8 +9,11 @@ The conventions the code refers to by number:
 3. A group of one has no baseline: its advantage is its score (grpo: mean 0, std 1).
 4. A group of two or more equal scores gets exactly 0, not the rounding residue of s − mean(s)
    divided by 1e-6 (which can be O(1) for non-dyadic scores).
-5. Token-level recursions (reinforce_plus_plus, gae) skip masked holes and discount over valid
-   tokens only, as a log-depth parallel scan instead of a Python loop over T.
+5. Token-level recursions (reinforce_plus_plus, gae) skip masked holes (a multi-turn
+   response's tool and user tokens) and discount over valid tokens only, as a log-depth parallel
+   scan instead of a Python loop over T: at a masked position the scan's factor is 1 and its
+   input 0, so the running return, the running advantage and V_next pass through unchanged.
+   Rewards and values at masked positions are never read (multiplied by the mask first).
 6. Batch-wide whitening uses inputs.reduce, so it is exact over all data-parallel ranks.
 
 Shape legend: B sequences, T response positions, G groups.
@@ -108,9 +111,10 @@ def rloo(inputs: AdvantageInputs, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]
 def opo(inputs: AdvantageInputs, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO: A_i = s_i − b_g, b_g = Σ_j len_j·s_j / Σ_j len_j (length-weighted group baseline).
 
-    len_j = Σ_t m[j, t]. Choice: a group of one gets baseline 0, so A_i = s_i (as verl's OPO, and
-    as grpo/rloo treat a group of one); a group whose lengths are all 0 gets baseline 0 (its
-    advantages are masked to 0 anyway). Returns = advantages.
+    len_j = Σ_t m[j, t], the model tokens (a multi-turn response's tool tokens do not count).
+    Choice: a group of one gets baseline 0, so A_i = s_i (as verl's OPO, and as grpo/rloo treat
+    a group of one); a group whose lengths are all 0 gets baseline 0 (its advantages are masked
+    to 0 anyway). Returns = advantages.
     """
     s_B, groups, st = _scores_and_stats(inputs)
     len_B = inputs.mask_BT.sum(-1).to(s_B.dtype)
