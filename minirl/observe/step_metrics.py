@@ -1,7 +1,11 @@
 """Per-step data statistics and performance figures, reduced over all data-parallel ranks.
 
 Names follow verl's (score/mean, response_length/clip_ratio, perf/throughput, …); the
-definitions are docs/algorithms.md §7's.
+definitions are docs/algorithms.md §7's. A response's length is its model tokens (the sum of
+its mask): a multi-turn response's tool and user tokens are counted apart
+(response_length/with_tool_tokens/mean, response/model_token_share), so response_length keeps
+its single-turn meaning. Forward-pass throughputs count every token, tool tokens included,
+since the forward runs over them.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ def global_mean(x: torch.Tensor, dist: DistContext) -> float:
 
 
 def data_metrics(batch: RolloutBatch, dist: DistContext) -> dict[str, float]:
+    """score, reward, advantages and returns (over model tokens), response_length (model tokens
+    per response, EOS included: the mask's sum), prompt_length, the clip ratio and the share of
+    groups of equal scores; then the tool-token counts of `response_token_metrics`."""
     dev = dist.device
     mask = batch.mask_BT.bool()
     resp_len = batch.mask_BT.sum(-1)
@@ -47,7 +54,21 @@ def data_metrics(batch: RolloutBatch, dist: DistContext) -> dict[str, float]:
     truncated = torch.tensor([r == "length" for r in batch.finish_reasons], device=dev)
     out["response_length/clip_ratio"] = global_mean(truncated, dist)
     out["batch/solve_none_or_all_share"] = global_mean(equal_score_groups(batch), dist)
+    out.update(response_token_metrics(batch, dist))
     return out
+
+
+def response_token_metrics(batch: RolloutBatch, dist: DistContext) -> dict[str, float]:
+    """response/model_token_share: model tokens / all response tokens (1.0 single-turn; 0 with
+    no response token), and response_length/with_tool_tokens/mean: response tokens per response,
+    tool and user tokens included. Both over all ranks, from one reduce."""
+    model_1 = batch.mask_BT.double().sum().reshape(1)
+    host_2 = torch.tensor([float(sum(map(len, batch.responses))), float(len(batch))], dtype=torch.float64)
+    model, tokens, count = dist.all_reduce(torch.cat([model_1, host_2.to(model_1.device)])).tolist()
+    return {
+        "response/model_token_share": model / max(tokens, 1.0),
+        "response_length/with_tool_tokens/mean": tokens / max(count, 1.0),
+    }
 
 
 def equal_score_groups(batch: RolloutBatch) -> torch.Tensor:
@@ -66,9 +87,11 @@ def perf_metrics(
 
     generated: this rank's response tokens generated in the step, over every prompt batch drawn
     (dynamic sampling drops some); None = the trained batch's. Generation throughput counts them.
+    Response tokens are model tokens (the mask's sum); total tokens are what the forwards run
+    over (prompts and every response token, tool tokens included): the same for single-turn.
     """
     resp_tokens = float(batch.mask_BT.sum())
-    all_tokens = resp_tokens + sum(len(p) for p in batch.prompts)
+    all_tokens = float(sum(batch.seq_lens()))
     gen_tokens = resp_tokens if generated is None else float(generated)
     totals = dist.all_reduce(
         torch.tensor([resp_tokens, all_tokens, gen_tokens], dtype=torch.float64, device=dist.device)
