@@ -50,6 +50,7 @@ class RolloutBatch:
     mask_BT: torch.Tensor
     records: list = field(default_factory=list)  # the PromptRecord of each sequence
     finish_reasons: list[str] = field(default_factory=list)
+    trajectories: list = field(default_factory=list)  # the agent loops' Trajectory of each sequence
     rollout_log_probs_BT: torch.Tensor | None = None
     scores_B: torch.Tensor | None = None
     token_scores_BT: torch.Tensor | None = None
@@ -83,6 +84,7 @@ class RolloutBatch:
             responses=[self.responses[i] for i in idx],
             records=[self.records[i] for i in idx] if self.records else [],
             finish_reasons=[self.finish_reasons[i] for i in idx] if self.finish_reasons else [],
+            trajectories=[self.trajectories[i] for i in idx] if self.trajectories else [],
             **{k: v[on_device[v.device]] for k, v in tensors.items()},
         )
 
@@ -219,6 +221,7 @@ def concat(batches: list[RolloutBatch]) -> RolloutBatch:
         responses=[r for b in batches for r in b.responses],
         records=[rec for b in batches for rec in b.records],
         finish_reasons=[f for b in batches for f in b.finish_reasons],
+        trajectories=[t for b in batches for t in b.trajectories],
         **{k: torch.cat([_to_width(getattr(b, k), width) for b in batches]) for k in names},
     )
 

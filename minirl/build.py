@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from minirl.agent.loop import AgentRollout
 from minirl.batch import MicroBatching
 from minirl.config.load import Config, to_toml
 from minirl.critic import Critic, critic_only, needs_values, resolved
@@ -94,18 +95,24 @@ def log_prob_micro(section) -> MicroBatching:
     return MicroBatching(size, s.log_prob_use_dynamic_bsz, s.log_prob_max_token_len_per_gpu)
 
 
-def train_loader(data_cfg, tokenizer, dist: DistContext) -> PromptLoader:
-    """This rank's shard of the training prompts (whole groups per rank)."""
-    records = load_prompts(data_cfg.train_files, tokenizer, data_cfg)
+def agent_rollout(pm, cfg: Config, tokenizer) -> AgentRollout:
+    """The agent loops and tools (rollout.agent, rollout.multi_turn) every rollout runs through."""
+    return AgentRollout(cfg.rollout, pm["agent_loops"], pm["tools"], tokenizer)
+
+
+def train_loader(data_cfg, tokenizer, dist: DistContext, tools_for=None) -> PromptLoader:
+    """This rank's shard of the training prompts (whole groups per rank); tools_for(agent_name):
+    the tool schemas a row's prompt shows (AgentRollout.tool_schemas)."""
+    records = load_prompts(data_cfg.train_files, tokenizer, data_cfg, tools_for)
     loader = PromptLoader(records, data_cfg.train_batch_size, data_cfg.shuffle, data_cfg.seed)
     return loader.shard(dist.dp_rank, dist.dp_size)
 
 
-def val_set(trainer_cfg, data_cfg, tokenizer, dist: DistContext) -> ValSet | None:
+def val_set(trainer_cfg, data_cfg, tokenizer, dist: DistContext, tools_for=None) -> ValSet | None:
     """The validation prompts (data.val_files, validated up front), or None when the run never validates."""
     if not (trainer_cfg.val_before_train or trainer_cfg.test_freq > 0):
         return None
-    return load_val_set(data_cfg, tokenizer, dist)
+    return load_val_set(data_cfg, tokenizer, dist, tools_for)
 
 
 def total_steps(trainer_cfg, steps_per_epoch: int) -> int:

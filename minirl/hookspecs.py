@@ -12,8 +12,8 @@ import pluggy
 import torch
 
 from minirl.protocols import (
-    AgentLoopFactory,
     AdvantageEstimator,
+    AgentLoopFactory,
     EngineFactory,
     KLEstimator,
     Launcher,

@@ -272,7 +272,8 @@ class Tool(Protocol):
     """A function the model may call. `schema` is the OpenAI function schema that the chat template
     shows the model ({"type": "function", "function": {"name", "description", "parameters"}});
     `name` is schema["function"]["name"]. Calling returns the tool message's text (or an awaitable
-    of it); raising ToolError (or any exception) becomes an error message the model sees.
+    of it); raising minirl.agent.tools.ToolError (or any exception) becomes an error message the
+    model sees.
     `timeout_s` bounds one call's wall-clock time."""
 
     name: str
@@ -308,7 +309,7 @@ class Trajectory:
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)  # None: the engine returned none
     finish_reason: str = "stop"
     num_turns: int = 1  # assistant turns
     messages: list[dict] = field(default_factory=list)

@@ -16,11 +16,12 @@ import torch
 from tqdm import tqdm
 
 from minirl import build
+from minirl.agent.loop import final_turn_ids, reward_view, to_samples
 from minirl.algo import dynamic_sampling
 from minirl.algo.guard import NonFiniteGuard
 from minirl.algo.kl_control import apply_kl_in_reward, build_kl_controller
 from minirl.algo.rollout_corr import require_rollout_log_probs, rollout_log_probs_BT
-from minirl.batch import RolloutBatch, response_mask
+from minirl.batch import RolloutBatch, trajectory_mask
 from minirl.checkpoint import state as ckpt_state
 from minirl.checkpoint import training as ckpt_training
 from minirl.checkpoint.hf import save_hf_checkpoint
@@ -39,7 +40,7 @@ from minirl.observe.evaluate import validate
 from minirl.observe.metrics import PhaseTimer, summary_table
 from minirl.observe.runs.read import METRICS_FILE, read_metrics
 from minirl.observe.step_metrics import data_metrics, engine_metrics, perf_metrics, value_metrics
-from minirl.protocols import AdvantageInputs, SamplingParams
+from minirl.protocols import AdvantageInputs, Completion, SamplingParams
 from minirl.reward.manager import build_reward_manager, place_scores
 from minirl.reward.metrics import reward_metrics
 from minirl.reward.overlong import overlong_penalty
@@ -53,7 +54,8 @@ class Trainer:
         self.cfg, self.pm, self.dist = cfg, pm, dist
         torch.manual_seed(cfg.trainer.seed + dist.dp_rank)  # sp ranks share a batch: same draws
         self.tokenizer, self.actor, self.ref = build.models(pm, cfg, dist)
-        self.loader = build.train_loader(cfg.data, self.tokenizer, dist)
+        self.agents = build.agent_rollout(pm, cfg, self.tokenizer)  # before the data: prompts show the tools
+        self.loader = build.train_loader(cfg.data, self.tokenizer, dist, self.agents.tool_schemas)
         self.total_steps = build.total_steps(cfg.trainer, self.loader.steps_per_epoch)
         self.optimizer, self.scheduler = assembly.build_optimizer(pm, self.actor, cfg.actor.optim, self.total_steps)
         self.estimator = pm["advantage_estimators"].get(cfg.algorithm.adv_estimator)
@@ -72,7 +74,7 @@ class Trainer:
         self.actor_update = build.actor_update(cfg, self.actor, self.optimizer, losses, dist, self.on_policy)
         self.old_micro, self.ref_micro = build.log_prob_micro(cfg.rollout), build.log_prob_micro(cfg.ref)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
-        self.val = build.val_set(cfg.trainer, cfg.data, self.tokenizer, dist)
+        self.val = build.val_set(cfg.trainer, cfg.data, self.tokenizer, dist, self.agents.tool_schemas)
         self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_steps, verbose=dist.is_main)
         self.history: list[dict[str, float]] = []
         self.state = self._training_state()
@@ -99,6 +101,7 @@ class Trainer:
             return self._fit()
         finally:  # normal end, an exception, or Stopped: the reward workers never outlive the run
             self.rewards.close()
+            self.agents.close()
 
     def _fit(self) -> list[dict[str, float]]:
         t = self.cfg.trainer
@@ -182,15 +185,11 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Greedy generation on the validation prompts (KV cache resumed and released around it)."""
-        free = self.cfg.rollout.free_cache_engine
-        if free:
-            self.engine.resume_memory()
-        metrics = validate(
-            self.engine, self.rewards, self.tokenizer, self.val, self.cfg.data.max_response_length, self.dist
-        )
-        if free:
-            self.engine.release_memory()
-        return metrics
+
+        def rollout(records, params):
+            return self.run_agents(records, list(range(len(records))), params, prefix="val-")
+
+        return validate(rollout, self.rewards, self.tokenizer, self.val, self.cfg.data.max_response_length, self.dist)
 
     def train_step(self, records, step: int) -> dict[str, float]:
         timer = PhaseTimer(self.dist.device)
@@ -250,9 +249,11 @@ class Trainer:
         return batch, metrics, sum(generated)
 
     def generate(self, records, step: int) -> RolloutBatch:
+        """The step's trajectories: rollout.n samples of every prompt, each through its row's agent
+        loop (single_turn by default: one turn, exactly the batch generate()'s tokens)."""
         r, n = self.cfg.rollout, self.cfg.rollout.n
         params = SamplingParams(
-            n=n,
+            n=1,
             temperature=r.temperature if r.do_sample else 0.0,
             top_k=r.top_k,
             top_p=r.top_p,
@@ -260,36 +261,49 @@ class Trainer:
             ignore_eos=r.ignore_eos,
             seed=self.cfg.trainer.seed * 1_000_003 + step * 1009 + self.dist.dp_rank,
         )
-        if r.free_cache_engine:
-            self.engine.resume_memory()
-        completions = self.dist.sp_broadcast(self.engine.generate([rec.prompt_ids for rec in records], params))
-        if r.free_cache_engine:
-            self.engine.release_memory()
         first_uid = (step * self.dist.dp_size + self.dist.dp_rank) * len(records)
         expanded, uids = expand_groups(records, n, first_uid)
-        responses = [c.token_ids for c in completions]
+        trajectories = self.run_agents(expanded, uids, params)
+        responses = [t.response_ids for t in trajectories]
         batch = RolloutBatch(
-            prompts=[rec.prompt_ids for rec in expanded],
+            prompts=[t.prompt_ids for t in trajectories],
             responses=responses,
             group_B=torch.tensor(uids, dtype=torch.long),
-            mask_BT=response_mask(responses, self.dist.device),
+            mask_BT=trajectory_mask([t.response_mask for t in trajectories], self.dist.device),
             records=expanded,
-            finish_reasons=[c.finish_reason for c in completions],
+            finish_reasons=[t.finish_reason for t in trajectories],
+            trajectories=trajectories,
         )
         if r.calculate_log_probs:
+            completions = [Completion(t.response_ids, t.logprobs) for t in trajectories]
             batch.rollout_log_probs_BT = rollout_log_probs_BT(completions, batch.mask_BT, r.name)
             require_rollout_log_probs(batch.rollout_log_probs_BT, self.cfg.actor.tis_imp_ratio_cap, r.name)
         return batch
 
+    def run_agents(self, records, uids: list[int], params: SamplingParams, prefix: str = "") -> list:
+        """One Trajectory per (expanded) record, through the engine's request level; the KV cache
+        is resumed and released around it (rollout.free_cache_engine)."""
+        free = self.cfg.rollout.free_cache_engine
+        if free:
+            self.engine.resume_memory()
+        samples = to_samples(records, uids, params, prefix)
+        trajectories = self.agents.run(self.engine, samples, [rec.agent_name for rec in records])
+        if free:
+            self.engine.release_memory()
+        return self.dist.sp_broadcast(trajectories)
+
     def score(self, batch: RolloutBatch) -> dict[str, float]:
-        texts = self.tokenizer.batch_decode(batch.responses, skip_special_tokens=True)
-        result = self.rewards.score(batch.records, texts)
-        lens = [len(r) for r in batch.responses]
+        """Reward of each sample's final turn (verl's solution_str); the trajectory too, for a
+        reward function that takes one. Lengths for the overlong rule count model tokens."""
+        finals = [final_turn_ids(t) for t in batch.trajectories]
+        texts = self.tokenizer.batch_decode(finals, skip_special_tokens=True)
+        result = self.rewards.score(batch.records, texts, [reward_view(t) for t in batch.trajectories])
+        lens = batch.mask_BT.sum(-1).long().tolist()
         buffer = self.cfg.reward.overlong_buffer
         penalty_B = overlong_penalty(lens, self.cfg.data.max_response_length, buffer).to(self.dist.device)
         scores_B = torch.tensor(result.scores, dtype=torch.float32, device=self.dist.device) + penalty_B
         batch.scores_B = scores_B
-        batch.token_scores_BT = place_scores(scores_B, lens, batch.mask_BT.shape[1])
+        batch.token_scores_BT = place_scores(scores_B, batch.mask_BT)
         return reward_metrics(result, penalty_B if buffer.enable else None, self.dist)
 
     def log_probs(self, model, micro, batch: RolloutBatch) -> torch.Tensor:

@@ -97,7 +97,7 @@ class MultiTurnConfig:
     max_user_turns: Optional[int] = None  # stop after this many tool/user messages
     max_parallel_calls: int = 1  # tool calls run per turn (concurrently); the rest get an error message
     max_tool_response_length: int = 256  # characters of one tool result the model sees
-    tool_response_truncate_side: str = "middle"  # left: cut the head (keep the tail), right: cut the tail, middle: keep both ends
+    tool_response_truncate_side: str = "middle"  # left: keep the tail, right: keep the head, middle: both ends
     tool_config_path: str = ""  # YAML or JSON file in verl's shape: tools: [{class_name, config, tool_schema}]
     format: str = "hermes"  # tool-call format: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
 

@@ -7,8 +7,8 @@ data file should never surface as a bare traceback from deep inside the trainer.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -38,6 +38,8 @@ class PromptRecord:
     source: str
     index: int
     ability: str = ""
+    agent_name: str = ""  # the row's agent_name column: its agent loop ("": rollout.agent.default_agent_loop)
+    messages: list = field(default_factory=list)  # the prompt's chat messages, for agent loops
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,7 +65,7 @@ def _read_columns(path: str, prompt_key: str) -> dict[str, list]:
             hint = " (set data.prompt_key to the prompt column)" if name == prompt_key else ""
             raise DataError(f"{path}: missing column {name!r}{hint}; columns present: {table.column_names}")
     cols = {c: _column(table, c, path) for c in (*REQUIRED_COLUMNS, prompt_key)}
-    for optional in ("ability", "extra_info"):
+    for optional in ("ability", "extra_info", "agent_name"):
         present = optional in table.column_names
         cols[optional] = _column(table, optional, path) if present else [None] * table.num_rows
     return cols
@@ -103,8 +105,8 @@ def _check_messages(messages: Any, where: str, key: str) -> list[dict]:
     return messages
 
 
-def _check_row(cols: dict[str, list], row: int, where: str, key: str) -> tuple[list, str, Any, dict, str]:
-    """Validate one row; returns (messages, data_source, ground_truth, extra_info, ability)."""
+def _check_row(cols: dict[str, list], row: int, where: str, key: str) -> tuple[list, str, Any, dict, str, str]:
+    """Validate one row; returns (messages, data_source, ground_truth, extra_info, ability, agent_name)."""
     source = cols["data_source"][row]
     if not isinstance(source, str) or not source:
         rule = f"must be a non-empty string (it picks the reward function), got {source!r}"
@@ -121,7 +123,10 @@ def _check_row(cols: dict[str, list], row: int, where: str, key: str) -> tuple[l
     ability = cols["ability"][row]
     if ability is not None and not isinstance(ability, str):
         raise _bad_field(where, "ability", f"must be a string, got {type(ability).__name__}")
-    return messages, source, reward_model["ground_truth"], extra or {}, ability or ""
+    agent = cols["agent_name"][row]
+    if agent is not None and not isinstance(agent, str):
+        raise _bad_field(where, "agent_name", f"must be a string naming an agent loop, got {type(agent).__name__}")
+    return messages, source, reward_model["ground_truth"], extra or {}, ability or "", agent or ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,12 +134,14 @@ def _check_row(cols: dict[str, list], row: int, where: str, key: str) -> tuple[l
 # ---------------------------------------------------------------------------------------------
 
 
-def render_prompt(tokenizer: Any, messages: list[dict], where: str) -> list[int]:
+def render_prompt(tokenizer: Any, messages: list[dict], where: str, tools: list[dict] | None = None) -> list[int]:
     """Chat template -> text -> ids. Rendering to text first sidesteps transformers 5, whose
     apply_chat_template(tokenize=True) returns a BatchEncoding instead of a list of ids; the
-    template already holds the special tokens, so encode() must not add them again."""
+    template already holds the special tokens, so encode() must not add them again. tools: the
+    tool schemas the template shows the model (multi-turn rows), None for none."""
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        kwargs = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     except Exception as exc:
         raise DataError(
             f"{where}: the tokenizer's chat template failed ({type(exc).__name__}: {exc}); use a "
@@ -164,9 +171,12 @@ def _fit_length(ids: list[int], limit: int, mode: str, where: str) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_prompts(files: list[str], tokenizer: Any, cfg: DataConfig) -> list[PromptRecord]:
+def load_prompts(
+    files: list[str], tokenizer: Any, cfg: DataConfig, tools_for: Callable[[str], list[dict]] | None = None
+) -> list[PromptRecord]:
     """Read verl-schema parquet files into tokenized prompts, in file and row order; a prompt
-    longer than data.max_prompt_length is dropped or cut as docs/algorithms.md §8 says."""
+    longer than data.max_prompt_length is dropped or cut as docs/algorithms.md §8 says.
+    tools_for(agent_name): the tool schemas a row's prompt shows (None: no tools)."""
     assert files, "the validation pass refuses an empty data.train_files (or data.val_files when used)"
     key = cfg.prompt_key
     records, dropped, n_rows, n_cut = [], [], 0, 0
@@ -174,8 +184,8 @@ def load_prompts(files: list[str], tokenizer: Any, cfg: DataConfig) -> list[Prom
         cols = _read_columns(str(path), key)
         for row in range(len(cols["data_source"])):
             where = f"{path}:{row}"
-            messages, source, truth, extra, ability = _check_row(cols, row, where, key)
-            ids = render_prompt(tokenizer, messages, where)
+            messages, source, truth, extra, ability, agent = _check_row(cols, row, where, key)
+            ids = render_prompt(tokenizer, messages, where, tools_for(agent) if tools_for else None)
             if not ids:
                 raise _bad_field(where, key, "renders to zero tokens; check the messages")
             n_rows += 1
@@ -185,7 +195,7 @@ def load_prompts(files: list[str], tokenizer: Any, cfg: DataConfig) -> list[Prom
                     continue
                 ids = _fit_length(ids, cfg.max_prompt_length, cfg.truncation, where)
                 n_cut += 1
-            records.append(PromptRecord(ids, source, truth, extra, where, len(records), ability))
+            records.append(PromptRecord(ids, source, truth, extra, where, len(records), ability, agent, messages))
     _report(n_rows, dropped, n_cut, files, cfg)
     return records
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minirl.agent.loop import final_turn_ids, reward_view
 from minirl.data.prompts import PromptRecord, load_prompts
 from minirl.dist.context import DistContext
 from minirl.protocols import SamplingParams
@@ -22,18 +23,20 @@ class ValSet:
     sources: list[str]  # every data_source of the whole set, the same list on every rank
 
 
-def load_val_set(data_cfg, tokenizer, dist: DistContext) -> ValSet:
-    records = load_prompts(data_cfg.val_files, tokenizer, data_cfg)
+def load_val_set(data_cfg, tokenizer, dist: DistContext, tools_for=None) -> ValSet:
+    records = load_prompts(data_cfg.val_files, tokenizer, data_cfg, tools_for)
     sources = sorted({r.data_source for r in records})
     return ValSet(records[dist.dp_rank :: dist.dp_size], sources)
 
 
-def validate(engine, rewards, tokenizer, val: ValSet, max_new_tokens: int, dist: DistContext) -> dict[str, float]:
-    """val/score/mean over all ranks, plus val/<data_source>/score/mean when there are several."""
+def validate(rollout, rewards, tokenizer, val: ValSet, max_new_tokens: int, dist: DistContext) -> dict[str, float]:
+    """val/score/mean over all ranks, plus val/<data_source>/score/mean when there are several.
+    rollout(records, params) -> one Trajectory per record (each row's agent loop, greedy)."""
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
-    completions = engine.generate([r.prompt_ids for r in val.records], params) if val.records else []
-    texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-    scores = rewards.score(val.records, texts).scores if val.records else []
+    trajectories = rollout(val.records, params) if val.records else []
+    texts = tokenizer.batch_decode([final_turn_ids(t) for t in trajectories], skip_special_tokens=True)
+    views = [reward_view(t) for t in trajectories]
+    scores = rewards.score(val.records, texts, views).scores if val.records else []
     pairs = [(sum(scores), len(scores))]
     for src in val.sources:
         mine = [s for s, r in zip(scores, val.records) if r.data_source == src]

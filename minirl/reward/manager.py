@@ -65,11 +65,19 @@ class RewardManager:
                     f"register a function for it with the minirl_reward_functions hook"
                 )
 
-    def score(self, records: Sequence[Any], responses_text: Sequence[str]) -> RewardResult:
-        """Score response i against records[i] (records already expanded n times per prompt)."""
+    def score(
+        self, records: Sequence[Any], responses_text: Sequence[str], trajectories: Sequence[Any] | None = None
+    ) -> RewardResult:
+        """Score response i against records[i] (records already expanded n times per prompt).
+        trajectories[i]: what a reward function that takes `trajectory` sees of a multi-turn
+        sample (None for a single turn)."""
         assert len(records) == len(responses_text), f"{len(records)} records but {len(responses_text)} responses"
         self._check_sources(records)
-        rows = [Row(r.data_source, text, r.ground_truth, r.extra_info) for r, text in zip(records, responses_text)]
+        trajectories = trajectories or [None] * len(records)
+        rows = [
+            Row(r.data_source, text, r.ground_truth, r.extra_info, traj)
+            for r, text, traj in zip(records, responses_text, trajectories)
+        ]
         outcomes = [o for call in self._run(self._calls(rows)) for o in call]
         result = RewardResult(scores=[])
         for rec, outcome in zip(records, outcomes):

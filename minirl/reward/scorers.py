@@ -10,6 +10,8 @@ a UserError.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ class Row:
     text: str
     ground_truth: Any
     extra_info: Any
+    trajectory: Any = None  # multi-turn: {"messages", "num_turns", "finish_reason"}; None: single turn
 
 
 @dataclass
@@ -91,9 +94,13 @@ class Scorers:
                     solution_str=row.text,
                     ground_truth=row.ground_truth,
                     extra_info=row.extra_info,
+                    **_trajectory_kwarg(self.custom, "trajectory", row.trajectory),
                 )
             else:
-                value = self.registry.get(row.data_source)(row.text, row.ground_truth, row.extra_info)
+                fn = self.registry.get(row.data_source)
+                value = fn(
+                    row.text, row.ground_truth, row.extra_info, **_trajectory_kwarg(fn, "trajectory", row.trajectory)
+                )
         except Exception as exc:  # a broken reward function or row must not stop training
             return Outcome(failure="error", detail=describe(exc))
         return outcome_of(value)
@@ -105,6 +112,7 @@ class Scorers:
                 solution_strs=[r.text for r in rows],
                 ground_truths=[r.ground_truth for r in rows],
                 extra_infos=[r.extra_info for r in rows],
+                **_trajectory_kwarg(self.custom, "trajectories", [r.trajectory for r in rows]),
             )
         except Exception as exc:
             return [Outcome(failure="error", detail=describe(exc)) for _ in rows]
@@ -116,6 +124,22 @@ class Scorers:
                 "list with one score per response, in order"
             )
         return [outcome_of(v) for v in values]
+
+
+def _trajectory_kwarg(fn: Any, name: str, value: Any) -> dict:
+    """{name: value} when fn takes that keyword (or **kwargs) and there is a trajectory: a reward
+    function opts into seeing multi-turn trajectories by declaring the argument."""
+    present = value is not None and (not isinstance(value, list) or any(v is not None for v in value))
+    return {name: value} if present and _takes(fn, name) else {}
+
+
+@functools.lru_cache(maxsize=256)
+def _takes(fn: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 @dataclass(frozen=True)

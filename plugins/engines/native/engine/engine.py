@@ -96,6 +96,8 @@ class NativeEngine:
             else:
                 self.pending = None
                 self._postprocess(pending)
+                if not self.has_work():
+                    self._end_period()
             return self._take_finished()
         if batch is None and pending is None:
             scheduler.check_progress()
@@ -107,6 +109,8 @@ class NativeEngine:
         self.pending = result
         if pending is not None:
             self._postprocess(pending)
+        if not self.has_work():
+            self._end_period()
         return self._take_finished()
 
     def has_work(self) -> bool:
@@ -140,18 +144,7 @@ class NativeEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """params.n samples per prompt, prompt-major; log-probs of the sampled tokens."""
         self._validate(prompts, params)
-        self._ensure_scheduler()
-        captures = dict(self.runner.capture_stats)
-        self._host_wait, preemptions = 0.0, self.scheduler.num_preemptions
-        completions = generate_batch(self, prompts, params)
-        self.last_stats = {
-            "preemptions": self.scheduler.num_preemptions - preemptions,
-            "host_wait_s": self._host_wait,
-            "kv_resume_s": self._resume_s,
-            **{k: v - captures[k] for k, v in self.runner.capture_stats.items()},
-        }
-        self._resume_s = 0.0
-        return completions
+        return generate_batch(self, prompts, params)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy weights in place by Hugging Face name; captured graphs stay valid."""
@@ -273,6 +266,25 @@ class NativeEngine:
             self.scheduler = Scheduler(
                 blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.cfg.decode_steps
             )
+        if not self.has_work():  # a busy period starts: last_stats will count it
+            self._period = (
+                dict(self.runner.capture_stats),
+                self.scheduler.num_preemptions,
+                self.scheduler.num_evictions,
+            )
+            self._host_wait = 0.0
+
+    def _end_period(self) -> None:
+        """last_stats: the busy period that just ended (a generate, or an agent rollout)."""
+        captures, preemptions, evictions = self._period
+        self.last_stats = {
+            "preemptions": self.scheduler.num_preemptions - preemptions,
+            "kv_evictions": self.scheduler.num_evictions - evictions,
+            "host_wait_s": self._host_wait,
+            "kv_resume_s": self._resume_s,
+            **{k: v - captures[k] for k, v in self.runner.capture_stats.items()},
+        }
+        self._resume_s = 0.0
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)

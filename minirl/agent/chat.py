@@ -1,0 +1,80 @@
+"""Token ids for the messages an agent loop appends (tool results, user turns), each tokenized once.
+
+The trajectory is never rebuilt by re-tokenizing text: the model's tokens stay exactly as sampled,
+and only the new messages are rendered, as the suffix the chat template adds after an assistant
+turn. The suffix is found by rendering a fixed conversation with and without them; it starts
+right after the assistant's content, so the template's turn separator (Qwen's "\n" after
+<|im_end|>, which verl's agent loop lost: verl#6501) is part of it. The piece of it the model
+already sampled (the end-of-turn token it stopped on) is not repeated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minirl.errors import UserError
+
+_USER, _ASSISTANT = "minirl-user-0", "minirl-assistant-0"  # placeholder contents of the fixed conversation
+
+
+class ChatTokens:
+    """The tokenizer's view an agent loop needs: decode turns, encode appended messages."""
+
+    def __init__(self, tokenizer: Any, call_close: str = "</tool_call>"):
+        self.tokenizer = tokenizer
+        self.stop_ids = tuple(_single_tokens_ending_with(tokenizer, call_close))
+        self._suffixes: dict[tuple[tuple[str, str], ...], str] = {}  # rendered once per distinct message list
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def decode_text(self, ids: list[int]) -> str:
+        """Without special tokens: what a reward function reads."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def append_ids(self, messages: list[dict], last_token: int | None) -> list[int]:
+        """Token ids of `messages` (tool or user messages) after an assistant turn that ended on
+        last_token, up to and including the next assistant turn's generation prompt."""
+        suffix = self._suffix(tuple((m["role"], m["content"]) for m in messages))
+        if last_token is not None:
+            ended = self.tokenizer.decode([last_token], skip_special_tokens=False)
+            if ended and suffix.startswith(ended):  # the model already sampled the end of its turn
+                suffix = suffix[len(ended) :]
+        return list(self.tokenizer.encode(suffix, add_special_tokens=False))
+
+    def _suffix(self, messages: tuple[tuple[str, str], ...]) -> str:
+        if messages not in self._suffixes:
+            if len(self._suffixes) > 4096:
+                self._suffixes.clear()
+            self._suffixes[messages] = self._render_suffix(messages)
+        return self._suffixes[messages]
+
+    def _render_suffix(self, messages: tuple[tuple[str, str], ...]) -> str:
+        base = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
+        added = [{"role": role, "content": content} for role, content in messages]
+        before = self._render(base, generation_prompt=False)
+        after = self._render(base + added, generation_prompt=True)
+        cut = before.rfind(_ASSISTANT)
+        if cut < 0 or after[: cut + len(_ASSISTANT)] != before[: cut + len(_ASSISTANT)]:
+            raise UserError(
+                "the tokenizer's chat template renders earlier turns differently once tool or user messages "
+                "follow them, so appended messages cannot be tokenized on their own (token in, token out); "
+                "use a chat template that keeps the conversation's prefix (model.tokenizer)"
+            )
+        return after[cut + len(_ASSISTANT) :]
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as exc:
+            raise UserError(
+                f"the tokenizer's chat template cannot render {[m['role'] for m in messages]} "
+                f"({type(exc).__name__}: {exc}); multi-turn rollouts need a template with tool messages"
+            ) from exc
+
+
+def _single_tokens_ending_with(tokenizer: Any, text: str) -> list[int]:
+    """Ids of the added tokens whose text ends with `text` (Qwen's </tool_call> is one): a turn
+    stops there, since the model has nothing to add after a complete call but its end token."""
+    added = getattr(tokenizer, "get_added_vocab", lambda: {})()
+    return sorted(i for tok, i in added.items() if tok.endswith(text))
