@@ -39,7 +39,7 @@ from minirl.models import assembly
 from minirl.observe.evaluate import validate
 from minirl.observe.metrics import PhaseTimer, summary_table
 from minirl.observe.runs.read import METRICS_FILE, read_metrics
-from minirl.observe.step_metrics import data_metrics, engine_metrics, perf_metrics, value_metrics
+from minirl.observe.step_metrics import agent_metrics, data_metrics, engine_metrics, perf_metrics, value_metrics
 from minirl.protocols import AdvantageInputs, Completion, SamplingParams
 from minirl.reward.manager import build_reward_manager, place_scores
 from minirl.reward.metrics import reward_metrics
@@ -217,6 +217,8 @@ class Trainer:
                 self.sync_weights()
         metrics = {**reward_metrics, **adv_metrics, **critic_metrics, **actor_metrics, **timer.metrics()}
         metrics.update(data_metrics(batch, self.dist))
+        if self.cfg.rollout.multi_turn.enable:
+            metrics.update(agent_metrics(batch.trajectories, self.dist))
         metrics.update(engine_metrics(self.engine, self.dist))
         metrics.update(perf_metrics(batch, timer.seconds, self.actor, self.cfg, self.dist, generated))
         return metrics
@@ -236,7 +238,7 @@ class Trainer:
         def gen_and_score(prompts, number: int):
             with timer.phase("gen"):
                 batch = self.generate(prompts, number)
-            generated.append(sum(len(r) for r in batch.responses))
+            generated.append(sum(t.response_mask.count(1) for t in batch.trajectories))  # the model's tokens
             with timer.phase("reward"):
                 return batch, self.score(batch)
 

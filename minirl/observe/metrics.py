@@ -82,7 +82,7 @@ _ON_POLICY = "on-policy: the update's own forward gives the old log-probs"
 SKIPPED_NOTES = {"timing_s/old_log_prob": _ON_POLICY, "perf/old_log_prob_throughput_per_gpu": _ON_POLICY}
 
 TABLE_ROWS = (
-    ("response length", "response_length/mean", "tokens", "mean generated tokens per response (to EOS)"),
+    ("response length", "response_length/mean", "tokens", "mean model tokens per response (EOS in, tool tokens out)"),
     ("generation time", "timing_s/gen", "s", ""),
     ("prev logprob time", "timing_s/old_log_prob", "s", ""),
     ("ref logprob time", "timing_s/ref", "s", ""),

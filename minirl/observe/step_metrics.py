@@ -143,3 +143,28 @@ def value_metrics(batch: RolloutBatch, dist: DistContext) -> dict[str, float]:
     out["critic/returns/mean"] = global_mean(returns_BT[mask].detach(), dist)
     out["critic/vf_explained_var"] = explained_variance(returns_BT, values_BT, batch.mask_BT, dist.all_reduce)
     return out
+
+
+def agent_metrics(trajectories: list, dist: DistContext) -> dict[str, float]:
+    """Multi-turn rollouts: agent/turns mean|max|min (model turns per sample) and each count the
+    loops report (Trajectory.metrics; tool_agent: tool_calls, tool_<status>, tool_latency_s)
+    summed over the step's samples on all ranks (keys ending in _max_s: the largest);
+    agent/tool_latency_s/mean is the mean seconds per tool call."""
+    out = reduced_stats("agent/turns", torch.tensor([float(t.num_turns) for t in trajectories]), dist)
+    keys = sorted(
+        {k for ks in dist.all_gather_objects(sorted({k for t in trajectories for k in t.metrics})) for k in ks}
+    )
+    if not keys:
+        return out
+    per_key = [[float(t.metrics.get(k, 0.0)) for t in trajectories] for k in keys]
+    biggest = [k.endswith("_max_s") for k in keys]
+    local = torch.tensor(
+        [max(v, default=0.0) if big else sum(v) for v, big in zip(per_key, biggest)], dtype=torch.float64
+    )
+    sums = dist.all_reduce(torch.where(torch.tensor(biggest), 0.0, local).to(dist.device))
+    maxes = dist.all_reduce(torch.where(torch.tensor(biggest), local, 0.0).to(dist.device), "max")
+    values = dict(zip(keys, torch.where(torch.tensor(biggest, device=dist.device), maxes, sums).tolist()))
+    out.update({f"agent/{k}": v for k, v in values.items()})
+    if values.get("tool_calls"):
+        out["agent/tool_latency_s/mean"] = values.get("tool_latency_s", 0.0) / values["tool_calls"]
+    return out

@@ -30,6 +30,7 @@ RULES = (
     options.policy_loss_problems,
     options.filter_groups_problems,
     options.kv_cache_problems,
+    options.multi_turn_problems,
 )
 
 

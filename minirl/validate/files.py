@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from minirl.errors import describe
+from minirl.errors import UserError, describe
 from minirl.validate.critic import uses_critic
 from minirl.validate.problem import Problem
 
@@ -23,7 +23,28 @@ MODEL_DIR_FIX = "point it at a local Hugging Face model directory, or leave it e
 
 
 def file_problems(cfg, pm) -> list[Problem]:
-    return [*_model(cfg.model), *_critic_model(cfg, pm), *_data(cfg, pm), *_custom_reward(cfg), *_output(cfg.trainer)]
+    return [
+        *_model(cfg.model),
+        *_critic_model(cfg, pm),
+        *_data(cfg, pm),
+        *_custom_reward(cfg),
+        *_tools(cfg, pm),
+        *_output(cfg.trainer),
+    ]
+
+
+def _tools(cfg, pm) -> list[Problem]:
+    """The tool config file loads: entries, class names, schemas (built here once, and again by the run)."""
+    mt = cfg.rollout.multi_turn
+    if not (mt.enable and mt.tool_config_path):
+        return []
+    from minirl.agent.tools import ToolSet
+
+    try:
+        ToolSet.from_config(mt, pm["tools"]).close()
+    except UserError as exc:
+        return [Problem("rollout.multi_turn.tool_config_path", mt.tool_config_path, str(exc), "fix the file")]
+    return []
 
 
 def _model(m) -> list[Problem]:

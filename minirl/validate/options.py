@@ -89,3 +89,18 @@ def kv_cache_problems(cfg: Config, pm) -> list[Problem]:
         return []
     rule, fix = f"rollout.name = {r.name!r} has no 8-bit KV cache", "use rollout.name = 'native' or 'sglang', or 'auto'"
     return [Problem("rollout.kv_cache_dtype", r.kv_cache_dtype, rule, fix)]
+
+
+def multi_turn_problems(cfg: Config, pm) -> list[Problem]:
+    """Tools need multi_turn.enable and a tool file; tool_agent needs multi_turn.enable."""
+    mt, out = cfg.rollout.multi_turn, []
+    if mt.enable and not mt.tool_config_path:
+        rule = "rollout.multi_turn.enable = true runs tools, and no tool config file is given"
+        fix = "point it at a YAML file listing the tools (examples/tools/tool_config.yaml), or set enable = false"
+        out.append(Problem("rollout.multi_turn.tool_config_path", "", rule, fix))
+    loop = cfg.rollout.agent.default_agent_loop
+    if loop == "tool_agent" and not mt.enable:
+        rule = "tool_agent calls tools, and rollout.multi_turn.enable = false loads none"
+        fix = "set rollout.multi_turn.enable = true (and tool_config_path), or use 'single_turn'"
+        out.append(Problem("rollout.agent.default_agent_loop", loop, rule, fix))
+    return out

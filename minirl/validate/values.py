@@ -10,6 +10,7 @@ import difflib
 import math
 from typing import Any, Callable
 
+from minirl.agent.parser import PARSERS
 from minirl.algo.dynamic_sampling import SEQUENCE_METRICS
 from minirl.algo.loss_agg import LOSS_AGG_MODES
 from minirl.config.load import Config
@@ -92,6 +93,20 @@ RANGES: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("rollout.gpu_memory_utilization", between(0, 1, open_lo=True), "must lie in (0, 1]", "use 0.5"),
     ("rollout.max_num_seqs", at_least(1), "must be at least 1", "use 1024"),
     ("rollout.update_weights_bucket_megabytes", at_least(1), "must be at least 1 MiB", "use 512"),
+    ("rollout.multi_turn.max_parallel_calls", at_least(1), "must be at least 1 call per turn", "use 1"),
+    ("rollout.multi_turn.max_tool_response_length", at_least(1), "must be at least 1 character", "use 256"),
+    (
+        "rollout.multi_turn.max_assistant_turns",
+        lambda v: v is None or v >= 1,
+        "must be at least 1 turn (unset: no limit)",
+        "use e.g. 5, or leave it unset",
+    ),
+    (
+        "rollout.multi_turn.max_user_turns",
+        lambda v: v is None or v >= 0,
+        "must be >= 0 tool/user messages (unset: no limit)",
+        "use e.g. 4, or leave it unset",
+    ),
     ("rollout.log_prob_micro_batch_size_per_gpu", at_least(1), "must be at least 1 sequence", "use e.g. 8"),
     ("rollout.log_prob_max_token_len_per_gpu", at_least(1), "must be at least 1 token", "use e.g. 16384"),
     ("ref.log_prob_micro_batch_size_per_gpu", at_least(1), "must be at least 1 sequence", "use e.g. 8"),
@@ -133,6 +148,8 @@ CHOICES: list[tuple[str, tuple[str, ...]]] = [
     ("trainer.device", ("auto", "cpu", "cuda")),
     ("trainer.resume_mode", ("auto", "disable", "resume_path")),
     ("reward.reward_manager", ("naive", "batch")),
+    ("rollout.multi_turn.tool_response_truncate_side", ("left", "right", "middle")),
+    ("rollout.multi_turn.format", tuple(PARSERS)),
     ("algorithm.filter_groups.metric", tuple(SEQUENCE_METRICS)),
 ]
 
@@ -166,6 +183,7 @@ def _registries(cfg: Config, pm) -> list[Problem]:
         ("actor.kl_loss_type", "kl_estimators", a.kl_loss_type, a.use_kl_loss),
         ("algorithm.kl_penalty", "kl_estimators", alg.kl_penalty, alg.use_kl_in_reward),
         ("rollout.name", "rollout_engines", cfg.rollout.name, True),
+        ("rollout.agent.default_agent_loop", "agent_loops", cfg.rollout.agent.default_agent_loop, True),
     ]
     wanted += [(f"trainer.logger[{i}]", "loggers", name, True) for i, name in enumerate(cfg.trainer.logger)]
     out = []

@@ -201,9 +201,9 @@ def test_concat_repads_token_tensors_and_joins_sequence_tensors():
 
 def test_select_and_to_carry_every_field():
     """Every tensor field of the batch (declared in RolloutBatch) goes through select and to."""
-    names = [f.name for f in dataclasses.fields(RolloutBatch) if f.name not in ("prompts", "responses", "records")]
-    names.remove("finish_reasons")
-    batch = RolloutBatch([[1], [2]], [[5, 6], [7]], torch.tensor([0, 1]), torch.ones(2, 2))
+    lists = ("prompts", "responses", "records", "finish_reasons", "trajectories")
+    names = [f.name for f in dataclasses.fields(RolloutBatch) if f.name not in lists]
+    batch = RolloutBatch([[1], [2]], [[5, 6], [7]], torch.tensor([0, 1]), torch.ones(2, 2), trajectories=["a", "b"])
     for i, name in enumerate(names):
         if getattr(batch, name) is None:
             setattr(batch, name, torch.full((2, 2), float(i)) * torch.tensor([[1.0], [2.0]]))
@@ -211,6 +211,7 @@ def test_select_and_to_carry_every_field():
     picked = batch.select([1]).to(CPU)
     for name in names:
         assert torch.equal(getattr(picked, name), getattr(batch, name)[1:]), name
+    assert picked.trajectories == ["b"]
 
 
 def test_merge_reward_metrics_sums_counts_and_averages_means():
