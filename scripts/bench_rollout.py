@@ -8,6 +8,11 @@ Model: the Qwen2-1.5B shape (DeepSeek-R1-Distill-Qwen-1.5B: 28 layers, hidden 15
 Workloads (prompts x prompt tokens x new tokens): w1 = 128 x 256 x 512, w2 = 512 x 256 x 2048,
 w3 = 256 x 100 x 1024 (the generation of the 32 x 8 x 1,024 training workload of docs/benchmarks.md).
 
+Multi-turn (--multi-turn): 256 samples x 3 assistant turns x 256 tokens with 64-token tool replies
+between the turns, through the agent-loop path (minirl.agent: one loop per sample, the engine
+keeping each conversation's KV cache), against one 768-token turn per sample (the same model
+tokens, the same path); reported: model tokens per second of each and their ratio.
+
 Decode roofline: every decode step must read all weights it multiplies with (every parameter
 except the input embedding table, of which it reads one row per sequence) plus the live KV cache
 of every row; those bytes over 4.28 TB/s (H200 HBM, measured copy bandwidth) give the step's
@@ -159,6 +164,74 @@ def roofline(engine, records, weight_bytes, device) -> dict:
         res["decode_device_s"] = sum(r.start.elapsed_time(r.end) for r in decode) / 1e3
         res["prefill_device_s"] = sum(r.start.elapsed_time(r.end) for r in records if r.kind == "prefill") / 1e3
     return res
+
+
+class FixedTurns:
+    """A bench agent loop: `turns` model turns of `tokens` each (EOS ignored), `tool` token ids
+    (fixed random ones, mask 0) between them, `tool_s` seconds of tool wait before each."""
+
+    def __init__(self, turns: int, tokens: int, tool: list[int], tool_s: float = 0.0):
+        self.turns, self.tokens, self.tool, self.tool_s = turns, tokens, tool, tool_s
+
+    async def run(self, ctx, sample):
+        import asyncio
+
+        from minirl.protocols import Trajectory
+
+        t = Trajectory(list(sample.prompt_ids), num_turns=0)
+        context = list(sample.prompt_ids)
+        for turn in range(self.turns):
+            out = await ctx.generate(sample, context, self.tokens)
+            t.response_ids += out.token_ids
+            t.response_mask += [1] * len(out.token_ids)
+            t.logprobs += out.logprobs
+            t.num_turns += 1
+            t.metrics["cached_tokens"] = t.metrics.get("cached_tokens", 0) + out.cached_tokens
+            context += out.token_ids
+            if turn + 1 < self.turns:
+                if self.tool_s:
+                    await ctx.server.idle(asyncio.sleep(self.tool_s))
+                t.response_ids += self.tool
+                t.response_mask += [0] * len(self.tool)
+                t.logprobs += [0.0] * len(self.tool)
+                context += self.tool
+        return t
+
+
+def run_agents(engine, prompts, loop, device) -> dict:
+    """prompts through the agent-loop path with `loop`; model tokens per second."""
+    from minirl.agent.loop import AgentRollout, Sample
+    from minirl.models.tokenizers import byte_tokenizer
+    from minirl.plugins import Registry
+
+    registry = Registry("agent_loops")
+    registry.add("bench", lambda cfg: loop, "scripts/bench_rollout.py")
+    agents = AgentRollout(RolloutConfig(), registry, None, byte_tokenizer())
+    params = SamplingParams(temperature=1.0, max_new_tokens=4096, ignore_eos=True, seed=0)
+    samples = [Sample(f"{i}/0", p, params) for i, p in enumerate(prompts)]
+    sync(device)
+    start = time.perf_counter()
+    trajectories = agents.run(engine, samples, ["bench"] * len(samples))
+    sync(device)
+    wall = time.perf_counter() - start
+    agents.close()
+    model = sum(t.response_mask.count(1) for t in trajectories)
+    cached = sum(t.metrics.get("cached_tokens", 0) for t in trajectories)
+    return {"wall_s": wall, "model_tokens": model, "tokens_per_s": model / wall, "cached_tokens": cached}
+
+
+def multi_turn(engine, config, device) -> dict:
+    """The issue's workload: 256 x 3 turns x 256 tokens, 64-token tool replies; vs one turn of 768."""
+    prompts = prompts_for(256, 100, config.vocab_size, seed=1)
+    tool = prompts_for(1, 64, config.vocab_size, seed=2)[0]
+    run_agents(engine, prompts[:8], FixedTurns(3, 4, tool), device)  # warm-up: kernels, graphs, extend path
+    single = run_agents(engine, prompts, FixedTurns(1, 768, tool), device)
+    multi = run_agents(engine, prompts, FixedTurns(3, 256, tool), device)
+    slow = run_agents(engine, prompts, FixedTurns(3, 256, tool, tool_s=0.5), device)
+    out = {"single_turn": single, "multi_turn": multi, "multi_turn_tool_0.5s": slow}
+    out["ratio"] = multi["tokens_per_s"] / single["tokens_per_s"]
+    print("multi-turn:", json.dumps(out), flush=True)
+    return out
 
 
 def run_hf(hf, prompts, new_tokens, device, full_new_tokens=None) -> dict:
@@ -370,6 +443,7 @@ def main() -> int:
         "--micro-shapes", default="128x512,512x1280", help="batch x context of each --micro table and --sweep-attention"
     )
     p.add_argument("--sweep-attention", action="store_true", help="time decode attention launch settings")
+    p.add_argument("--multi-turn", action="store_true", help="also the multi-turn agent workload")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     device = torch.device(args.device)
@@ -407,6 +481,8 @@ def main() -> int:
             res["hf"] = run_hf(hf, prompts, hf_new, device, full_new_tokens=new)
             print(name, "hf", res["hf"], flush=True)
         results[name] = res
+    if args.multi_turn:
+        results["multi_turn"] = multi_turn(engine, config, device)
     results["release"] = release_check(engine, device)
     if args.profile_kernels:
         kernel_profile(engine, prompts_for(128, 256, config.vocab_size), device, os.path.join(args.out, "kernels.txt"))
@@ -443,6 +519,15 @@ def print_table(r: dict, args) -> None:
                 f"{h['step_ms_first']:.1f} -> {h['step_ms_last']:.1f} ms); the full run extrapolated from "
                 f"step times: {h['extrapolated_wall_s']:.0f} s, {h['extrapolated_tokens_per_s']:.0f} tok/s (used above)"
             )
+    if "multi_turn" in r:
+        m = r["multi_turn"]
+        for name in ("single_turn", "multi_turn", "multi_turn_tool_0.5s"):
+            x = m[name]
+            print(
+                f"{name:22} {x['model_tokens']:9d} model tokens in {x['wall_s']:6.2f} s = "
+                f"{x['tokens_per_s']:8.0f} tok/s, {x['cached_tokens']} prompt tokens reused from the KV cache"
+            )
+        print(f"multi-turn / single-turn model-token throughput: {m['ratio']:.1%}")
     if r["release"]:
         rel = r["release"]
         print(
