@@ -56,6 +56,7 @@ class Trainer:
         self.tokenizer, self.actor, self.ref = build.models(pm, cfg, dist)
         self.agents = build.agent_rollout(pm, cfg, self.tokenizer)  # before the data: prompts show the tools
         self.loader = build.train_loader(cfg.data, self.tokenizer, dist, self.agents.tool_schemas)
+        self.agents.check_rows(self.loader.records)
         self.total_steps = build.total_steps(cfg.trainer, self.loader.steps_per_epoch)
         self.optimizer, self.scheduler = assembly.build_optimizer(pm, self.actor, cfg.actor.optim, self.total_steps)
         self.estimator = pm["advantage_estimators"].get(cfg.algorithm.adv_estimator)
@@ -75,6 +76,7 @@ class Trainer:
         self.old_micro, self.ref_micro = build.log_prob_micro(cfg.rollout), build.log_prob_micro(cfg.ref)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
         self.val = build.val_set(cfg.trainer, cfg.data, self.tokenizer, dist, self.agents.tool_schemas)
+        self.agents.check_rows(self.val.records if self.val else [])
         self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_steps, verbose=dist.is_main)
         self.history: list[dict[str, float]] = []
         self.state = self._training_state()

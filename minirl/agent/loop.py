@@ -15,7 +15,7 @@ from typing import Any
 
 from minirl.agent.chat import ChatTokens
 from minirl.agent.parser import PARSERS, ToolCall
-from minirl.agent.server import EngineServer
+from minirl.agent.server import EngineServer, request_level
 from minirl.agent.tools import ToolOutcome, ToolSet
 from minirl.errors import UserError
 from minirl.protocols import RolloutEngine, SamplingParams, Trajectory, TurnOutput
@@ -55,9 +55,16 @@ class AgentContext:
         self, sample: Sample, prompt_ids: list[int], max_new_tokens: int, stop_token_ids: tuple[int, ...] = ()
     ) -> TurnOutput:
         """One model turn of this sample: prompt_ids is its whole conversation so far (the engine
-        keeps the KV of the earlier turns and prefills only what was appended)."""
+        keeps the KV of the earlier turns and prefills only what was appended). The turn gets at
+        most what is left of the response budget."""
+        used, budget = len(prompt_ids) - len(sample.prompt_ids), sample.params.max_new_tokens
+        if used >= budget:
+            raise UserError(
+                f"{sample.source}: the conversation holds {used} response tokens, the whole budget "
+                f"(data.max_response_length = {budget}); the agent loop must stop before asking for another turn"
+            )
         stops = tuple(sample.params.stop_token_ids) + tuple(stop_token_ids)
-        params = replace(sample.params, max_new_tokens=max_new_tokens, stop_token_ids=stops)
+        params = replace(sample.params, max_new_tokens=min(max_new_tokens, budget - used), stop_token_ids=stops)
         return await self.server.generate(sample.request_id, prompt_ids, params)
 
     async def call_tools(self, sample: Sample, calls: list[ToolCall]) -> list[ToolOutcome]:
@@ -87,16 +94,21 @@ class AgentRollout:
     def loop_name(self, agent_name: str) -> str:
         return agent_name or self.cfg.agent.default_agent_loop
 
+    def check_rows(self, records: list) -> None:
+        """Every row's loop is registered: a typo fails at start-up, naming the first such row."""
+        for rec in records:
+            self._loop(rec.agent_name, rec)
+
     def run(self, engine: RolloutEngine, samples: list[Sample], agent_names: list[str]) -> list[Trajectory]:
         """One trajectory per sample, in order; every request is released when it returns."""
         loops = [self._loop(name, sample) for name, sample in zip(agent_names, samples)]
-        return self.event_loop.run_until_complete(self._run_all(engine, loops, samples))
+        return self.event_loop.run_until_complete(self._run_all(request_level(engine), loops, samples))
 
     def close(self) -> None:
         self.tools.close()
         self.event_loop.close()
 
-    def _loop(self, agent_name: str, sample: Sample) -> tuple[str, Any]:
+    def _loop(self, agent_name: str, sample: Any) -> tuple[str, Any]:
         name = self.loop_name(agent_name)
         if name not in self.loops:
             if name not in self.registry:

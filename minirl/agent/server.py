@@ -12,6 +12,7 @@ are doing, and tools run in threads or processes, not on the event loop.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Awaitable, TypeVar
 
 from minirl.protocols import RolloutEngine, SamplingParams, TurnOutput
@@ -73,3 +74,87 @@ class EngineServer:
         while self.engine.has_work():
             self.engine.step()
         self.turns.clear()
+
+
+def request_level(engine) -> RolloutEngine:
+    """The engine itself when it speaks the request level, else GenerateOnly over its generate()."""
+    return engine if hasattr(engine, "submit") else GenerateOnly(engine)
+
+
+class GenerateOnly:
+    """The request level over an engine that implements only generate() (a plugin written before
+    the request level existed). step() runs the queued turns that share the first one's sampling
+    parameters in one generate() call; the samples "X/0", "X/1", ... of one prompt queued one after
+    another go as one prompt with n, exactly as the batch rollout called generate() before. A
+    continuation is prefilled again (no KV is kept between turns); step k samples with seed + k."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.queue: list[tuple[str, list[int], SamplingParams]] = []
+        self.held: dict[str, list[int]] = {}
+        self.aborted: list[TurnOutput] = []
+        self.paused, self.steps = False, 0
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if params.n != 1:
+            raise ValueError("GenerateOnly: submit one sample per request (n = 1)")
+        held = self.held.get(request_id)
+        if held is not None and prompt_ids[: len(held)] != held:
+            raise ValueError(f"continuing request {request_id!r}: prompt_ids must start with its tokens so far")
+        self.queue.append((request_id, list(prompt_ids), params))
+
+    def step(self) -> list[TurnOutput]:
+        if self.paused:
+            raise RuntimeError("step() while paused; call continue_generation() first")
+        out, self.aborted = self.aborted, []
+        if not self.queue:
+            return out
+        params = self.queue[0][2]
+        taken = [q for q in self.queue if q[2] == params]
+        self.queue = [q for q in self.queue if q[2] != params]
+        groups = _groups(taken)
+        n = len(groups[0])
+        if any(len(g) != n for g in groups):
+            groups, n = [[q] for q in taken], 1
+        seed = None if params.seed is None else params.seed + self.steps
+        self.steps += 1
+        completions = self.engine.generate([g[0][1] for g in groups], replace(params, n=n, seed=seed))
+        for (request_id, prompt, _), c in zip([q for g in groups for q in g], completions):
+            self.held[request_id] = prompt + list(c.token_ids)
+            out.append(TurnOutput(request_id, list(c.token_ids), c.logprobs, c.finish_reason))
+        return out
+
+    def has_work(self) -> bool:
+        return bool(self.queue or self.aborted)
+
+    def abort(self, request_id: str) -> None:
+        for i, (queued, _, _) in enumerate(self.queue):
+            if queued == request_id:
+                del self.queue[i]
+                self.aborted.append(TurnOutput(request_id, [], [], "abort"))
+                return
+
+    def release(self, request_id: str) -> None:
+        self.held.pop(request_id, None)
+
+    def pause_generation(self) -> None:
+        self.paused = True
+
+    def continue_generation(self) -> None:
+        self.paused = False
+
+    def __getattr__(self, name: str):  # last_stats, load_weights, ...: the engine's own
+        return getattr(self.engine, name)
+
+
+def _groups(queued: list) -> list[list]:
+    """Consecutive samples "X/k" of one prompt, together."""
+    groups: list[list] = []
+    for q in queued:
+        last = groups[-1][-1] if groups else None
+        same = last is not None and "/" in q[0] and last[0].rsplit("/", 1)[0] == q[0].rsplit("/", 1)[0]
+        if same and last[1] == q[1]:
+            groups[-1].append(q)
+        else:
+            groups.append([q])
+    return groups

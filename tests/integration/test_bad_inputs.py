@@ -286,6 +286,26 @@ CONFIG_CASES = {
         ["algorithm.adv_estimator=gae", "critic.model.path=/no/such/model"],
         "critic.model.path = '/no/such/model'",
     ),
+    # multi-turn rollouts (docs/agents.md)
+    "agent_loop_unknown": (["rollout.agent.default_agent_loop=tool_agnt"], "default_agent_loop", "tool_agent"),
+    "tool_agent_without_multi_turn": (
+        ["rollout.agent.default_agent_loop=tool_agent"],
+        "rollout.agent.default_agent_loop = 'tool_agent'",
+        "multi_turn.enable = true",
+    ),
+    "multi_turn_without_tool_file": (["rollout.multi_turn.enable=true"], "tool_config_path", "examples/tools"),
+    "tool_file_missing": (
+        ["rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=/no/such/tools.yaml"],
+        "rollout.multi_turn.tool_config_path = '/no/such/tools.yaml'",
+    ),
+    "tool_format_unknown": (["rollout.multi_turn.format=json"], "rollout.multi_turn.format = 'json'", "hermes"),
+    "truncate_side_unknown": (
+        ["rollout.multi_turn.tool_response_truncate_side=both"],
+        "tool_response_truncate_side = 'both'",
+        "middle",
+    ),
+    "parallel_calls_zero": (["rollout.multi_turn.max_parallel_calls=0"], "max_parallel_calls = 0"),
+    "assistant_turns_zero": (["rollout.multi_turn.max_assistant_turns=0"], "max_assistant_turns = 0"),
 }
 
 
@@ -910,3 +930,21 @@ def test_nan_advantages_from_a_plugin_stop_the_run(capsys, base, plugin_dir):
         "trainer.max_nonfinite_steps=2",
     ]
     fails(capsys, argv, "step 2: 2 steps in a row", "'adv'", "trainer.max_nonfinite_steps")
+
+
+def test_tool_file_entry_errors_name_the_entry(capsys, tmp_path, base):
+    """A tool file whose entry names no registered tool: one line, the entry and the closest name."""
+    path = tmp_path / "tools.yaml"
+    path.write_text("tools:\n  - class_name: calculatr\n    config: {type: native}\n")
+    argv = base + ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={path}"]
+    fails(capsys, argv, "tools.yaml", "calculatr", "calculator")
+
+
+def test_agent_name_not_a_string_names_the_row(capsys, tmp_path, base):
+    path = write_rows(tmp_path / "d.parquet", [good_row(i, agent_name=7) for i in range(8)])
+    fails(capsys, base + [files_override(path)], "d.parquet:0", "field 'agent_name' must be a string")
+
+
+def test_unknown_agent_name_in_a_row_names_the_row(capsys, tmp_path, base):
+    path = write_rows(tmp_path / "d.parquet", [good_row(i, agent_name="tool_agnt") for i in range(8)])
+    fails(capsys, base + [files_override(path)], "d.parquet:0", "agent_name = 'tool_agnt'", "tool_agent")
