@@ -171,6 +171,7 @@ class TurnOutput:
     logprobs: list[float] | None
     finish_reason: str
     cached_tokens: int = 0
+    versions: list[int] | None = None  # per token: the engine's weight_version when it was sampled
 
 
 def sample_ids(request_id: str, n: int) -> list[str]:
@@ -312,6 +313,7 @@ class Trajectory:
     logprobs: list[float] | None = field(default_factory=list)  # None: the engine returned none
     finish_reason: str = "stop"
     num_turns: int = 1  # assistant turns
+    versions: list[int] | None = None  # per response token: the weight version that sampled it (async)
     messages: list[dict] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
 

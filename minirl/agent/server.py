@@ -51,13 +51,16 @@ class EngineServer:
         self.busy -= 1
         self.wake.set()
 
-    async def serve(self) -> None:
-        """Step the engine whenever no loop is busy and it has work; until cancelled."""
+    async def serve(self, between_steps=None) -> None:
+        """Step the engine whenever no loop is busy and it has work; until cancelled.
+        between_steps(): awaited before each step (asynchronous training loads new weights there)."""
         while True:
             if self.busy > 0 or not self.engine.has_work():
                 self.wake.clear()
                 await self.wake.wait()
                 continue
+            if between_steps is not None:
+                await between_steps()
             turns = self.engine.step()
             self.steps += 1
             for turn in turns:

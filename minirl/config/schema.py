@@ -131,6 +131,9 @@ class RolloutConfig:
     update_weights_bucket_megabytes: int = 512  # sglang: weight-sync bucket size
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    # asynchronous training (async_training.enable): the rollout ranks, apart from the trainer's
+    nnodes: int = 1
+    n_gpus_per_node: int = 0  # rollout ranks per node (on CPU: rollout processes among trainer.world_size)
 
 
 @dataclass(frozen=True)
@@ -262,6 +265,23 @@ class PluginsConfig:
     modules: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class AsyncTrainingConfig:
+    """Asynchronous off-policy training on separate rollout and trainer ranks (verl's names;
+    docs/async.md). Off by default: the collocated synchronous loop."""
+
+    enable: bool = False
+    # versions a sample may lag behind the trainer when it is trained on (its oldest token's);
+    # older ones are dropped and counted. 0: on-policy (the rollout waits for every update),
+    # 1: one-step off-policy. (verl's fully-async reads this key as a fraction of extra samples.)
+    staleness_threshold: int = 1
+    trigger_parameter_sync_step: int = 1  # trainer steps between weight syncs to the rollout ranks
+    require_batches: int = 1  # ppo mini-batches a trainer step takes (= data.train_batch_size / ppo_mini_batch_size)
+    partial_rollout: bool = True  # on a sync, in-flight requests continue with the new weights (KV kept)
+    use_rollout_log_probs: bool = True  # the behaviour policy's log-probs are the old log-probs (bypass)
+    compute_prox_log_prob: bool = False  # decoupled PPO: old = the trainer's recomputed (proximal) log-probs
+
+
 CORE_SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -274,4 +294,5 @@ CORE_SECTIONS: dict[str, type] = {
     "reward": RewardConfig,
     "custom_reward_function": CustomRewardFunctionConfig,
     "plugins": PluginsConfig,
+    "async_training": AsyncTrainingConfig,
 }

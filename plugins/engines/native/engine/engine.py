@@ -49,6 +49,7 @@ class NativeEngine:
         self.pending: StepResult | None = None  # the step in flight
         self.finished: list[TurnOutput] = []  # turns ended since the last step() returned
         self.paused = False
+        self.weight_version = 0  # stamped on every token sampled (asynchronous training sets it)
 
     def _init_weights(self, ctx: EngineContext) -> None:
         if ctx.actor is not None:
@@ -106,6 +107,7 @@ class NativeEngine:
         if batch is not None:
             run = self.runner.prefill if isinstance(batch, PrefillBatch) else self.runner.decode
             result = run(batch, self.sampler)
+            result.version = self.weight_version
         self.pending = result
         if pending is not None:
             self._postprocess(pending)
@@ -300,7 +302,7 @@ class NativeEngine:
         for seq, seq_tokens, seq_logprobs in zip(result.seqs, tokens, logprobs):
             if seq.status is not Status.RUNNING:
                 continue  # stopped in an earlier batch; these tokens were sampled past its end
-            seq.extend(seq_tokens, seq_logprobs)
+            seq.extend(seq_tokens, seq_logprobs, result.version)
             if seq.status is Status.FINISHED:
                 self.scheduler.park(seq)
                 self.finished.append(seq.to_turn())

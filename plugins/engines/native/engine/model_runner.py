@@ -38,6 +38,7 @@ class StepResult:
     tokens: torch.Tensor
     logprobs: torch.Tensor
     event: torch.cuda.Event | None = None
+    version: int = 0  # the engine's weight_version when the step ran
 
     @classmethod
     def copy_to_host(cls, seqs, tokens, logprobs) -> "StepResult":

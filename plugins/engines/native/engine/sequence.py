@@ -40,13 +40,14 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str = "length"
     reused: int = 0  # prompt tokens of this turn whose KV was kept from the earlier turns
+    versions: list[int] = field(default_factory=list)  # the engine's weight_version per output token
 
     @property
     def tokens(self) -> list[int]:
         """Everything a recompute must prefill: the prompt and the tokens read back so far."""
         return self.prompt + self.output
 
-    def extend(self, tokens: list[int], logprobs: list[float]) -> None:
+    def extend(self, tokens: list[int], logprobs: list[float], version: int = 0) -> None:
         """Record tokens read back, up to a stop token or the length limit (later ones were
         sampled past the end and are dropped); mark the sequence finished there."""
         tokens = tokens[: self.max_new_tokens - len(self.output)]
@@ -55,18 +56,20 @@ class Sequence:
             tokens = tokens[: next(i for i, t in enumerate(tokens) if t in self.stop_ids) + 1]
         self.output += tokens
         self.logprobs += logprobs[: len(tokens)]
+        self.versions += [version] * len(tokens)
         if stopped:
             self.status, self.finish_reason = Status.FINISHED, "stop"
         elif len(self.output) >= self.max_new_tokens:
             self.status, self.finish_reason = Status.FINISHED, "length"
 
     def to_turn(self) -> TurnOutput:
-        return TurnOutput(self.request_id, list(self.output), list(self.logprobs), self.finish_reason, self.reused)
+        turn = (list(self.output), list(self.logprobs), self.finish_reason, self.reused, list(self.versions))
+        return TurnOutput(self.request_id, *turn)
 
     def continue_with(self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> None:
         """The next turn: prompt (starting with self.tokens) is prefilled from num_cached on."""
         self.num_cached = min(self.num_cached, len(self.tokens) - 1)  # the last sampled token is not fed yet
-        self.prompt, self.output, self.logprobs = list(prompt), [], []
+        self.prompt, self.output, self.logprobs, self.versions = list(prompt), [], [], []
         self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
         self.num_scheduled, self.status, self.finish_reason = 0, Status.WAITING, "length"
         self.reused = self.num_cached
