@@ -14,7 +14,17 @@ def launch(cfg, pm) -> int:
 
 
 def fit(cfg, pm, dist: DistContext) -> None:
-    """The job every rank runs (module level, so spawned workers can unpickle it)."""
-    from minirl.trainer import Trainer
+    """The job every rank runs (module level, so spawned workers can unpickle it): the training
+    loop, or in an asynchronous job a rollout rank's loop or the asynchronous trainer's."""
+    if dist.role == "rollout":
+        from minirl.async_training.rollout import RolloutWorker
 
-    Trainer(cfg, pm, dist).fit()
+        RolloutWorker(cfg, pm, dist).run()
+    elif dist.role == "trainer":
+        from minirl.async_training.trainer import AsyncTrainer
+
+        AsyncTrainer(cfg, pm, dist).fit()
+    else:
+        from minirl.trainer import Trainer
+
+        Trainer(cfg, pm, dist).fit()

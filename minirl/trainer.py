@@ -62,7 +62,7 @@ class Trainer:
         self.estimator = pm["advantage_estimators"].get(cfg.algorithm.adv_estimator)
         # before the engine, whose KV cache takes a share of the memory left free (None: no gae)
         self.critic = build.critic(pm, cfg, dist, self.total_steps, self.estimator, self._print)
-        self.engine = build.engine(pm, cfg, self.actor, self.tokenizer, dist)
+        self.engine = self.build_engine()
         self.rewards = build_reward_manager(
             cfg.reward, cfg.custom_reward_function, pm["reward_functions"], cfg.plugins.modules
         )
@@ -70,7 +70,7 @@ class Trainer:
             crf = cfg.custom_reward_function
             self._print(f"reward: {crf.name}() from {crf.path} (custom_reward_function) scores every data_source")
         # the old log-probs come from the update's own forward (minirl.update.actor.on_policy)
-        self.on_policy = actor_lib.on_policy(cfg.actor, cfg.data.train_batch_size, cfg.algorithm.use_kl_in_reward)
+        self.on_policy = self.is_on_policy()
         losses = build.losses(pm, cfg.actor, self.ref)
         self.actor_update = build.actor_update(cfg, self.actor, self.optimizer, losses, dist, self.on_policy)
         self.old_micro, self.ref_micro = build.log_prob_micro(cfg.rollout), build.log_prob_micro(cfg.ref)
@@ -84,6 +84,19 @@ class Trainer:
         self.loggers = build.loggers(pm, cfg, self.run_dir, self.start_step, dist)
         # (step, greedy validation score), with those a resumed run logged before its checkpoint
         self.val_scores: list[tuple[int, float]] = _logged_val_scores(self.run_dir, self.start_step)
+
+    def build_engine(self):
+        """The rollout engine on this rank (an asynchronous trainer has none)."""
+        return build.engine(self.pm, self.cfg, self.actor, self.tokenizer, self.dist)
+
+    def is_on_policy(self) -> bool:
+        """Whether the update's own forward gives the old log-probs (minirl.update.actor.on_policy)."""
+        cfg = self.cfg
+        return actor_lib.on_policy(cfg.actor, cfg.data.train_batch_size, cfg.algorithm.use_kl_in_reward)
+
+    def next_prompts(self):
+        """The next step's prompts (an asynchronous trainer takes its batches from the rollout ranks)."""
+        return self.loader.next_batch()
 
     def _training_state(self) -> TrainingState:
         """What a checkpoint saves and a resume restores (minirl.checkpoint.training)."""
@@ -126,7 +139,7 @@ class Trainer:
         )
         with StopRequest() as stop:
             for step in range(self.start_step + 1, self.total_steps + 1):  # a resume continues the data
-                metrics = self.train_step(self.loader.next_batch(), step)
+                metrics = self.train_step(self.next_prompts(), step)
                 if self.val is not None and self._is_due(t.test_freq, step):
                     metrics.update(self.validate())
                 self._log(metrics, step)
@@ -199,7 +212,7 @@ class Trainer:
             batch, reward_metrics, generated = self.rollout(records, step, timer)
             if not self.on_policy:
                 with timer.phase("old_log_prob"):
-                    batch.old_log_probs_BT = self.log_probs(self.actor, self.old_micro, batch)
+                    batch.old_log_probs_BT = self.old_log_probs(batch)
             if self.ref is not None:
                 with timer.phase("ref"):
                     batch.ref_log_probs_BT = self.log_probs(self.ref, self.ref_micro, batch)
@@ -267,7 +280,11 @@ class Trainer:
         )
         first_uid = (step * self.dist.dp_size + self.dist.dp_rank) * len(records)
         expanded, uids = expand_groups(records, n, first_uid)
-        trajectories = self.run_agents(expanded, uids, params)
+        return self.to_batch(expanded, uids, self.run_agents(expanded, uids, params))
+
+    def to_batch(self, expanded, uids: list[int], trajectories: list) -> RolloutBatch:
+        """The RolloutBatch of a step's trajectories (mask with holes, the engine's log-probs)."""
+        r = self.cfg.rollout
         responses = [t.response_ids for t in trajectories]
         batch = RolloutBatch(
             prompts=[t.prompt_ids for t in trajectories],
@@ -309,6 +326,14 @@ class Trainer:
         batch.scores_B = scores_B
         batch.token_scores_BT = place_scores(scores_B, batch.mask_BT)
         return reward_metrics(result, penalty_B if buffer.enable else None, self.dist)
+
+    def _old_source(self) -> str:
+        return "a separate pass"
+
+    def old_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+        """The policy that generated the batch: recomputed by the trainer (an asynchronous trainer
+        may take the rollout engine's instead)."""
+        return self.log_probs(self.actor, self.old_micro, batch)
 
     def log_probs(self, model, micro, batch: RolloutBatch) -> torch.Tensor:
         """Per-token log-probs [B, T] of the responses under `model` (old or reference policy)."""
@@ -394,7 +419,7 @@ class Trainer:
         """The one line that spells out the effective batch."""
         d, a, dist = self.cfg.data, self.cfg.actor, self.dist
         minis = d.train_batch_size // a.ppo_mini_batch_size
-        old = "from the update's forward (on-policy: no prev-log-prob pass)" if self.on_policy else "a separate pass"
+        old = "from the update's forward (on-policy: no prev-log-prob pass)" if self.on_policy else self._old_source()
         return (
             f"batch: {d.train_batch_size} prompts x n={self.cfg.rollout.n} = {d.train_batch_size * self.cfg.rollout.n} "
             f"sequences/step; {minis} mini-batch(es) of {a.ppo_mini_batch_size} prompts x {a.ppo_epochs} epoch(s) = "

@@ -25,6 +25,11 @@ class DistContext:
     local_rank: int = 0
     mesh: Any = None
     sp_size: int = 1
+    # asynchronous training (docs/async.md): "trainer" or "rollout" ("collocated" otherwise); the
+    # trainer rank 0 and every rollout rank hold the link between the two groups
+    role: str = "collocated"
+    link: Any = None
+    rollout_rank: int = -1
 
     @property
     def is_main(self) -> bool:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as tdist
 
 from minirl.dist.context import DistContext, resolve_device
+from minirl.dist.link import Link
 
 
 def build_mesh(device_type: str, world: int, sp: int):
@@ -42,14 +43,40 @@ def init_from_env(cfg, device_index: int | None = None) -> DistContext:
     return init_rank(cfg, rank, world, local_rank, local_world, "env://", device_index)
 
 
+def rollout_ranks(cfg) -> int:
+    """The ranks of an asynchronous job's rollout group (0: collocated, every rank trains)."""
+    if not cfg.async_training.enable:
+        return 0
+    return cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
+
+
 def init_rank(
     cfg, rank: int, world: int, local_rank: int, local_world: int, init_method: str, device_index: int | None = None
 ) -> DistContext:
+    """Join the job. An asynchronous job's last rollout_ranks(cfg) ranks are rollout ranks: they
+    join only the link (minirl.dist.link); the others form the trainer's process group and mesh."""
     device = resolve_device(cfg.trainer.device, local_rank if device_index is None else device_index)
-    init_process_group(device, cfg.trainer.collective_timeout_s, local_world, init_method, rank, world)
+    timeout_s, rollout = cfg.trainer.collective_timeout_s, rollout_ranks(cfg)
+    if rank >= world - rollout:
+        return _rollout_rank(device, rank - (world - rollout), rollout, local_world, timeout_s)
+    world -= rollout
+    init_process_group(device, timeout_s, local_world, init_method, rank, world)
     sp = cfg.actor.ulysses_sequence_parallel_size
     mesh = build_mesh(device.type, world, sp)
-    return DistContext(device=device, rank=rank, world_size=world, local_rank=local_rank, mesh=mesh, sp_size=sp)
+    ctx = DistContext(device=device, rank=rank, world_size=world, local_rank=local_rank, mesh=mesh, sp_size=sp)
+    if rollout:
+        ctx.role = "trainer"
+        ctx.link = Link.connect(0, rollout, device, timeout_s) if rank == 0 else None
+    return ctx
+
+
+def _rollout_rank(device: torch.device, index: int, rollout: int, local_world: int, timeout_s: float) -> DistContext:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    link = Link.connect(index + 1, rollout, device, timeout_s)
+    return DistContext(device=device, role="rollout", link=link, rollout_rank=index)
 
 
 def init_process_group(

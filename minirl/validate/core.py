@@ -31,6 +31,7 @@ RULES = (
     options.filter_groups_problems,
     options.kv_cache_problems,
     options.multi_turn_problems,
+    options.async_problems,
 )
 
 

@@ -6,7 +6,7 @@ engine's KV cache. The code that reads these keys takes them as given.
 from __future__ import annotations
 
 from minirl.config.load import Config
-from minirl.validate.problem import Problem, value
+from minirl.validate.problem import Problem, rollout_world, value
 
 
 def steps_problems(cfg: Config, pm) -> list[Problem]:
@@ -103,4 +103,39 @@ def multi_turn_problems(cfg: Config, pm) -> list[Problem]:
         rule = "tool_agent calls tools, and rollout.multi_turn.enable = false loads none"
         fix = "set rollout.multi_turn.enable = true (and tool_config_path), or use 'single_turn'"
         out.append(Problem("rollout.agent.default_agent_loop", loop, rule, fix))
+    return out
+
+
+def async_problems(cfg: Config, pm) -> list[Problem]:
+    """Asynchronous training: rollout ranks besides the trainer's, whole mini-batches per step, the
+    behaviour policy's log-probs, and nothing that needs a step to draw more prompts."""
+    a, r, t = cfg.async_training, cfg.rollout, cfg.trainer
+    if not a.enable:
+        return []
+    rollout, out = rollout_world(cfg), []
+    if rollout < 1:
+        rule = "asynchronous training needs rollout ranks of its own"
+        fix = "set it to the rollout GPUs per node (on CPU: the rollout processes among trainer.world_size)"
+        return [Problem("rollout.n_gpus_per_node", r.n_gpus_per_node, rule, fix)]
+    if t.device != "cuda" and t.world_size <= rollout:
+        rule = f"counts every process on CPU, the {rollout} rollout process(es) included, so none would train"
+        out.append(Problem("trainer.world_size", t.world_size, rule, f"use at least {rollout + 1}"))
+    steps = a.require_batches * cfg.actor.ppo_mini_batch_size
+    if cfg.data.train_batch_size != steps:
+        rule = (
+            f"a trainer step takes require_batches x actor.ppo_mini_batch_size = {steps} prompts, and "
+            f"data.train_batch_size = {cfg.data.train_batch_size}"
+        )
+        fix = f"set data.train_batch_size = {steps}, or require_batches = data.train_batch_size / ppo_mini_batch_size"
+        out.append(Problem("async_training.require_batches", a.require_batches, rule, fix))
+    if not r.calculate_log_probs:
+        rule = "asynchronous training needs the behaviour policy's log-probs (the rollout engine's)"
+        out.append(Problem("rollout.calculate_log_probs", False, rule, "set it to true"))
+    if not (a.use_rollout_log_probs or a.compute_prox_log_prob):
+        rule = "the old log-probs must be the rollout's (bypass) or the trainer's proximal ones"
+        fix = "keep use_rollout_log_probs = true, or set compute_prox_log_prob = true"
+        out.append(Problem("async_training.use_rollout_log_probs", False, rule, fix))
+    if cfg.algorithm.filter_groups.enable:
+        rule = "dynamic sampling draws more prompt batches within a step; the rollout ranks draw them ahead"
+        out.append(Problem("algorithm.filter_groups.enable", True, rule, "turn off async_training or filter_groups"))
     return out

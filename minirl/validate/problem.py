@@ -30,7 +30,8 @@ def value(cfg: Config, key: str) -> Any:
 
 
 def world_size(cfg: Config) -> int:
-    """Worker processes of the job: torchrun's WORLD_SIZE, else GPUs of all nodes, else CPU processes.
+    """Worker processes that train: torchrun's WORLD_SIZE, else GPUs of all nodes, else CPU processes
+    (an asynchronous job's rollout ranks not counted).
 
     The local and torchrun launchers start exactly this many; the ray launcher with
     trainer.device = 'auto' learns the world from the cluster (minirl.validate.core.check_world)."""
@@ -39,10 +40,19 @@ def world_size(cfg: Config) -> int:
     from minirl.dist.spmd import under_torchrun
 
     if under_torchrun():
-        return int(os.environ["WORLD_SIZE"])
+        return int(os.environ["WORLD_SIZE"]) - rollout_world(cfg)
     device = cfg.trainer.device
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes if device == "cuda" else cfg.trainer.world_size
+    t, rollout = cfg.trainer, rollout_world(cfg)
+    # an asynchronous job's rollout ranks do not train: they come on top of the trainer's GPUs,
+    # and on CPU (or under torchrun) they are the last of the processes
+    return t.n_gpus_per_node * t.nnodes if device == "cuda" else t.world_size - rollout
+
+
+def rollout_world(cfg: Config) -> int:
+    """The rollout ranks of an asynchronous job (0 otherwise)."""
+    a, r = cfg.async_training, cfg.rollout
+    return r.nnodes * r.n_gpus_per_node if a.enable else 0

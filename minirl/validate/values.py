@@ -94,6 +94,11 @@ RANGES: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("rollout.max_num_seqs", at_least(1), "must be at least 1", "use 1024"),
     ("rollout.update_weights_bucket_megabytes", at_least(1), "must be at least 1 MiB", "use 512"),
     ("rollout.multi_turn.max_parallel_calls", at_least(1), "must be at least 1 call per turn", "use 1"),
+    ("rollout.nnodes", at_least(1), "must be at least 1 node", "use 1"),
+    ("rollout.n_gpus_per_node", at_least(0), "must be >= 0 (0: no rollout ranks of their own)", "use 0, or 1"),
+    ("async_training.staleness_threshold", at_least(0), "must be >= 0 versions (0: on-policy)", "use 1"),
+    ("async_training.trigger_parameter_sync_step", at_least(1), "must be at least 1 step", "use 1"),
+    ("async_training.require_batches", at_least(1), "must be at least 1 mini-batch", "use 1"),
     ("rollout.multi_turn.max_tool_response_length", at_least(1), "must be at least 1 character", "use 256"),
     (
         "rollout.multi_turn.max_assistant_turns",

@@ -21,7 +21,8 @@ def launch_local(cfg, pm, job) -> int:
     supervised; one device runs in this process."""
     t = cfg.trainer
     cuda = resolve_device(t.device).type == "cuda"
-    world = t.n_gpus_per_node if cuda else t.world_size
+    # an asynchronous job's rollout GPUs come on top of the trainer's (on CPU: among world_size)
+    world = t.n_gpus_per_node + spmd.rollout_ranks(cfg) if cuda else t.world_size
     # validation refuses several nodes and more GPUs than this machine has
     assert t.nnodes == 1 and (not cuda or world <= torch.cuda.device_count())
     if world > 1:

@@ -34,6 +34,7 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple = ()) -> int:
     ctx = multiprocessing.get_context("spawn")  # fork would copy CUDA and thread state
     error_dir = tempfile.mkdtemp(prefix="minirl-errors-")
     world_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "0"}
+    world_env["MINIRL_LINK_PORT"] = str(free_port())  # an asynchronous job's link (minirl.dist.link)
     world_env.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     procs = [
         ctx.Process(
