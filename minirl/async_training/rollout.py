@@ -92,7 +92,7 @@ class RolloutWorker:
 
     def _admit(self) -> None:
         """Start every batch the staleness bound allows (none while a validation is asked for)."""
-        limit = (self.version + self.a.staleness_threshold + 1) * self.a.trigger_parameter_sync_step
+        limit = batch_limit(self.version, self.a.staleness_threshold, self.a.trigger_parameter_sync_step)
         while self.next < limit and not (self.r == 0 and self.link.store.check(["val/request"])):
             index = self.next
             self.inflight[index] = asyncio.ensure_future(self._batch(index))
@@ -219,3 +219,10 @@ class RolloutWorker:
             mine = [s for s, r in zip(scores, records) if r.data_source == src]
             out[f"val/{src}/score/mean"] = sum(mine) / max(len(mine), 1)
         self.link.put(f"val/result/{version}", out)
+
+
+def batch_limit(version: int, staleness: int, trigger: int) -> int:
+    """The first batch index a rollout rank holding weight `version` may not start yet. The
+    trainer trains batch b at version b // trigger, so a batch started below this limit is at
+    most `staleness` versions behind when it is trained (tests/unit/test_async.py proves it)."""
+    return (version + staleness + 1) * trigger

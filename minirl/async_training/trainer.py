@@ -111,6 +111,7 @@ class AsyncTrainer(Trainer):
                 if keep:
                     break
             info = {
+                "index": self.next_index - 1,  # the batch trained (after any that were dropped whole)
                 "dropped": dropped,
                 "reward_metrics": merge_reward_metrics([p["reward_metrics"] for p in payloads]),
                 "rollout_idle_s": payloads[-1]["rollout_idle_s"],
@@ -143,6 +144,7 @@ class AsyncTrainer(Trainer):
         self._idle_before, idle_before = info["rollout_idle_s"], self._idle_before
         return {
             "async/version": float(self.version),
+            "async/batch_index": float(info["index"]),
             "async/staleness/mean": sum(lags) / count,
             "async/staleness/max": float(max(lags, default=0)),
             "async/partial_share": partial / count,

@@ -26,7 +26,8 @@ import torch.distributed as tdist
 
 def link_port() -> int:
     """The link's store port: MINIRL_LINK_PORT, else the job's MASTER_PORT + 1."""
-    return int(os.environ.get("MINIRL_LINK_PORT", int(os.environ["MASTER_PORT"]) + 1))
+    port = os.environ.get("MINIRL_LINK_PORT")
+    return int(port) if port else int(os.environ["MASTER_PORT"]) + 1
 
 
 @dataclass
