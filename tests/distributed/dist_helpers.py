@@ -76,9 +76,16 @@ def run_cli(
     """`python -m minirl --config bench.toml --profile cpu` at world size 2, made small: 4 prompts
     x 2 samples per step, 2 mini-batches. This directory is on PYTHONPATH (for test plugins).
     `launcher` replaces `python -m` (e.g. torchrun's command line ending in -m)."""
-    args = [
-        *(launcher or [sys.executable, "-m"]),
-        "minirl",
+    args = [*(launcher or [sys.executable, "-m"]), "minirl", *cli_args(tmp_path, data_dir, *overrides)]
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.run(
+        args, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=400, check=False
+    )
+
+
+def cli_args(tmp_path: Path, data_dir: Path, *overrides: str) -> list[str]:
+    """The arguments after `minirl` of run_cli's job."""
+    return [
         "--config",
         str(ROOT / "bench.toml"),
         "--profile",
@@ -95,7 +102,3 @@ def run_cli(
         "rollout.n=2",
         *overrides,
     ]
-    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")) if p)
-    return subprocess.run(
-        args, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=400, check=False
-    )

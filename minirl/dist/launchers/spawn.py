@@ -122,10 +122,12 @@ def _report(rank: int, exitcode: int, error_dir: str) -> int:
         if name.endswith(".json"):
             with open(os.path.join(error_dir, name)) as f:
                 reports[int(name[4:-5])] = json.load(f)
-    if rank not in reports and reports:
-        rank = min(reports, key=lambda r: reports[r]["time"])
+    # the others' reports of being stopped (by the supervisor) or of losing a peer are consequences
+    causes = {r: rep for r, rep in reports.items() if rep["kind"] not in ("stopped", "peer")}
+    if rank not in reports and causes:
+        rank = min(causes, key=lambda r: causes[r]["time"])
     if rank not in reports:  # killed by a signal (the OOM killer, say): nothing was written
-        return print_report(rank, Report("died", f"exit code {exitcode}", EXIT_CRASH))
+        return print_report(rank, Report("died", _exit_reason(exitcode), EXIT_CRASH))
     found = reports[rank]
     return print_report(rank, Report(found["kind"], found["text"], found["exit_code"]))
 
@@ -141,3 +143,13 @@ def _stop(procs: list) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+
+
+def _exit_reason(exitcode: int) -> str:
+    """"killed by SIGKILL" for a negative exit code (multiprocessing's signal), else the code."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            pass
+    return f"exit code {exitcode}"
