@@ -188,3 +188,31 @@ def test_a_removed_node_stops_the_job(cluster, out, capfd):
         _nothing_left()
     finally:
         cluster.add_node(num_cpus=2)
+
+
+def test_async_job_under_ray_matches_the_local_launcher(cluster, tmp_path, data_dir):
+    """An asynchronous job (2 trainer ranks + 2 rollout ranks, on-policy: staleness 0) under Ray
+    on two nodes (the trainer's on one, the rollout's on the other) gives exactly the local
+    launcher's metrics on one machine, the timing-dependent ones aside."""
+    job = [
+        "trainer.total_training_steps=3",
+        "trainer.world_size=4",
+        "rollout.n_gpus_per_node=2",
+        "async_training.enable=true",
+        "async_training.require_batches=2",
+        "async_training.staleness_threshold=0",
+    ]
+    local = h.run_cli(tmp_path / "local", data_dir, *job, "trainer.launcher='local'")
+    assert local.returncode == 0, local.stderr[-3000:]
+    under_ray = h.run_cli(
+        tmp_path / "ray", data_dir, *job, "trainer.nnodes=2", f"trainer.ray_address='{cluster.address}'"
+    )
+    assert under_ray.returncode == 0, under_ray.stderr[-3000:]
+
+    def deterministic(run_dir):
+        timing = ("async/rollout_idle_s", "async/queue_depth")
+        return [{k: v for k, v in m.items() if k not in timing} for m in _metrics(run_dir)]
+
+    assert deterministic(tmp_path / "ray") == deterministic(tmp_path / "local")
+    assert [m["async/batch_index"] for m in _metrics(tmp_path / "ray")] == [0, 1, 2]
+    _nothing_left()

@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from minirl.dist import spmd
 from minirl.dist.launchers import EXIT_CRASH, Report, print_report, ray_address, report_of
 from minirl.dist.signals import SignalHandler
+from minirl.errors import UserError
 from minirl.plugins import PluginManager
 from minirl.validate.core import check_world
 from minirl_plugins.launchers.ray import cluster
@@ -80,7 +81,7 @@ def launch(cfg, pm, job) -> int:
     owned = cluster.connect(ray_address(t) or ("auto" if t.nnodes > 1 else ""))
     pgs, ranks = [], []
     try:
-        shape = job_shape(t)
+        shape = job_shape(cfg)
         check_world(cfg, pm, shape.world)  # with trainer.device = 'auto' the world is the cluster's GPUs
         pgs = cluster.reserve(shape, t.ray_placement_timeout_s)
         ranks = start(cluster.slots(pgs), shape.use_gpu)
@@ -92,14 +93,31 @@ def launch(cfg, pm, job) -> int:
             ray.shutdown()
 
 
-def job_shape(trainer_cfg) -> cluster.Shape:
+def job_shape(cfg) -> cluster.Shape:
     """GPU bundles for trainer.device = cuda (or auto on a cluster with GPUs), else CPU workers:
     trainer.world_size in all, split evenly over the nodes."""
-    t = trainer_cfg
+    t = cfg.trainer
     gpus = ray.cluster_resources().get("GPU", 0)
     if t.device == "cuda" or (t.device == "auto" and gpus > 0):
-        return cluster.Shape(t.nnodes, t.n_gpus_per_node, use_gpu=True)
+        return _gpu_shape(cfg)
     return cluster.Shape(t.nnodes, t.world_size // t.nnodes, use_gpu=False)
+
+
+def _gpu_shape(cfg) -> cluster.Shape:
+    """The trainer's nodes, then an asynchronous job's rollout nodes (its last ranks): one node
+    holds both groups, or each group has nodes of its own with as many GPUs each."""
+    t, r = cfg.trainer, cfg.rollout
+    if not cfg.async_training.enable:
+        return cluster.Shape(t.nnodes, t.n_gpus_per_node, use_gpu=True)
+    if t.nnodes == 1 and r.nnodes == 1:
+        return cluster.Shape(1, t.n_gpus_per_node + r.n_gpus_per_node, use_gpu=True)
+    if t.n_gpus_per_node != r.n_gpus_per_node:
+        raise UserError(
+            f"rollout.n_gpus_per_node = {r.n_gpus_per_node}: on several nodes the ray launcher gives the trainer "
+            f"and the rollout nodes of their own with the same GPUs each (trainer.n_gpus_per_node = "
+            f"{t.n_gpus_per_node}); make them equal, or put both groups on one node"
+        )
+    return cluster.Shape(t.nnodes + r.nnodes, t.n_gpus_per_node, use_gpu=True)
 
 
 def start(slots: list[cluster.Slot], use_gpu: bool) -> list[Rank]:
