@@ -1,7 +1,9 @@
 """A rollout rank of an asynchronous job: it generates and scores batches while the trainer trains.
 
-The global sequence of prompt batches (the loader's order, epoch after epoch) is dealt out by
-index: rollout rank r of R takes batches r, r + R, r + 2R, ... Batch b may start only while
+The global sequence of prompt batches (the loader's order, epoch after epoch) is shared by
+index: every rollout rank works on every batch, rank r of R on the batch's prompt groups r,
+r + R, ... (so all ranks are busy whatever the staleness, and each holds 1/R of a batch's KV
+cache); the trainer joins the R parts of a batch. Batch b may start only while
 b < (v + staleness_threshold + 1) * trigger_parameter_sync_step, v the weight version the rank
 holds: a sample is then never more than staleness_threshold versions behind when the trainer
 takes it (0: each batch waits for the weights of the update before it, 1: one-step off-policy).
@@ -24,7 +26,7 @@ from minirl import build
 from minirl.agent.loop import final_turn_ids, reward_view, to_samples
 from minirl.agent.server import EngineServer, request_level
 from minirl.config.load import Config
-from minirl.data.prompts import PromptLoader, expand_groups, load_prompts
+from minirl.data.prompts import PromptLoader, load_prompts
 from minirl.dist.context import DistContext
 from minirl.models.loading import load_model_for_rank
 from minirl.observe.evaluate import load_val_set
@@ -66,7 +68,7 @@ class RolloutWorker:
             self.load_weights(initial=True)  # the trainer's weights at its start (or resume)
             start = self.link.wait_take_shared("async/start")  # {"index": next batch, "version": v}
             self.version = self.engine.weight_version = start["version"]
-            self.next = start["index"] + (self.r - start["index"]) % self.R  # this rank's first batch
+            self.next = start["index"]
             self.agents.event_loop.run_until_complete(self._main())
         finally:
             self.rewards.close()
@@ -96,7 +98,7 @@ class RolloutWorker:
         while self.next < limit and not (self.r == 0 and self.link.store.check(["val/request"])):
             index = self.next
             self.inflight[index] = asyncio.ensure_future(self._batch(index))
-            self.next += self.R
+            self.next += 1
 
     async def _wait_a_little(self) -> None:
         """Until a batch finishes or a moment passes; idle time counts when nothing is in flight."""
@@ -115,14 +117,15 @@ class RolloutWorker:
     async def _batch(self, index: int) -> None:
         start, version = time.monotonic(), self.version
         self.loader.drawn = index
-        records = self.loader.next_batch()
-        n = self.cfg.rollout.n
-        expanded, uids = expand_groups(records, n, index * len(records))
+        batch = self.loader.next_batch()
+        records, n = batch[self.r :: self.R], self.cfg.rollout.n  # this rank's groups of the batch
+        expanded = [rec for rec in records for _ in range(n)]
+        uids = [index * len(batch) + self.r + self.R * g for g in range(len(records)) for _ in range(n)]
         samples = to_samples(expanded, uids, self._params(index), prefix=f"b{index}-")
         trajectories = await self.agents.run_batch(
             self.server, samples, [rec.agent_name for rec in expanded], versions=True
         )
-        scores, metrics = self._score(expanded, trajectories)
+        scores, metrics = self._score(expanded, trajectories) if expanded else ([], {})
         groups = [
             {"record": records[g], "uid": uids[g * n], "trajectories": trajectories[g * n : (g + 1) * n],
              "scores": scores[g * n : (g + 1) * n]}
@@ -130,13 +133,14 @@ class RolloutWorker:
         ]  # fmt: skip
         payload = {
             "index": index,
+            "rank": self.r,
             "groups": groups,
             "reward_metrics": metrics,
             "version_start": version,
             "gen_s": time.monotonic() - start,
             "rollout_idle_s": self.idle_s,
         }
-        self.link.put(f"batch/{index}", payload)
+        self.link.put(f"batch/{index}/{self.r}", payload)
 
     def _params(self, index: int) -> SamplingParams:
         r = self.cfg.rollout
@@ -186,9 +190,9 @@ class RolloutWorker:
         """Receive the trainer's next weights (a broadcast: the trainer waits for every rollout
         rank here; one per published version, so the two sides stay in step), load them, and
         report their checksum for the trainer to compare."""
-        self.engine.load_weights(
-            self.link.receive_weights(self.dtype, self.cfg.rollout.update_weights_bucket_megabytes)
-        )
+        self.link.count(f"weights/ready/{'initial' if initial else self.version + 1}", 1)  # the trainer may send
+        mb = self.cfg.rollout.update_weights_bucket_megabytes
+        self.engine.load_weights(self.link.receive_weights(self.dtype, mb))
         if not initial:
             self.version += 1
             self.engine.weight_version = self.version

@@ -34,7 +34,7 @@ class AsyncTrainer(Trainer):
         self.link, self.a = dist.link, cfg.async_training
         self.started, self.since_sync, self.version, self.next_index = False, 0, 0, 0
         self.step_metrics: dict[str, float] = {}
-        self._idle_before = 0.0  # the producing rollout rank's idle seconds so far (one rank's view)
+        self._idle_before: dict[int, float] = {}  # rollout rank -> its idle seconds at the last step
         super().__init__(cfg, pm, dist)
         saved = self.state.extra.get("async")
         if saved:  # a resume: continue after the last batch the checkpoint trained on
@@ -100,9 +100,7 @@ class AsyncTrainer(Trainer):
         if self.dist.is_main:
             dropped, payloads = 0, []
             while True:
-                payload = self.link.wait_take(
-                    f"batch/{self.next_index}", f"rollout batch {self.next_index}", timeout_s=None
-                )
+                payload = self._join_parts(self.next_index)
                 self.next_index += 1
                 payloads.append(payload)
                 fresh = [g for g in payload["groups"] if self._lag(g, payload) <= self.a.staleness_threshold]
@@ -113,7 +111,7 @@ class AsyncTrainer(Trainer):
             info = {
                 "index": self.next_index - 1,  # the batch trained (after any that were dropped whole)
                 "dropped": dropped,
-                "reward_metrics": merge_reward_metrics([p["reward_metrics"] for p in payloads]),
+                "reward_metrics": merge_reward_metrics([p["reward_metrics"] for p in payloads if p["reward_metrics"]]),
                 "rollout_idle_s": payloads[-1]["rollout_idle_s"],
                 "queue_depth": self._queue_depth(),
             }
@@ -122,15 +120,31 @@ class AsyncTrainer(Trainer):
             tdist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def _join_parts(self, index: int) -> dict:
+        """Batch `index`: the groups of its R parts (one per rollout rank), in batch order."""
+        parts = [
+            self.link.wait_take(f"batch/{index}/{r}", f"rollout rank {r}'s part of batch {index}", timeout_s=None)
+            for r in range(self._rollout_ranks())
+        ]
+        for p in parts:
+            for g in p["groups"]:
+                g["version_start"] = p["version_start"]  # the version its rank held when it started
+        return {
+            "index": index,
+            "groups": sorted((g for p in parts for g in p["groups"]), key=lambda g: g["uid"]),
+            "reward_metrics": merge_reward_metrics([p["reward_metrics"] for p in parts if p["reward_metrics"]]),
+            "rollout_idle_s": {p["rank"]: p["rollout_idle_s"] for p in parts},
+        }
+
     def _lag(self, group: dict, payload: dict) -> int:
         """Versions the group's oldest token is behind the weights about to be trained."""
-        oldest = min(min(t.versions) if t.versions else payload["version_start"] for t in group["trajectories"])
+        oldest = min(min(t.versions) if t.versions else group["version_start"] for t in group["trajectories"])
         return self.version - oldest
 
     def _queue_depth(self) -> int:
         """Rollout batches finished and waiting for the trainer."""
-        ahead = (self.a.staleness_threshold + 2) * self.a.trigger_parameter_sync_step * max(1, self._rollout_ranks())
-        keys = [f"batch/{i}" for i in range(self.next_index, self.next_index + ahead)]
+        ahead = (self.a.staleness_threshold + 2) * self.a.trigger_parameter_sync_step
+        keys = [f"batch/{i}/0" for i in range(self.next_index, self.next_index + ahead)]
         return sum(self.link.store.check([k]) for k in keys)
 
     def _stale_metrics(self, groups: list[dict], info: dict) -> dict[str, float]:
@@ -141,7 +155,9 @@ class AsyncTrainer(Trainer):
                 lags.append(self.version - min(versions))
                 partial += max(versions) != min(versions)
         count = max(len(lags), 1)
-        self._idle_before, idle_before = info["rollout_idle_s"], self._idle_before
+        idle = info["rollout_idle_s"]  # rollout rank -> its idle seconds so far
+        idle_s = sum(max(0.0, v - self._idle_before.get(r, 0.0)) for r, v in idle.items())
+        self._idle_before.update(idle)
         return {
             "async/version": float(self.version),
             "async/batch_index": float(info["index"]),
@@ -150,7 +166,7 @@ class AsyncTrainer(Trainer):
             "async/partial_share": partial / count,
             "async/dropped_samples": float(info["dropped"]),
             "async/queue_depth": float(info["queue_depth"]),
-            "async/rollout_idle_s": max(0.0, float(info["rollout_idle_s"] - idle_before)),
+            "async/rollout_idle_s": idle_s,  # summed over the rollout ranks, since the last step
         }
 
     def _old_source(self) -> str:
@@ -200,6 +216,10 @@ class AsyncTrainer(Trainer):
             return
         if key != "initial":
             self.link.publish_version()
+        # every rollout rank says it is ready first: one without partial rollouts finishes its
+        # requests before it listens, which may take longer than a collective's timeout
+        while self.link.count(f"weights/ready/{key}") < self._rollout_ranks():
+            time.sleep(0.002)
         mb = self.cfg.rollout.update_weights_bucket_megabytes
         sent = self.link.send_weights(weights, self._engine_dtype(), mb, weights_checksum)
         for r in range(self._rollout_ranks()):

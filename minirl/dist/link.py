@@ -48,7 +48,9 @@ class Link:
         store = tdist.TCPStore(host, link_port(), members, member == 0, timeout=timeout)
         prefixed = tdist.PrefixStore("weights", store)
         if device.type == "cuda":
-            group = tdist.ProcessGroupNCCL(prefixed, member, members, tdist.ProcessGroupNCCL.Options())
+            options = tdist.ProcessGroupNCCL.Options()
+            options._timeout = timeout  # trainer.collective_timeout_s, as the trainer's own collectives
+            group = tdist.ProcessGroupNCCL(prefixed, member, members, options)
             bucket_device = device
         else:
             group = tdist.ProcessGroupGloo(prefixed, member, members, timeout)

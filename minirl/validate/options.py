@@ -135,6 +135,10 @@ def async_problems(cfg: Config, pm) -> list[Problem]:
         rule = "the old log-probs must be the rollout's (bypass) or the trainer's proximal ones"
         fix = "keep use_rollout_log_probs = true, or set compute_prox_log_prob = true"
         out.append(Problem("async_training.use_rollout_log_probs", False, rule, fix))
+    if a.compute_prox_log_prob and cfg.actor.tis_imp_ratio_cap <= 0:
+        rule = "decoupled PPO clips against the proximal policy and needs the behaviour weight, which is off"
+        fix = "set actor.tis_imp_ratio_cap (e.g. 2.0), or compute_prox_log_prob = false (bypass mode)"
+        out.append(Problem("async_training.compute_prox_log_prob", True, rule, fix))
     if cfg.algorithm.filter_groups.enable:
         rule = "dynamic sampling draws more prompt batches within a step; the rollout ranks draw them ahead"
         out.append(Problem("algorithm.filter_groups.enable", True, rule, "turn off async_training or filter_groups"))

@@ -195,3 +195,19 @@ def test_rollout_overlaps_training(tmp_path, data_dir):
     wait_async = sum(m["timing_s/gen"] for m in _steps(tmp_path / "async")[1:]) / 5
     print(f"trainer wait for rollouts: synchronous {wait_sync:.3f} s, asynchronous {wait_async:.3f} s a step")
     assert wait_async < 0.5 * wait_sync
+
+
+def test_decoupled_ppo_recomputes_the_proximal_log_probs(tmp_path, data_dir):
+    """compute_prox_log_prob: the trainer's own pass gives the old log-probs (the proximal
+    policy), and the behaviour weight exp(lp_prox - lp_rollout), truncated at the cap, is logged."""
+    proc = _run(
+        tmp_path,
+        data_dir,
+        "trainer.total_training_steps=3",
+        "async_training.compute_prox_log_prob=true",
+        "actor.tis_imp_ratio_cap=2.0",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the trainer's proximal pass" in proc.stdout
+    for m in _steps(tmp_path):
+        assert m["timing_s/old_log_prob"] > 0 and 0 < m["actor/tis_weight_mean"] <= 2.0

@@ -306,6 +306,32 @@ CONFIG_CASES = {
     ),
     "parallel_calls_zero": (["rollout.multi_turn.max_parallel_calls=0"], "max_parallel_calls = 0"),
     "assistant_turns_zero": (["rollout.multi_turn.max_assistant_turns=0"], "max_assistant_turns = 0"),
+    # asynchronous training (docs/async.md)
+    "async_without_rollout_ranks": (["async_training.enable=true"], "rollout.n_gpus_per_node = 0", "rollout ranks"),
+    "async_world_all_rollout": (
+        ["async_training.enable=true", "rollout.n_gpus_per_node=1", "trainer.world_size=1"],
+        "trainer.world_size = 1",
+        "at least 2",
+    ),
+    "async_require_batches": (
+        ["async_training.enable=true", "rollout.n_gpus_per_node=1", "trainer.world_size=2"]
+        + ["async_training.require_batches=2"],
+        "async_training.require_batches = 2",
+        "data.train_batch_size",
+    ),
+    "async_without_log_probs": (
+        ["async_training.enable=true", "rollout.n_gpus_per_node=1", "trainer.world_size=2"]
+        + ["rollout.calculate_log_probs=false"],
+        "rollout.calculate_log_probs = False",
+    ),
+    "async_prox_without_cap": (
+        ["async_training.enable=true", "rollout.n_gpus_per_node=1", "trainer.world_size=2"]
+        + ["async_training.compute_prox_log_prob=true"],
+        "compute_prox_log_prob = True",
+        "tis_imp_ratio_cap",
+    ),
+    "async_staleness_negative": (["async_training.staleness_threshold=-1"], "staleness_threshold = -1"),
+    "async_trigger_zero": (["async_training.trigger_parameter_sync_step=0"], "trigger_parameter_sync_step = 0"),
 }
 
 
