@@ -77,8 +77,10 @@ class AsyncTrainer(Trainer):
 
     def rollout(self, records, step: int, timer: PhaseTimer):
         """The next rollout batch (the gen phase is the trainer's wait for it), this rank's share."""
+        start = time.perf_counter()
         with timer.phase("gen"):
             groups, info = self._take_groups()
+        info["trainer_idle_s"] = time.perf_counter() - start
         n, dp, rank = self.cfg.rollout.n, self.dist.dp_size, self.dist.dp_rank
         per = len(groups) // dp
         mine = groups[rank * per : (rank + 1) * per]
@@ -167,6 +169,7 @@ class AsyncTrainer(Trainer):
             "async/dropped_samples": float(info["dropped"]),
             "async/queue_depth": float(info["queue_depth"]),
             "async/rollout_idle_s": idle_s,  # summed over the rollout ranks, since the last step
+            "async/trainer_idle_s": info["trainer_idle_s"],  # the wait for this batch (timing_s/gen)
         }
 
     def _old_source(self) -> str:

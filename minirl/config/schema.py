@@ -128,7 +128,7 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
     calculate_log_probs: bool = True  # keep the engine's sampled-token log-probs (rollout_log_probs, rollout_corr/*)
-    update_weights_bucket_megabytes: int = 512  # sglang: weight-sync bucket size
+    update_weights_bucket_megabytes: int = 512  # weight-sync bucket size: sglang, and the async link
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     # asynchronous training (async_training.enable): the rollout ranks, apart from the trainer's
