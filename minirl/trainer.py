@@ -268,16 +268,8 @@ class Trainer:
     def generate(self, records, step: int) -> RolloutBatch:
         """The step's trajectories: rollout.n samples of every prompt, each through its row's agent
         loop (single_turn by default: one turn, exactly the batch generate()'s tokens)."""
-        r, n = self.cfg.rollout, self.cfg.rollout.n
-        params = SamplingParams(
-            n=1,
-            temperature=r.temperature if r.do_sample else 0.0,
-            top_k=r.top_k,
-            top_p=r.top_p,
-            max_new_tokens=self.cfg.data.max_response_length,
-            ignore_eos=r.ignore_eos,
-            seed=self.cfg.trainer.seed * 1_000_003 + step * 1009 + self.dist.dp_rank,
-        )
+        n = self.cfg.rollout.n
+        params = rollout_params(self.cfg, self.cfg.trainer.seed * 1_000_003 + step * 1009 + self.dist.dp_rank)
         first_uid = (step * self.dist.dp_size + self.dist.dp_rank) * len(records)
         expanded, uids = expand_groups(records, n, first_uid)
         return self.to_batch(expanded, uids, self.run_agents(expanded, uids, params))
@@ -428,6 +420,21 @@ class Trainer:
             f"{self.loader.steps_per_epoch} steps/epoch, {self.total_steps} steps"
             f"{_filter_groups_note(self.cfg.algorithm.filter_groups)}"
         )
+
+
+def rollout_params(cfg: Config, seed: int) -> SamplingParams:
+    """How a training rollout samples (rollout.*): one sample per request (the n samples of a
+    prompt are requests of their own), the whole response budget each."""
+    r = cfg.rollout
+    return SamplingParams(
+        n=1,
+        temperature=r.temperature if r.do_sample else 0.0,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        max_new_tokens=cfg.data.max_response_length,
+        ignore_eos=r.ignore_eos,
+        seed=seed,
+    )
 
 
 def _logged_val_scores(run_dir: str, upto: int) -> list[tuple[int, float]]:

@@ -34,6 +34,7 @@ from minirl.protocols import SamplingParams
 from minirl.reward.manager import build_reward_manager
 from minirl.reward.metrics import reward_metrics
 from minirl.reward.overlong import overlong_penalty
+from minirl.trainer import rollout_params
 
 POLL_S = 0.005
 
@@ -143,16 +144,7 @@ class RolloutWorker:
         self.link.put(f"batch/{index}/{self.r}", payload)
 
     def _params(self, index: int) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(
-            n=1,
-            temperature=r.temperature if r.do_sample else 0.0,
-            top_k=r.top_k,
-            top_p=r.top_p,
-            max_new_tokens=self.cfg.data.max_response_length,
-            ignore_eos=r.ignore_eos,
-            seed=self.cfg.trainer.seed * 1_000_003 + (index + 1) * 1009 + self.r,
-        )
+        return rollout_params(self.cfg, self.cfg.trainer.seed * 1_000_003 + (index + 1) * 1009 + self.r)
 
     def _score(self, records, trajectories) -> tuple[list[float], dict[str, float]]:
         """The trainer's score phase, here: reward of the final turn plus the overlong penalty."""

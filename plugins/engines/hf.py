@@ -1,9 +1,9 @@
 """Rollout engine `hf`: transformers' `generate`, the slow but universal reference engine.
 
 It keeps its own copy of the policy (in the rollout dtype), so weight sync is an in-place copy
-by parameter name, exactly like the native engine. Its request level is the simplest one: step()
-runs one `generate` over the queued requests (as many as one batch takes) and finishes them all;
-a continuation prefills its whole conversation again (no KV is kept between turns).
+by parameter name, exactly like the native engine. It implements the batch level only: agent
+loops drive it through minirl.agent.server.GenerateOnly (a continuation prefills its whole
+conversation again; no KV is kept between turns).
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from typing import Iterable
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
+from tqdm import tqdm
 
 from minirl import hookimpl
 from minirl.models.compile import uncompile_layers
 from minirl.models.fused_mlp import unfuse_mlps
-from minirl.protocols import Completion, EngineContext, SamplingParams, TurnOutput, generate_batch, sample_ids
+from minirl.protocols import Completion, EngineContext, SamplingParams
 
 
 class HFEngine:
@@ -37,77 +38,18 @@ class HFEngine:
         self.pad = ctx.pad_token_id
         self.batch_size = rollout_cfg.max_num_seqs
         self.params = dict(self.model.named_parameters())
-
-        self.queue: list[tuple[str, list[int], SamplingParams]] = []  # submitted, not yet generated
-        self.held: dict[str, list[int]] = {}  # sample id -> its conversation after its last turn
-        self.aborted: list[TurnOutput] = []
-        self.paused = False
-
-    # ---------------------------------------------------------------------------- request level
-
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        if any(request_id == queued for queued, _, _ in self.queue):
-            raise ValueError(f"hf engine: request {request_id!r} is still running; wait for its turn to finish")
-        if request_id in self.held:
-            context = self.held[request_id]
-            if params.n != 1 or prompt_ids[: len(context)] != context:
-                raise ValueError(
-                    f"hf engine: continuing request {request_id!r} needs n = 1 and prompt_ids that start "
-                    f"with its {len(context)} tokens so far"
-                )
-        elif any(sid in self.held for sid in sample_ids(request_id, params.n)):
-            raise ValueError(f"hf engine: request id {request_id!r} is held; release it or use a new id")
-        if self.queue:
-            first = self.queue[0][2]
-            if (first.temperature, first.top_k, first.top_p) != (params.temperature, params.top_k, params.top_p):
-                raise ValueError("hf engine: requests in flight sample at other temperature/top_k/top_p settings")
-        elif params.seed is not None:  # a busy period starts: seeded as generate() always was
-            torch.manual_seed(params.seed)
-        self.queue.append((request_id, list(prompt_ids), params))
+        self.progress = bool(ctx.extra.get("progress", False))
 
     @torch.no_grad()
-    def step(self) -> list[TurnOutput]:
-        """One generate over the leading queued requests with the first one's parameters."""
-        if self.paused:
-            raise RuntimeError("hf engine: step() while paused; call continue_generation() first")
-        out, self.aborted = self.aborted, []
-        if not self.queue:
-            return out
-        params = self.queue[0][2]
-        per_call = max(1, self.batch_size // params.n)
-        taken = []
-        while self.queue and len(taken) < per_call and self.queue[0][2] == params:
-            taken.append(self.queue.pop(0))
-        completions = self._generate_chunk([prompt for _, prompt, _ in taken], params)
-        for i, (request_id, prompt, _) in enumerate(taken):
-            for sid, c in zip(sample_ids(request_id, params.n), completions[i * params.n : (i + 1) * params.n]):
-                self.held[sid] = prompt + c.token_ids
-                out.append(TurnOutput(sid, c.token_ids, c.logprobs, c.finish_reason))
-        return out
-
-    def has_work(self) -> bool:
-        return bool(self.queue or self.aborted)
-
-    def abort(self, request_id: str) -> None:
-        for i, (queued, _, params) in enumerate(self.queue):
-            if queued == request_id:
-                del self.queue[i]
-                self.aborted += [TurnOutput(sid, [], [], "abort") for sid in sample_ids(queued, params.n)]
-                return
-
-    def release(self, request_id: str) -> None:
-        self.held.pop(request_id, None)
-
-    def pause_generation(self) -> None:
-        self.paused = True
-
-    def continue_generation(self) -> None:
-        self.paused = False
-
-    # ---------------------------------------------------------------------------- batch level
-
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        return generate_batch(self, prompts, params)
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        per_call = max(1, self.batch_size // params.n)
+        out: list[Completion] = []
+        starts = range(0, len(prompts), per_call)
+        for start in tqdm(starts, desc="generate", leave=False, disable=not self.progress or len(starts) < 2):
+            out += self._generate_chunk(prompts[start : start + per_call], params)
+        return out
 
     def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         ids_BP, attn_BP = left_pad(prompts, self.pad, self.device)

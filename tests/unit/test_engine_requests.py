@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from minirl.agent.server import request_level
 from minirl.protocols import SamplingParams, generate_batch, sample_ids
 from minirl_plugins.engines.hf import HFEngine
 from minirl_plugins.engines.native import build_native_engine
@@ -30,7 +31,8 @@ def _native(cfg, actor, rollout=None, **extra):
 
 
 def _hf(cfg, actor):
-    return HFEngine(SimpleNamespace(max_num_seqs=8), engine_context(cfg, actor=actor))
+    """The hf engine has the batch level only: the request level is GenerateOnly over it."""
+    return request_level(HFEngine(SimpleNamespace(max_num_seqs=8), engine_context(cfg, actor=actor)))
 
 
 def _run(engine):
@@ -190,7 +192,7 @@ def test_release_memory_keeps_held_requests_continuable(qwen2):
     assert again.token_ids == want.token_ids and again.cached_tokens == 0
 
 
-def test_hf_engine_speaks_the_same_protocol(qwen2):
+def test_a_generate_only_engine_speaks_the_same_protocol(qwen2):
     cfg, hf = qwen2
     eng = _hf(cfg, hf)
     contexts, turns = _three_turns(eng, PROMPTS[:2], max_new=5)
