@@ -218,7 +218,7 @@ class RolloutEngine(Protocol):
     def pause_generation(self) -> None:
         """Finish the work in flight and stop stepping: the requests keep their state and KV
         cache, so that load_weights may run and continue_generation resume them. An engine that
-        runs each turn to its end inside step() (hf, sglang) has nothing in flight: step() then
+        runs each turn to its end inside step() (sglang, GenerateOnly) has nothing in flight: step() then
         refuses until continue_generation (sglang's cache flush after a weight load may drop the
         held requests' KV; they are prefilled again)."""
 
