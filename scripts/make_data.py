@@ -1,6 +1,6 @@
 """Write synthetic training data in verl's parquet schema, without any download.
 
-    python scripts/make_data.py --out data --seed 0 --train 2000 --test 200 --tasks gsm8k countdown copy
+    python scripts/make_data.py --out data --seed 0 --train 2000 --test 200 --tasks gsm8k countdown copy lookup
 
 writes data/<task>/train.parquet and data/<task>/test.parquet for each task:
 
@@ -8,11 +8,15 @@ writes data/<task>/train.parquet and data/<task>/test.parquet for each task:
   string, extra_info.answer a worked solution ending in "#### <n>" (GSM8K's format);
 - countdown: 3-4 numbers and a target reachable with each number exactly once; ground truth
   {target, numbers}, extra_info.solution one such equation;
-- copy: "Repeat the digit: 7 7 7 7 7 7 7 7" -> "7", a task a tiny model learns in a few steps.
+- copy: "Repeat the digit: 7 7 7 7 7 7 7 7" -> "7", a task a tiny model learns in a few steps;
+- lookup: "Look up key kqx with the lookup tool and answer with its digit." -> the digit that only
+  the lookup tool knows (plugins/tools/lookup.py): a multi-turn task (agent_name tool_agent) that
+  needs the tool; ground truth a uniformly random digit, the table in
+  extra_info.tools_kwargs.lookup.create_kwargs = {"key": "kqx", "value": "7"}.
 
 Output is a function of --seed only, and train and test never share a prompt. copy has only
 50 distinct prompts (5 phrasings x 10 digits), so its rows repeat within a split; the test split
-holds out one phrasing per digit instead. Importable: write_task(task, out_dir, n_train,
+holds out one phrasing per digit instead. lookup's test keys are held out from training. Importable: write_task(task, out_dir, n_train,
 n_test, seed).
 """
 
@@ -58,6 +62,17 @@ COPY_TEMPLATES = [
     "Write the digit {r}",
 ]
 COPY_REPEATS = 8
+# Short prompts (the tiny model reads every byte). Keys are letters ("kqx"), so the tool's reply
+# holds the only digit the model sees: a random-init model then learns to copy it in minutes,
+# where digits in the key (k37) are distractors it must first learn to tell apart.
+LOOKUP_TEMPLATES = [
+    "Look up key {key} with the lookup tool and answer with its digit.",
+    "Use the lookup tool on key {key} and answer with its digit.",
+    "Find key {key} with the lookup tool; answer with its digit.",
+    "Look up {key} with the lookup tool and reply with its digit.",
+]
+LOOKUP_KEYS = [f"k{a}{b}" for a in "abcdefghijklmnopqrstuvwxyz" for b in "abcdefghijklmnopqrstuvwxyz"]
+LOOKUP_TEST_KEYS = 100  # keys held out for the test split
 
 
 @dataclass
@@ -65,6 +80,7 @@ class Problem:
     prompt: str
     ground_truth: Any
     extra: dict = field(default_factory=dict)
+    agent_name: str = ""  # the row's agent loop; "" writes no agent_name column
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,10 +216,11 @@ def make_countdown(rng: random.Random) -> Problem:
 # ---------------------------------------------------------------------------------------------
 
 TASKS: dict[str, tuple[str, str, Callable[[random.Random], Problem] | None]] = {
-    # task -> (data_source, ability, problem maker; None: made by _copy_splits)
+    # task -> (data_source, ability, problem maker; None: made by its SPLITTERS entry)
     "gsm8k": ("gsm8k", "math", make_gsm8k),
     "countdown": ("countdown", "math", make_countdown),
     "copy": ("copy", "copy", None),
+    "lookup": ("lookup", "tool", None),
 }
 
 
@@ -229,6 +246,26 @@ def _copy_splits(rng: random.Random, n_train: int, n_test: int) -> tuple[list[Pr
     return [rng.choice(train) for _ in range(n_train)], [test[i % 10] for i in range(n_test)]
 
 
+def _lookup_problem(rng: random.Random, key: str) -> Problem:
+    digit = str(rng.randrange(10))
+    tools_kwargs = {"lookup": {"create_kwargs": {"key": key, "value": digit}}}
+    prompt = rng.choice(LOOKUP_TEMPLATES).format(key=key)
+    return Problem(prompt, digit, {"tools_kwargs": tools_kwargs}, agent_name="tool_agent")
+
+
+def _lookup_splits(rng: random.Random, n_train: int, n_test: int) -> tuple[list[Problem], list[Problem]]:
+    """Disjoint keys for train and test (so no prompt is shared); rows repeat keys within a
+    split, each with its own random digit, which only the tool reveals."""
+    keys = rng.sample(LOOKUP_KEYS, len(LOOKUP_KEYS))
+    test_keys, train_keys = keys[:LOOKUP_TEST_KEYS], keys[LOOKUP_TEST_KEYS:]
+    train = [_lookup_problem(rng, rng.choice(train_keys)) for _ in range(n_train)]
+    test = [_lookup_problem(rng, rng.choice(test_keys)) for _ in range(n_test)]
+    return train, test
+
+
+SPLITTERS = {"copy": _copy_splits, "lookup": _lookup_splits}
+
+
 def make_splits(task: str, n_train: int, n_test: int, seed: int) -> dict[str, list[Problem]]:
     """The problems of each split, a function of (task, seed) only."""
     if task not in TASKS:
@@ -236,7 +273,7 @@ def make_splits(task: str, n_train: int, n_test: int, seed: int) -> dict[str, li
     rng = random.Random(f"minirl-{task}-{seed}")  # str seeds hash deterministically (sha512)
     make = TASKS[task][2]
     if make is None:
-        train, test = _copy_splits(rng, n_train, n_test)
+        train, test = SPLITTERS[task](rng, n_train, n_test)
     else:
         problems = _distinct(make, rng, n_train + n_test, task)
         train, test = problems[:n_train], problems[n_train:]
@@ -252,6 +289,7 @@ def to_rows(task: str, problems: list[Problem], split: str) -> list[dict]:
             "ability": ability,
             "reward_model": {"style": "rule", "ground_truth": p.ground_truth},
             "extra_info": {"split": split, "index": i, **p.extra},
+            **({"agent_name": p.agent_name} if p.agent_name else {}),
         }
         for i, p in enumerate(problems)
     ]

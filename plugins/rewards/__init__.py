@@ -1,4 +1,4 @@
-"""Built-in rule rewards, registered by data_source: gsm8k, math, countdown, copy.
+"""Built-in rule rewards, registered by data_source: gsm8k, math, countdown, copy, lookup.
 
 Each is a plain function (response, ground_truth, extra_info) -> float; options are keyword
 arguments with defaults (wrap with functools.partial in your own plugin to change them).
@@ -44,6 +44,45 @@ def copy_reward(response: str, ground_truth: Any, extra_info: dict | None = None
     return 1.0 if response.strip().startswith(truth) else 0.0
 
 
+FOUND_SCORE = 0.1  # lookup: a successful call but a wrong or missing final digit
+
+
+def lookup_reward(
+    response: str, ground_truth: Any, extra_info: dict | None = None, trajectory: dict | None = None
+) -> float:
+    """The multi-turn lookup task (scripts/make_data.py): 1.0 when the stripped final answer
+    starts with the ground-truth digit; else 0.1 when the trajectory holds a successful lookup
+    call (a tool message whose content is a digit, read by a later assistant turn); else 0.0.
+
+    Why the 0.1: the digit is only in the tool's reply, so a random-init policy must first find
+    the call (one token in 264 with the tiny-agent tokenizer) and then learn to copy the reply;
+    the bonus makes the call worth repeating before any answer is right. The reward that counts
+    is 1 for the right digit: calling and then guessing earns 0.19 on average, guessing without
+    the call 0.1, calling and copying the reply 1.0.
+    trajectory: what minirl.agent.loop.reward_view gives (None for a single-turn rollout)."""
+    truth = str(ground_truth)
+    if not truth:
+        raise ValueError("lookup: the ground truth is empty; every response would match it")
+    if response.strip().startswith(truth):
+        return 1.0
+    return FOUND_SCORE if _looked_up(trajectory) else 0.0
+
+
+def _looked_up(trajectory: dict | None) -> bool:
+    """A lookup reply the model read: a tool message holding a digit (not an "Error: ..."),
+    followed by an assistant turn. tool_agent records the tool's reply in the messages even when
+    it did not fit the response budget and was never shown to the model (the trajectory then ends
+    on it); such a call earns nothing, or calling at the end of a long response would pay."""
+    messages = (trajectory or {}).get("messages") or []
+    return any(
+        m.get("role") == "tool"
+        and m.get("name", "lookup") == "lookup"
+        and str(m.get("content", "")).replace(" ", "").isdigit()
+        and any(later.get("role") == "assistant" for later in messages[i + 1 :])
+        for i, m in enumerate(messages)
+    )
+
+
 @hookimpl
 def minirl_reward_functions() -> dict:
     return {
@@ -54,4 +93,5 @@ def minirl_reward_functions() -> dict:
         "DigitalLearningGmbH/MATH-lighteval": math_reward,
         "countdown": countdown_reward,
         "copy": copy_reward,
+        "lookup": lookup_reward,
     }

@@ -51,9 +51,10 @@ def test_tiny_presets_fit_the_byte_tokenizer(name):
     assert sum(p.numel() for p in _meta_model(name).parameters()) < 200_000
 
 
-def test_the_presets_are_the_four_documented_ones():
-    """model.preset offers these (a typo is caught up front: minirl.validate.files)."""
-    assert set(PRESETS) == {"tiny", "llama3-tiny", "qwen3-tiny", "qwen2-1.5b"}
+def test_the_presets_are_the_five_documented_ones():
+    """model.preset offers these (a typo is caught up front: minirl.validate.files); tiny-agent
+    is tiny with the agent tokenizer's vocabulary (tests/unit/test_lookup_task.py)."""
+    assert set(PRESETS) == {"tiny", "tiny-agent", "llama3-tiny", "qwen3-tiny", "qwen2-1.5b"}
 
 
 @pytest.mark.parametrize("name", TINY)

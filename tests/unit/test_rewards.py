@@ -251,6 +251,7 @@ def test_hook_registers_all_names():
         "DigitalLearningGmbH/MATH-lighteval",
         "countdown",
         "copy",
+        "lookup",
     }
 
 

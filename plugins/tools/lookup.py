@@ -1,0 +1,47 @@
+"""lookup: the synthetic tool task's key-value table of one row (scripts/make_data.py, task lookup).
+
+Each row of the task names a key in its prompt and holds the key's value, a random digit, where
+only this tool can see it: extra_info.tools_kwargs.lookup.create_kwargs = {"key": "k37",
+"value": "7"} (verl's per-row tool arguments). The model cannot know the digit without calling
+the tool, so a policy that answers right has learnt to call it. `key` is optional in the call:
+the tiny-agent tokenizer has one token for the argument-free call (LOOKUP_CALL), which is how a
+random-init policy finds it.
+"""
+
+from __future__ import annotations
+
+from minirl.agent.tools import ToolError, tool_options
+
+SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look up the value of the key the prompt names; returns the value (a digit).",
+        "parameters": {
+            "type": "object",
+            "properties": {"key": {"type": "string", "description": "the key, for example k37 (optional)"}},
+            "required": [],
+        },
+    },
+}
+
+
+class Lookup:
+    """The lookup tool (config: timeout_s, default 5)."""
+
+    name = "lookup"
+
+    def __init__(self, config: dict):
+        self.timeout_s = tool_options(config, {"timeout_s": 5.0}, self.name)["timeout_s"]
+        self.schema = config.get("tool_schema") or SCHEMA
+
+    def __call__(self, arguments: dict, key: str | None = None, value: str | None = None, **sample) -> str:
+        """The row's value when the call gives no key or the row's key; else a ToolError."""
+        if value is None:
+            raise ToolError(
+                "this prompt has no table to look up (its row lacks extra_info.tools_kwargs.lookup.create_kwargs.value)"
+            )
+        asked = arguments.get("key")
+        if asked is not None and asked != key:
+            raise ToolError(f'no key "{asked}"; the prompt names the key')
+        return str(value)
