@@ -16,8 +16,8 @@ writes data/<task>/train.parquet and data/<task>/test.parquet for each task:
 
 Output is a function of --seed only, and train and test never share a prompt. copy has only
 50 distinct prompts (5 phrasings x 10 digits), so its rows repeat within a split; the test split
-holds out one phrasing per digit instead. lookup's test keys are held out from training. Importable: write_task(task, out_dir, n_train,
-n_test, seed).
+holds out one phrasing per digit instead. lookup's test keys are held out from training.
+Importable: write_task(task, out_dir, n_train, n_test, seed).
 """
 
 from __future__ import annotations
