@@ -29,7 +29,6 @@ from minirl.config.load import Config
 from minirl.data.prompts import PromptLoader, load_prompts
 from minirl.dist.context import DistContext
 from minirl.models.loading import load_model_for_rank
-from minirl.observe.evaluate import load_val_set
 from minirl.protocols import SamplingParams
 from minirl.reward.manager import build_reward_manager
 from minirl.reward.metrics import reward_metrics
@@ -58,7 +57,10 @@ class RolloutWorker:
         self.rewards = build_reward_manager(
             cfg.reward, cfg.custom_reward_function, pm["reward_functions"], cfg.plugins.modules
         )
-        self.val = load_val_set(cfg.data, self.tokenizer, DistContext(device=dist.device), self.agents.tool_schemas)
+        # the validation prompts, when the run validates (the trainer then asks rollout rank 0)
+        self.val = build.val_set(
+            cfg.trainer, cfg.data, self.tokenizer, DistContext(device=dist.device), self.agents.tool_schemas
+        )
         self.version, self.idle_s, self.stopping = 0, 0.0, False
         self.inflight: dict[int, asyncio.Task] = {}
 
@@ -197,7 +199,7 @@ class RolloutWorker:
     async def _serve_validation(self) -> None:
         """Rollout rank 0 answers the trainer's val/request (a version) once its engine is idle:
         greedy decoding (its own sampler) cannot share the engine with sampled requests."""
-        if self.r != 0 or not self.link.store.check(["val/request"]):
+        if self.r != 0 or self.val is None or not self.link.store.check(["val/request"]):
             return
         if self.version < self.link.wait_take_shared("val/request"):
             return  # the weights it asks about are still to come: sync first
