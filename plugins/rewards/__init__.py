@@ -52,7 +52,7 @@ def lookup_reward(
 ) -> float:
     """The multi-turn lookup task (scripts/make_data.py): 1.0 when the stripped final answer
     starts with the ground-truth digit; else 0.1 when the trajectory holds a successful lookup
-    call (a tool message whose content is a digit, read by a later assistant turn); else 0.0.
+    call (a tool message of digits, read by a later assistant turn); else 0.0.
 
     Why the 0.1: the digit is only in the tool's reply, so a random-init policy must first find
     the call (one token in 264 with the tiny-agent tokenizer) and then learn to copy the reply;
@@ -69,10 +69,11 @@ def lookup_reward(
 
 
 def _looked_up(trajectory: dict | None) -> bool:
-    """A lookup reply the model read: a tool message holding a digit (not an "Error: ..."),
-    followed by an assistant turn. tool_agent records the tool's reply in the messages even when
-    it did not fit the response budget and was never shown to the model (the trajectory then ends
-    on it); such a call earns nothing, or calling at the end of a long response would pay."""
+    """A lookup reply the model read: a tool message of digits (the value, maybe stated several
+    times: "7 7 7"; not an "Error: ..."), followed by an assistant turn. tool_agent records the
+    tool's reply in the messages even when it did not fit the response budget and was never shown
+    to the model (the trajectory then ends on it); such a call earns nothing, or calling at the
+    end of a long response would pay."""
     messages = (trajectory or {}).get("messages") or []
     return any(
         m.get("role") == "tool"

@@ -22,6 +22,7 @@ from minirl.agent.parser import parse_hermes
 from minirl.agent.tools import ToolError, ToolSet
 from minirl.config.schema import DataConfig, ModelConfig, MultiTurnConfig, RolloutConfig
 from minirl.data.prompts import PromptRecord, load_prompts
+from minirl.errors import UserError
 from minirl.models.loading import load_model
 from minirl.models.presets import preset_config, preset_tokenizer
 from minirl.models.tokenizers import (
@@ -104,7 +105,9 @@ def test_tiny_agent_model_builds_and_covers_the_tokenizer():
 # ---------------------------------------------------------------------------------------------
 
 ROW_KWARGS = {"lookup": {"create_kwargs": {"key": "k37", "value": "7"}}}
-TOOL_REPLY_TOKENS = 22  # what the model reads after its call: ChatML's tool turn and the next prompt
+REPLY = " ".join(["7"] * 8)  # examples/tools/lookup.yaml states the value 8 times
+# what the model reads after its call: ChatML's tool turn (the reply, 15 tokens) and the next prompt
+TOOL_REPLY_TOKENS = 36
 
 
 def test_lookup_returns_the_value_without_a_key_or_with_the_right_one():
@@ -116,6 +119,14 @@ def test_lookup_returns_the_value_without_a_key_or_with_the_right_one():
         tool({"key": "k12"}, key="k37", value="7")
     with pytest.raises(ToolError, match="create_kwargs.value"):
         tool({})
+    assert Lookup({"repeat": 3})({}, key="k37", value="7") == "7 7 7"
+
+
+@pytest.mark.parametrize("config", [{"repeat": 0}, {"repeat": 1.5}, {"timeout_s": -1}, {"repeats": 8}])
+def test_lookup_settings_are_checked(config):
+    """A bad setting in the tool config names the key (minirl.agent.tools.tool_options)."""
+    with pytest.raises(UserError, match=f"config.{next(iter(config))}"):
+        Lookup(config)
 
 
 def _outcomes(arguments_list: list[str]):
@@ -133,7 +144,7 @@ def test_the_example_tool_config_runs_lookup_with_the_rows_table():
     """examples/tools/lookup.yaml builds the registered tool; the row's create_kwargs reach it;
     a wrong key and a key of the wrong type are messages the model reads, not crashes."""
     ok, keyed, wrong, bad = _outcomes(["{}", '{"key": "k37"}', '{"key": "k99"}', '{"key": 5}'])
-    assert [(o.status, o.text) for o in (ok, keyed)] == [("ok", "7"), ("ok", "7")]
+    assert [(o.status, o.text) for o in (ok, keyed)] == [("ok", REPLY), ("ok", REPLY)]
     assert wrong.status == "error" and 'no key "k99"' in wrong.text
     assert bad.status == "bad_call" and 'argument "key" must be string' in bad.text
 
@@ -158,6 +169,7 @@ def _view(tool_text: str | None, answered: bool = True) -> dict:
     "response, trajectory, expected",
     [
         (" 7 is the digit", _view("7"), 1.0),  # the right digit first
+        ("3", _view(REPLY), 0.1),  # a successful call, its reply stated 8 times
         ("7", None, 1.0),  # right without the tool (a lucky guess) still counts
         ("3", _view("7"), 0.1),  # a successful call, wrong answer
         (LOOKUP_CALL, _view("7"), 0.1),  # called again instead of answering
@@ -189,7 +201,8 @@ def _scripted_rollout(budget: int):
     pm = PluginManager()
     agents = AgentRollout(RolloutConfig(multi_turn=mt), pm["agent_loops"], pm["tools"], TOK)
     messages = [{"role": "user", "content": "Look up key k37 with the lookup tool and answer with its digit."}]
-    prompt_ids = list(TOK.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+    prompt = TOK.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt_ids = TOK.encode(prompt, add_special_tokens=False)
     extra = {"tools_kwargs": ROW_KWARGS}
     record = PromptRecord(prompt_ids, "lookup", "7", extra, "lookup.parquet:0", 0, "tool", "tool_agent", messages)
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=budget, stop_token_ids=(BYTE_EOS_ID,))
@@ -202,11 +215,12 @@ def _scripted_rollout(budget: int):
 
 def test_a_tool_agent_rollout_that_calls_and_copies_scores_one():
     """The chain the learning test relies on, with a scripted model: the call token stops turn
-    one, the tool's reply comes back masked (22 tokens of ChatML), turn two answers the digit."""
-    t = _scripted_rollout(budget=26)
+    one, the tool's reply comes back masked (36 tokens of ChatML), turn two answers the digit."""
+    t = _scripted_rollout(budget=1 + TOOL_REPLY_TOKENS + len(ANSWER))
     assert t.num_turns == 2 and t.response_ids[0] == LOOKUP_CALL_ID and t.response_ids[-2:] == ANSWER
     assert t.response_mask == [1] + [0] * TOOL_REPLY_TOKENS + [1, 1]
-    assert TOK.decode(t.response_ids[1:-2]) == "<|im_end|>\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    reply = f"<|im_end|>\n<|im_start|>tool\n{REPLY}<|im_end|>\n<|im_start|>assistant\n"
+    assert TOK.decode(t.response_ids[1:-2]) == reply
     assert lookup_reward("7", "7", {}, reward_view(t)) == 1.0
     assert lookup_reward("3", "7", {}, reward_view(t)) == 0.1
 
@@ -216,7 +230,7 @@ def test_a_reply_that_does_not_fit_the_budget_earns_nothing():
     reply, though it keeps it in the messages: the call must not earn the 0.1."""
     t = _scripted_rollout(budget=1 + TOOL_REPLY_TOKENS)
     assert t.num_turns == 1 and t.finish_reason == "length" and t.response_ids == [LOOKUP_CALL_ID]
-    assert reward_view(t)["messages"][-1] == {"role": "tool", "name": "lookup", "content": "7"}
+    assert reward_view(t)["messages"][-1] == {"role": "tool", "name": "lookup", "content": REPLY}
     assert lookup_reward(LOOKUP_CALL, "7", {}, reward_view(t)) == 0.0
 
 
