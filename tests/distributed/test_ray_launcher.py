@@ -210,7 +210,7 @@ def test_async_job_under_ray_matches_the_local_launcher(cluster, tmp_path, data_
     assert under_ray.returncode == 0, under_ray.stderr[-3000:]
 
     def deterministic(run_dir):
-        timing = ("async/rollout_idle_s", "async/queue_depth")
+        timing = ("async/rollout_idle_s", "async/trainer_idle_s", "async/queue_depth")
         return [{k: v for k, v in m.items() if k not in timing} for m in _metrics(run_dir)]
 
     assert deterministic(tmp_path / "ray") == deterministic(tmp_path / "local")
