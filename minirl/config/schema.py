@@ -95,6 +95,9 @@ class MultiTurnConfig:
     enable: bool = False  # false: every row runs rollout.agent.default_agent_loop's single turn
     max_assistant_turns: Optional[int] = None  # stop after this many model turns (None: the budget decides)
     max_user_turns: Optional[int] = None  # stop after this many tool/user messages
+    # most tokens one model turn may generate (None: what is left of data.max_response_length); a
+    # turn cut by it ends the trajectory, as one cut by the budget does
+    max_tokens_per_turn: Optional[int] = None
     max_parallel_calls: int = 1  # tool calls run per turn (concurrently); the rest get an error message
     max_tool_response_length: int = 256  # characters of one tool result the model sees
     tool_response_truncate_side: str = "middle"  # left: keep the tail, right: keep the head, middle: both ends

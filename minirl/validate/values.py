@@ -107,6 +107,12 @@ RANGES: list[tuple[str, Callable[[Any], bool], str, str]] = [
         "use e.g. 5, or leave it unset",
     ),
     (
+        "rollout.multi_turn.max_tokens_per_turn",
+        lambda v: v is None or v >= 1,
+        "must be at least 1 token (unset: what is left of data.max_response_length)",
+        "use e.g. 512, or leave it unset",
+    ),
+    (
         "rollout.multi_turn.max_user_turns",
         lambda v: v is None or v >= 0,
         "must be >= 0 tool/user messages (unset: no limit)",

@@ -31,7 +31,7 @@ class ToolAgent:
     A turn that names tools (rollout.multi_turn.format) runs them (at most max_parallel_calls,
     concurrently) and appends their results as tool messages (mask 0); the next turn continues
     the same engine request, so only the new tokens are prefilled. It stops at a turn without
-    calls, a turn cut by the budget, max_assistant_turns or max_user_turns, or when the tool
+    calls, a turn cut by the budget or max_tokens_per_turn, max_assistant_turns or max_user_turns, or when the tool
     messages would not leave room for another turn (they are then not appended, as in verl).
     """
 
@@ -43,7 +43,7 @@ class ToolAgent:
         t = Trajectory(list(sample.prompt_ids), logprobs=[], messages=list(sample.messages), num_turns=0)
         context, tools_run, stats = list(sample.prompt_ids), 0, Counter()
         while True:
-            out = await ctx.generate(sample, context, budget - len(t.response_ids), ctx.chat.stop_ids)
+            out = await ctx.generate(sample, context, _turn_budget(cfg, budget - len(t.response_ids)), ctx.chat.stop_ids)
             _append(t, out.token_ids, 1, out.logprobs)
             context += out.token_ids
             t.num_turns, t.finish_reason = t.num_turns + 1, out.finish_reason
@@ -66,6 +66,12 @@ class ToolAgent:
             tools_run += 1
         t.metrics = dict(stats)
         return t
+
+
+def _turn_budget(cfg, left: int) -> int:
+    """Tokens the next model turn may generate: what is left of the response budget, at most
+    rollout.multi_turn.max_tokens_per_turn."""
+    return left if cfg.max_tokens_per_turn is None else min(left, cfg.max_tokens_per_turn)
 
 
 def _reached(limit: int | None, count: int) -> bool:

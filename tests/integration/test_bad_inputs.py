@@ -306,6 +306,7 @@ CONFIG_CASES = {
     ),
     "parallel_calls_zero": (["rollout.multi_turn.max_parallel_calls=0"], "max_parallel_calls = 0"),
     "assistant_turns_zero": (["rollout.multi_turn.max_assistant_turns=0"], "max_assistant_turns = 0"),
+    "tokens_per_turn_zero": (["rollout.multi_turn.max_tokens_per_turn=0"], "max_tokens_per_turn = 0"),
     # asynchronous training (docs/async.md)
     "async_without_rollout_ranks": (["async_training.enable=true"], "rollout.n_gpus_per_node = 0", "rollout ranks"),
     "async_world_all_rollout": (

@@ -177,6 +177,24 @@ def test_turn_limits(calc_config, limits, turns):
     assert t.response_mask[-1] == 1  # a trajectory ends with the model's tokens
 
 
+def test_max_tokens_per_turn_caps_each_turn_and_a_cut_turn_ends_the_trajectory(calc_config):
+    """Each turn asks the engine for at most max_tokens_per_turn tokens (never more than the budget
+    leaves); a call turn that fits runs its tool, and the answer turn cut by the cap ends the sample
+    with finish_reason "length"."""
+    turn1 = call("calculator", '{"expression": "6*7"}')
+    script = lambda rid, turn, prompt: turn1 if turn == 0 else ids("forty-two " * 20) + [IM_END]
+    asked = []
+    engine = ScriptedEngine(script)
+    submit = engine.submit
+    engine.submit = lambda rid, prompt, params: (asked.append(params.max_new_tokens), submit(rid, prompt, params))
+    [t] = run(rollout(calc_config, max_tokens_per_turn=len(turn1)), engine, records(1))
+    assert asked[0] == len(turn1) and asked[1] == len(turn1)
+    assert t.num_turns == 2 and t.finish_reason == "length"
+    assert t.response_ids[-len(turn1) :] == ids("forty-two " * 20)[: len(turn1)]
+    [uncapped] = run(rollout(calc_config), ScriptedEngine(script), records(1))
+    assert uncapped.finish_reason == "stop" and uncapped.response_ids[-1] == IM_END
+
+
 def test_tool_message_that_leaves_no_room_is_not_appended(calc_config):
     turn1 = call("calculator", '{"expression": "1"}')
     script = lambda rid, turn, prompt: turn1 if turn == 0 else ids("x") + [IM_END]
