@@ -143,7 +143,7 @@ def _target_problems(m, linears: dict) -> list[Problem]:
                     leaves = sorted({n.rsplit(".", 1)[-1] for n in linears} - set(REFUSED_TARGETS))
                     fix = f"choose among {leaves}, or use {ALL_LINEAR!r}"
                     out.append(Problem(key, spec, f"{entry!r} names no linear layer of the model", fix))
-        elif key.endswith("target_modules") and spec != ALL_LINEAR:
+        elif key.endswith("target_modules") and spec != ALL_LINEAR and not _regex_problems(key, spec):
             hit = [n for n in linears if re.fullmatch(spec, n)]
             if not hit:
                 fix = f"write a regex that matches full names such as {next(iter(linears))!r}, or use a list"

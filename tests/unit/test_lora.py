@@ -69,7 +69,7 @@ def test_only_the_adapters_carry_gradients_and_optimizer_state():
     assert len(trainable) == 2 * 7 * 2  # A and B of 7 linear layers in each of 2 decoder layers
     optim_cfg = load_config(None, ["actor.optim.lr=1e-2"]).actor.optim
     optimizer, _ = build_adamw(model, optim_cfg, total_steps=3)
-    for step in range(2):
+    for _ in range(2):
         loss = -log_probs_grad(model).sum()
         loss.backward()
         optimizer.step()
