@@ -201,3 +201,20 @@ def test_target_modules_take_a_string_or_a_list(tmp_path):
     toml.write_text('[model]\nlora_rank = 8\ntarget_modules = "all-linear"\nexclude_modules = ["o_proj"]\n')
     m = load_config(str(toml), []).model
     assert (m.target_modules, m.exclude_modules) == ("all-linear", ["o_proj"])
+
+
+def test_hf_engine_merges_its_copy_and_takes_the_merged_sync():
+    from types import SimpleNamespace
+
+    from minirl_plugins.engines.hf import HFEngine
+    from tests.tiny_models import greedy
+
+    _, model = lora_model()
+    engine = HFEngine(SimpleNamespace(max_num_seqs=8), engine_context(model.config, actor=model))
+    assert not lora.has_adapters(engine.model)  # plain Linears: generate runs no adapter code
+    perturb_adapters(model, seed=4, scale=0.3)
+    engine.load_weights(assembly.full_weights(model, adapted_only=True))
+    assert weights_checksum(engine.model.named_parameters()) == weights_checksum(assembly.full_weights(model))
+    want = [int(logits(model, p)[0, -1].argmax()) for p in PROMPTS]
+    got = [c.token_ids[0] for c in engine.generate(PROMPTS, greedy(max_new=1))]
+    assert got == want
