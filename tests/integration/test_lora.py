@@ -35,22 +35,23 @@ def metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(VOLATILE)} for row in rows]
 
 
+@pytest.mark.slow
 def test_lora_resume_is_bit_exact_and_checkpoints_hold_only_the_adapters(tmp_path, data_dir):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = [*LORA, *SHORT, "trainer.save_freq=2", "trainer.save_hf_freq=4"]
-    run_job(straight, data_dir, [*common, "trainer.total_training_steps=4"])
-    run_job(resumed, data_dir, [*common, "trainer.total_training_steps=2"])
-    trainer = make_trainer(resumed, data_dir, [*common, "trainer.total_training_steps=4"])
-    assert trainer.start_step == 2
+    common = [*LORA, *SHORT, "trainer.save_freq=1", "trainer.save_hf_freq=2"]
+    run_job(straight, data_dir, [*common, "trainer.total_training_steps=2"])
+    run_job(resumed, data_dir, [*common, "trainer.total_training_steps=1"])
+    trainer = make_trainer(resumed, data_dir, [*common, "trainer.total_training_steps=2"])
+    assert trainer.start_step == 1
     trainer.fit()
-    assert [r["step"] for r in metrics(resumed / "bench")] == [1, 2, 3, 4]
+    assert [r["step"] for r in metrics(resumed / "bench")] == [1, 2]
     assert metrics(resumed / "bench") == metrics(straight / "bench")
-    got = load_file(resumed / "bench" / "hf_step_4" / "adapter_model.safetensors")
-    want = load_file(straight / "bench" / "hf_step_4" / "adapter_model.safetensors")
+    got = load_file(resumed / "bench" / "hf_step_2" / "adapter_model.safetensors")
+    want = load_file(straight / "bench" / "hf_step_2" / "adapter_model.safetensors")
     assert got.keys() == want.keys() and len(got) == 28
     assert all(torch.equal(got[k], want[k]) for k in want)
     # the resumable checkpoint: adapters and AdamW moments, not the frozen base (~1.4 MB in fp32)
-    size = sum(f.stat().st_size for f in (straight / "bench" / "ckpt_2").glob("*.distcp"))
+    size = sum(f.stat().st_size for f in (straight / "bench" / "ckpt_1").glob("*.distcp"))
     adapters = sum(t.numel() for t in want.values()) * 4
     assert 3 * adapters <= size < 3 * adapters + 200_000
 
@@ -101,7 +102,7 @@ def pretrained_tiny(tmp_path_factory) -> Path:
     return out
 
 
-LEARN_STEPS = 200
+LEARN_STEPS = 150
 
 
 @pytest.mark.slow
