@@ -70,7 +70,8 @@ def apply_lora(model: torch.nn.Module, model_cfg, base_name: str = "") -> torch.
     config = peft_config(model_cfg)
     config.base_model_name_or_path = base_name or config.base_model_name_or_path
     device = next(model.parameters()).device
-    with seeded(device, model_cfg.seed):
+    # peft draws A on the CPU or on the base layer's device: both generators from model.seed
+    with seeded(torch.device("cpu"), model_cfg.seed), seeded(device, model_cfg.seed):
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_param(name))

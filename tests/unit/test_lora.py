@@ -218,3 +218,21 @@ def test_hf_engine_merges_its_copy_and_takes_the_merged_sync():
     want = [int(logits(model, p)[0, -1].argmax()) for p in PROMPTS]
     got = [c.token_ids[0] for c in engine.generate(PROMPTS, greedy(max_new=1))]
     assert got == want
+
+
+def test_fresh_adapters_come_from_model_seed_and_leave_the_run_stream_alone():
+    """Every rank draws the same A whatever its own seed (the trainer seeds seed + rank), and
+    building the adapters shifts no random stream of the run."""
+    torch.manual_seed(1)
+    untouched = torch.rand(3)
+    torch.manual_seed(1)
+    _, a = lora_model()
+    assert torch.equal(torch.rand(3), untouched)
+    torch.manual_seed(2)
+    _, b = lora_model()
+    assert all(torch.equal(p, b.get_parameter(n)) for n, p in a.named_parameters())
+    _, c = lora_model("model.seed=1")
+    assert not torch.equal(c.get_parameter(ADAPTER_A), a.get_parameter(ADAPTER_A))
+
+
+ADAPTER_A = "model.layers.0.self_attn.q_proj.lora_A.default.weight"
