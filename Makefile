@@ -7,7 +7,7 @@ DATA := data
 .PHONY: install install-test test bench data lint clean
 
 # install: what a training run needs (minirl and its dependencies); install-test adds the test
-# extras (dev: pytest, import-linter, matplotlib, ...; ray: its launcher's tests), about 2 GB.
+# extras (dev: pytest, import-linter, matplotlib, ...; ray: its launcher's tests; lora: peft), about 2 GB.
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	@touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -c constraints.txt -e '.[dev,ray]'
+	$(PIP) install -q -c constraints.txt -e '.[dev,ray,lora]'
 	@touch $@
 
 test: install-test

@@ -17,7 +17,7 @@ from minirl.critic import Critic, critic_only, needs_values, resolved
 from minirl.critic.model import build_value_model
 from minirl.data.prompts import PromptLoader, load_prompts
 from minirl.dist.context import DistContext
-from minirl.models import assembly
+from minirl.models import assembly, lora
 from minirl.models.loading import load_model_for_rank
 from minirl.observe.evaluate import ValSet, load_val_set
 from minirl.protocols import EngineContext
@@ -27,11 +27,18 @@ from minirl.update.loop import Update
 
 def models(pm, cfg: Config, dist: DistContext):
     """(tokenizer, actor, reference or None): the policy loaded once; the reference is a frozen
-    copy taken before the actor is sharded and wrapped."""
+    copy taken before the actor is sharded and wrapped. With LoRA (model.lora_rank) the adapters
+    go in before the assembly and the reference is the actor itself: its log-probs are taken with
+    the adapters disabled (minirl.models.lora.adapters_disabled), no second model in memory."""
     dtype = getattr(torch, cfg.model.dtype)
     model, tokenizer = load_model_for_rank(cfg.model, dist, dtype)  # ranks > 0: meta for a checkpoint
+    needs_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward  # a KL needs the frozen reference
+    if lora.enabled(cfg.model):
+        lora.apply_lora(model, cfg.model, cfg.model.path or cfg.model.preset)
+        actor = assembly.assemble_actor(pm, model, cfg, dist)
+        return tokenizer, actor, actor if needs_ref else None
     ref = None
-    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:  # a KL needs the frozen reference
+    if needs_ref:
         ref = copy.deepcopy(model).eval().requires_grad_(False)
         ref = assembly.assemble_reference(pm, ref, cfg.ref, dist, cfg.model)
     actor = assembly.assemble_actor(pm, model, cfg, dist)

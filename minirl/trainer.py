@@ -24,7 +24,7 @@ from minirl.algo.rollout_corr import require_rollout_log_probs, rollout_log_prob
 from minirl.batch import RolloutBatch, trajectory_mask
 from minirl.checkpoint import state as ckpt_state
 from minirl.checkpoint import training as ckpt_training
-from minirl.checkpoint.hf import save_hf_checkpoint
+from minirl.checkpoint.hf import save_hf_checkpoint, save_lora_checkpoint
 from minirl.checkpoint.resume import plan_run
 from minirl.checkpoint.training import TrainingState
 from minirl.config.load import Config
@@ -35,7 +35,7 @@ from minirl.dist.context import DistContext
 from minirl.dist.signals import StopRequest
 from minirl.errors import Stopped
 from minirl.forward.packed import logprob_head, per_token_pass
-from minirl.models import assembly
+from minirl.models import assembly, lora
 from minirl.observe.evaluate import validate
 from minirl.observe.metrics import PhaseTimer, summary_table
 from minirl.observe.runs.read import METRICS_FILE, read_metrics
@@ -101,6 +101,7 @@ class Trainer:
     def _training_state(self) -> TrainingState:
         """What a checkpoint saves and a resume restores (minirl.checkpoint.training)."""
         parts = ckpt_state.Checkpointable(model=self.actor, optimizer=self.optimizer)
+        parts.trainable_only = lora.has_adapters(self.actor)  # LoRA: the adapters and their optimizer state
         schedulers = {"actor": self.scheduler}
         if self.critic is not None:
             parts.others["critic"] = (self.critic.model, self.critic.optimizer)
@@ -160,7 +161,7 @@ class Trainer:
         if force or self._is_due(t.save_freq, step):
             self.save(step)
         if self._is_due(t.save_hf_freq, step):
-            save_hf_checkpoint(self.actor, self.tokenizer, os.path.join(self.run_dir, f"hf_step_{step}"), self.dist)
+            self.save_hf(os.path.join(self.run_dir, f"hf_step_{step}"))
 
     def save(self, step: int) -> str:
         """A full checkpoint of everything the next step depends on (minirl.checkpoint)."""
@@ -214,7 +215,7 @@ class Trainer:
                 with timer.phase("old_log_prob"):
                     batch.old_log_probs_BT = self.old_log_probs(batch)
             if self.ref is not None:
-                with timer.phase("ref"):
+                with timer.phase("ref"), lora.adapters_disabled(self.ref):  # LoRA: the actor's base
                     batch.ref_log_probs_BT = self.log_probs(self.ref, self.ref_micro, batch)
             if self.critic is not None:
                 with timer.phase("values"):
@@ -376,8 +377,19 @@ class Trainer:
         metrics.update(value_metrics(batch, self.dist))
         return metrics
 
+    def save_hf(self, path: str) -> None:
+        """The actor as a Hugging Face directory; with LoRA a peft adapter directory (and the
+        merged model in path/merged when model.lora_save_merged)."""
+        if lora.has_adapters(self.actor):
+            save_lora_checkpoint(self.actor, self.tokenizer, path, self.dist, self.cfg.model.lora_save_merged)
+        else:
+            save_hf_checkpoint(self.actor, self.tokenizer, path, self.dist)
+
     def sync_weights(self) -> None:
-        self.engine.load_weights(assembly.full_weights(self.actor))
+        """The engine loads the actor's weights; with LoRA only the targeted matrices, merged
+        (W + B A * alpha / r): the frozen rest is what the engine loaded when it was built."""
+        adapted_only = lora.has_adapters(self.actor)
+        self.engine.load_weights(assembly.full_weights(self.actor, adapted_only=adapted_only))
 
     # -----------------------------------------------------------------------------------------
     # output

@@ -33,7 +33,7 @@ _FREE_KEYS = {
     ),
     "data": "val_files",
     "reward": "num_workers timeout_s",
-    "model": _MODEL_KEYS,
+    "model": _MODEL_KEYS + " lora_save_merged",  # LoRA: the merged export is output only
     "actor": _UPDATE_KEYS,
     "critic": _UPDATE_KEYS + " forward_micro_batch_size_per_gpu forward_max_token_len_per_gpu",
     "critic.model": _MODEL_KEYS,

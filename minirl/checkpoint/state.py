@@ -26,7 +26,7 @@ import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from minirl.checkpoint import store
 from minirl.dist.context import DistContext
@@ -45,6 +45,9 @@ class Checkpointable:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     others: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = field(default_factory=dict)
+    # LoRA: the actor's frozen base is rebuilt from model.path / model.preset, so only the
+    # parameters that train (the adapters) and their optimizer state are saved
+    trainable_only: bool = False
 
     def _pairs(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
         return {"": (self.model, self.optimizer), **{f"{k}_": v for k, v in self.others.items()}}
@@ -53,14 +56,25 @@ class Checkpointable:
         """The DCP state: every model's and optimizer's (sharded) state dict by key."""
         state = {}
         for prefix, (model, optimizer) in self._pairs().items():
-            state[f"{prefix}model"], state[f"{prefix}optim"] = get_state_dict(model, optimizer)
+            options = self._options(prefix)
+            state[f"{prefix}model"], state[f"{prefix}optim"] = get_state_dict(model, optimizer, options=options)
         return state
 
     def load_state_dicts(self, state: dict[str, Any]) -> None:
         for prefix, (model, optimizer) in self._pairs().items():
             set_state_dict(
-                model, optimizer, model_state_dict=state[f"{prefix}model"], optim_state_dict=state[f"{prefix}optim"]
+                model,
+                optimizer,
+                model_state_dict=state[f"{prefix}model"],
+                optim_state_dict=state[f"{prefix}optim"],
+                options=self._options(prefix),
             )
+
+    def _options(self, prefix: str) -> StateDictOptions | None:
+        """The actor's trainable parameters only (trainable_only); the full state otherwise."""
+        if prefix or not self.trainable_only:
+            return None
+        return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def save(run_dir: str, step: int, parts: Checkpointable, trainer_state: dict, config_toml: str, dist, keep: int) -> str:

@@ -203,9 +203,13 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {key} must be a table, got {_tname(value)}")
         return _build(hint, value, key, source)
-    if origin is typing.Union:  # Optional[X]
+    if origin is typing.Union:  # Optional[X], or X | list[X] (a list value picks the list)
         inner = [a for a in args if a is not type(None)]
-        return None if value is None else _coerce(value, inner[0], key, source)
+        if value is None:
+            return None
+        lists = [a for a in inner if typing.get_origin(a) is list]
+        pick = lists[0] if isinstance(value, list) and lists else next((a for a in inner if a not in lists), inner[0])
+        return _coerce(value, pick, key, source)
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(

@@ -7,7 +7,7 @@ the `minirl_config_sections` hook. `minirl.config.load` parses TOML into these c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,15 @@ class ModelConfig:
     attn_implementation: str = "minirl"  # minirl (packed varlen) | sdpa | eager
     compile_layers: bool = False  # torch.compile each decoder layer (actor and reference): fuses the element-wise work
     fused_mlp: bool = False  # SiLU·mul in the gate/up GEMM's epilogue in gradient-free forwards (Hopper GPUs)
-    seed: int = 0  # seed of the random weights of a preset
+    seed: int = 0  # seed of the random weights of a preset (and of fresh LoRA adapters)
+    # LoRA (minirl[lora], peft; docs/lora.md): train low-rank adapters, the base weights frozen
+    lora_rank: int = 0  # 0: off (full fine-tuning); r of the adapters
+    lora_alpha: int = 16  # the adapters' output is scaled by lora_alpha / lora_rank
+    target_modules: Union[str, list[str]] = "all-linear"  # all-linear, a list of module names, or a regex
+    exclude_modules: Union[str, list[str]] = field(default_factory=list)  # names (list) or a regex (string)
+    lora_dropout: float = 0.0  # dropout on the adapters' input in training forwards
+    lora_adapter_path: str = ""  # a peft adapter directory to continue from (enables LoRA)
+    lora_save_merged: bool = False  # save_hf_freq also writes the merged full weights (hf_step_N/merged)
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,10 @@ from typing import Iterator
 import torch
 
 from minirl.dist.context import DistContext
+from minirl.models import lora
 from minirl.models.compile import compile_layers
 from minirl.models.fused_mlp import fuse_mlps
-
-# prefixes that wrappers add to parameter names; the engines want Hugging Face names
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.", "module.")
+from minirl.models.names import hf_name  # noqa: F401 (re-exported: the engines' import)
 
 
 def assemble_actor(pm, model: torch.nn.Module, cfg, dist: DistContext) -> torch.nn.Module:
@@ -72,15 +71,16 @@ def reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
-def hf_name(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
-def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def full_weights(model: torch.nn.Module, adapted_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, full tensor) one parameter at a time, never the whole model at once: a
-    sharded parameter (DTensor) is gathered just for the moment its copy is made."""
+    sharded parameter (DTensor) is gathered just for the moment its copy is made. A model with
+    LoRA adapters gives its merged weights (W + B A * alpha / r under W's name, no adapter
+    tensors), so every consumer (the engines, the checksum, the HF export) sees a plain model;
+    adapted_only: only those merged matrices (what changes in a LoRA update)."""
+    if lora.has_adapters(model):
+        yield from ((hf_name(n), t) for n, t in lora.merged_weights(model, adapted_only))
+        return
+    assert not adapted_only, "adapted_only without LoRA adapters"
     for name, param in model.named_parameters():
         tensor = param.detach()
         if hasattr(tensor, "full_tensor"):

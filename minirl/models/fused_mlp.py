@@ -77,16 +77,29 @@ def _check_kernel(device: torch.device) -> None:
 def _is_silu_gated(mlp) -> bool:
     from transformers import activations
 
-    projections = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    projections = [_linear(getattr(mlp, name, None)) for name in ("gate_proj", "up_proj", "down_proj")]
     linear = all(isinstance(p, torch.nn.Linear) and p.bias is None for p in projections)
     # ACT2FN["silu"] is transformers' own class since transformers 5, torch's before
     silu = (torch.nn.SiLU, getattr(activations, "SiLUActivation", torch.nn.SiLU))
     return linear and isinstance(getattr(mlp, "act_fn", None), silu)
 
 
+def _linear(projection):
+    """The Linear a projection computes with: itself, or a LoRA layer's frozen base_layer."""
+    return getattr(projection, "base_layer", projection)
+
+
+def _adapting(projection) -> bool:
+    """A LoRA layer whose adapters are on (minirl.models.lora): its output is not x Wᵀ alone."""
+    return hasattr(projection, "lora_A") and not projection._disable_adapters
+
+
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
-    wg, wu = self.gate_proj.weight, self.up_proj.weight
-    if kernel_applies(x, wg, wu):
+    gate, up = self.gate_proj, self.up_proj
+    wg, wu = _linear(gate).weight, _linear(up).weight
+    # LoRA on gate/up: the kernel computes silu(x Wgᵀ)·(x Wuᵀ) with the base weights, which is the
+    # layer's output only with the adapters off (the reference pass); otherwise peft's forward runs
+    if not (_adapting(gate) or _adapting(up)) and kernel_applies(x, wg, wu):
         h = torch.ops.minirl.gate_up_silu(x.reshape(-1, x.shape[-1]), wg, wu)
         return self.down_proj(h.view(*x.shape[:-1], wg.shape[0]))
     return type(self).forward(self, x)  # the module's own forward

@@ -66,15 +66,15 @@ def random_model(
     """A causal LM with transformers' own init (normal(0, initializer_range), unit norms,
     recomputed RoPE buffers), drawn from `seed` without touching the global RNG state."""
     device = torch.device(device)
-    model = _meta_model(config, dtype, attn_implementation)
+    model = meta_model(config, dtype, attn_implementation)
     model.to_empty(device=device)  # storage only: the values come from the seeded init below
-    with _seeded(device, seed):
+    with seeded(device, seed):
         model.initialize_weights()
     model.tie_weights()
     return model
 
 
-def _meta_model(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str) -> PreTrainedModel:
+def meta_model(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str) -> PreTrainedModel:
     """The model's structure on the meta device: no memory, no initialisation."""
     register_attention()
     with torch.device("meta"):
@@ -82,7 +82,7 @@ def _meta_model(config: PretrainedConfig, dtype: torch.dtype, attn_implementatio
 
 
 @contextlib.contextmanager
-def _seeded(device: torch.device, seed: int):
+def seeded(device: torch.device, seed: int):
     """Seed the generator that draws on `device` (CPU and CUDA draw different numbers from one
     seed), restoring it afterwards, so building a model never shifts the run's random stream."""
     if device.type != "cuda":
@@ -152,5 +152,5 @@ def load_model_for_rank(model_cfg, dist: DistContext, dtype: torch.dtype):
     if dist.world_size == 1 or dist.rank == 0 or not model_cfg.path:
         return load_model(model_cfg, dist.device, dtype)
     config = AutoConfig.from_pretrained(model_cfg.path, local_files_only=True)
-    model = _meta_model(config, dtype, model_cfg.attn_implementation or ATTN_NAME)
+    model = meta_model(config, dtype, model_cfg.attn_implementation or ATTN_NAME)
     return model.eval(), load_tokenizer(model_cfg)

@@ -2,7 +2,8 @@
 
 A preset is a transformers config (weights are random, seeded by model.seed) plus the name of its
 built-in tokenizer. `qwen2-1.5b` is exactly DeepSeek-R1-Distill-Qwen-1.5B's config.json, so
-benchmarks on random weights measure the real model's cost. The tiny presets cover the three
+benchmarks on random weights measure the real model's cost; `qwen2-7b` is Qwen2-7B's, the LoRA
+benchmark's shape. The tiny presets cover the three
 decoder families the native rollout engine implements, with both tied and untied embeddings,
 GQA, qkv bias (Qwen2), q/k norms and a head_dim that is not hidden/heads (Qwen3), and Llama 3's
 scaled RoPE. `tiny-agent` is `tiny` with the agent tokenizer's 264-token vocabulary (its tool-call
@@ -107,12 +108,41 @@ def _qwen2_1_5b(**overrides) -> PretrainedConfig:
     )
 
 
+def _qwen2_7b(**overrides) -> PretrainedConfig:
+    """Qwen2-7B's config.json (the base model), key for key: the shape of the LoRA benchmark, a
+    model whose full fine-tuning (weights, gradients, AdamW state) does not fit one H200."""
+    return Qwen2Config(
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        hidden_act="silu",
+        max_position_embeddings=131072,
+        initializer_range=0.02,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        sliding_window=131072,
+        max_window_layers=28,
+        attention_dropout=0.0,
+        use_cache=True,
+        bos_token_id=151643,
+        eos_token_id=151643,
+        **overrides,
+    )
+
+
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(_tiny, byte_tokenizer),
     "qwen3-tiny": Preset(_qwen3_tiny, byte_tokenizer),
     "llama3-tiny": Preset(_llama3_tiny, byte_tokenizer),
     "tiny-agent": Preset(_tiny_agent, agent_byte_tokenizer),
     "qwen2-1.5b": Preset(_qwen2_1_5b, qwen2_tokenizer),
+    "qwen2-7b": Preset(_qwen2_7b, qwen2_tokenizer),
 }
 
 

@@ -10,6 +10,8 @@ from contextlib import contextmanager
 
 import torch
 
+from minirl.models import lora
+
 # dense bf16 FLOP/s per device, for MFU when trainer.peak_flops is 0
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "H20": 148e12, "L40S": 362e12}
 
@@ -53,10 +55,14 @@ def peak_flops(device: torch.device, configured: float) -> float:
     return next((v for k, v in PEAK_FLOPS.items() if k in name), 0.0)
 
 
-def train_flops(model_config, n_params: int, seq_lens: list[int], backward: bool) -> float:
+def train_flops(
+    model_config, n_params: int, seq_lens: list[int], backward: bool, n_trained: int | None = None
+) -> float:
     """6·N·tokens (2·N forward only) plus causal attention: 2·2·L·h·d·Σ s²/2 per forward pass.
 
     N is the non-embedding parameter count plus the output projection (docs/algorithms.md §7).
+    n_trained (LoRA: the adapters' count): only those get weight gradients, so the backward's
+    matrix work is 2·N (input gradients) + 2·n_trained instead of 4·N.
     """
     tokens = sum(seq_lens)
     layers = model_config.num_hidden_layers
@@ -65,6 +71,8 @@ def train_flops(model_config, n_params: int, seq_lens: list[int], backward: bool
     width = heads * head_dim
     attn_fwd = 2 * layers * width * sum(s * s for s in seq_lens)  # QK^T and PV, causal half of 4·L·w·s²
     mult = 3 if backward else 1
+    if backward and n_trained is not None:
+        return (4 * n_params + 2 * n_trained) * tokens + mult * attn_fwd
     return mult * (2 * n_params * tokens + attn_fwd)
 
 
@@ -75,6 +83,13 @@ def flops_params(model: torch.nn.Module) -> int:
     head = model.get_output_embeddings().weight
     tied = head is embed
     return total - embed.numel() + (head.numel() if tied else 0)
+
+
+def lora_params(model: torch.nn.Module) -> int | None:
+    """The adapters' parameter count of a LoRA actor (what gets weight gradients), else None."""
+    if not lora.has_adapters(model):
+        return None
+    return sum(p.numel() for name, p in model.named_parameters() if lora.is_adapter_param(name))
 
 
 # a phase that a configuration legitimately skips is shown as skipped, with why

@@ -15,7 +15,7 @@ import torch
 from minirl.batch import RolloutBatch
 from minirl.critic.value_loss import explained_variance
 from minirl.dist.context import DistContext
-from minirl.observe.metrics import flops_params, peak_flops, train_flops
+from minirl.observe.metrics import flops_params, lora_params, peak_flops, train_flops
 
 
 def reduced_stats(prefix: str, x: torch.Tensor, dist: DistContext) -> dict[str, float]:
@@ -110,7 +110,9 @@ def perf_metrics(
             out[f"perf/{phase}_throughput_per_gpu"] = total / (seconds[phase] * world)
     peak = peak_flops(dist.device, cfg.trainer.peak_flops)
     if peak > 0 and "update_actor" in seconds:  # skipped during trainer.critic_warmup
-        flops = cfg.actor.ppo_epochs * train_flops(actor.config, flops_params(actor), batch.seq_lens(), backward=True)
+        trained = lora_params(actor)  # None: full fine-tuning
+        n, lens = flops_params(actor), batch.seq_lens()
+        flops = cfg.actor.ppo_epochs * train_flops(actor.config, n, lens, backward=True, n_trained=trained)
         flops = float(dist.all_reduce(torch.tensor(flops, dtype=torch.float64, device=dist.device)))
         out["perf/mfu/actor"] = flops / (seconds["update_actor"] * world * peak)
     if torch.cuda.is_available() and dist.device.type == "cuda":

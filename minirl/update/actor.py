@@ -19,6 +19,7 @@ from minirl.algo.stats import DeviceSums
 from minirl.batch import RolloutBatch, scatter_rows
 from minirl.dist.context import DistContext
 from minirl.forward.packed import hidden_head, packed_forward, response_logprobs
+from minirl.models import lora
 from minirl.update.loop import Update, run_update
 
 
@@ -152,7 +153,7 @@ def _full_kl(job: ActorUpdate, mb: RolloutBatch, dist, chunk: int = 1024) -> tor
     checkpointing, so only [chunk, V] logits of each model exist at a time.
     """
     model, ref, temperature = job.update.model, job.losses.ref_model, job.temperature
-    with torch.no_grad():
+    with torch.no_grad(), lora.adapters_disabled(ref):  # LoRA: the reference is the actor's base
         (ref_h,) = packed_forward(ref, mb.prompts, mb.responses, dist.device, hidden_head)
     (h,) = packed_forward(model, mb.prompts, mb.responses, dist.device, hidden_head)
     head, ref_head = model.get_output_embeddings(), ref.get_output_embeddings()

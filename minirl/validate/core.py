@@ -11,6 +11,7 @@ from minirl.config.load import Config, ConfigError
 from minirl.validate import layout, options
 from minirl.validate.critic import critic_problems
 from minirl.validate.files import file_problems
+from minirl.validate.lora import lora_problems
 from minirl.validate.problem import Problem, rollout_world
 from minirl.validate.values import value_problems
 
@@ -32,6 +33,7 @@ RULES = (
     options.kv_cache_problems,
     options.multi_turn_problems,
     options.async_problems,
+    lora_problems,
 )
 
 

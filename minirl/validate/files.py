@@ -16,6 +16,7 @@ from typing import Any
 
 from minirl.errors import UserError, describe
 from minirl.validate.critic import uses_critic
+from minirl.validate.lora import lora_file_problems
 from minirl.validate.problem import Problem
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -25,6 +26,7 @@ MODEL_DIR_FIX = "point it at a local Hugging Face model directory, or leave it e
 def file_problems(cfg, pm) -> list[Problem]:
     return [
         *_model(cfg.model),
+        *lora_file_problems(cfg),
         *_critic_model(cfg, pm),
         *_data(cfg, pm),
         *_custom_reward(cfg),

@@ -16,6 +16,7 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from minirl import hookimpl
+from minirl.models import lora
 from minirl.models.compile import uncompile_layers
 from minirl.models.fused_mlp import unfuse_mlps
 from minirl.protocols import Completion, EngineContext, SamplingParams
@@ -28,6 +29,7 @@ class HFEngine:
         if ctx.actor is None:
             raise ValueError("rollout.name = 'hf' needs the actor module to copy")
         self.model = copy.deepcopy(ctx.actor).to(device=ctx.device, dtype=ctx.dtype).eval()
+        lora.unload(self.model)  # LoRA adapters merged into plain Linears: the trainer sends merged weights
         uncompile_layers(self.model)  # generate's KV-cache forwards run eagerly (model.compile_layers)
         unfuse_mlps(self.model)  # and with Hugging Face's MLP (model.fused_mlp)
         self.model.requires_grad_(False)

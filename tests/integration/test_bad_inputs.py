@@ -333,6 +333,37 @@ CONFIG_CASES = {
     ),
     "async_staleness_negative": (["async_training.staleness_threshold=-1"], "staleness_threshold = -1"),
     "async_trigger_zero": (["async_training.trigger_parameter_sync_step=0"], "trigger_parameter_sync_step = 0"),
+    # LoRA (model.lora_*): the values, then the modules they name (the model built on the meta device)
+    "lora_alpha_without_rank": (["model.lora_alpha=32"], "model.lora_rank = 0", "model.lora_alpha is set"),
+    "lora_rank_negative": (["model.lora_rank=-8"], "model.lora_rank = -8", ">= 0"),
+    "lora_alpha_zero": (["model.lora_rank=8", "model.lora_alpha=0"], "model.lora_alpha = 0", "> 0"),
+    "lora_dropout_one": (["model.lora_rank=8", "model.lora_dropout=1.0"], "model.lora_dropout = 1.0", "[0, 1)"),
+    "lora_target_regex_invalid": (
+        ["model.lora_rank=8", "model.target_modules=(proj"],
+        "model.target_modules",
+        "regular",
+    ),
+    "lora_target_unknown": (
+        ["model.lora_rank=8", 'model.target_modules=["q_proj", "gate"]'],
+        "model.target_modules",
+        "'gate' names no linear layer",
+        "gate_proj",
+    ),
+    "lora_target_lm_head": (
+        ["model.lora_rank=8", 'model.target_modules=["q_proj", "lm_head"]'],
+        "'lm_head' cannot carry an adapter",
+        "log-prob head",
+    ),
+    "lora_target_regex_matches_nothing": (
+        ["model.lora_rank=8", "model.target_modules=.*qkv.*"],
+        "model.target_modules = '.*qkv.*'",
+        "matches no linear layer",
+    ),
+    "lora_adapter_path_missing": (
+        ["model.lora_adapter_path=/no/such/adapter"],
+        "model.lora_adapter_path = '/no/such/adapter'",
+        "no such directory",
+    ),
 }
 
 
@@ -975,3 +1006,44 @@ def test_agent_name_not_a_string_names_the_row(capsys, tmp_path, base):
 def test_unknown_agent_name_in_a_row_names_the_row(capsys, tmp_path, base):
     path = write_rows(tmp_path / "d.parquet", [good_row(i, agent_name="tool_agnt") for i in range(8)])
     fails(capsys, base + [files_override(path)], "d.parquet:0", "agent_name = 'tool_agnt'", "tool_agent")
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA adapter directories (model.lora_adapter_path)
+# ---------------------------------------------------------------------------------------------
+
+
+def _adapter(tmp_path: Path, preset: str, *overrides: str) -> Path:
+    """A peft adapter directory minirl wrote for `preset` (fresh adapters)."""
+    import torch
+
+    from minirl.config.load import load_config
+    from minirl.models import lora
+    from minirl.models.loading import random_model
+    from minirl.models.presets import preset_config
+
+    cfg = load_config(None, ["model.lora_rank=4", *overrides]).model
+    model = lora.apply_lora(random_model(preset_config(preset), "cpu", torch.float32), cfg, preset)
+    lora.save_adapter(model, str(tmp_path / "adapter"))
+    return tmp_path / "adapter"
+
+
+def test_lora_adapter_of_another_base_model(capsys, tmp_path, base):
+    """adapter_config.json names its base (a preset here); another model.preset is refused."""
+    path = _adapter(tmp_path, "tiny")
+    fails(capsys, base + [f"model.lora_adapter_path={path}", "model.preset=qwen3-tiny"], "trained on 'tiny'")
+
+
+def test_lora_adapter_whose_shapes_do_not_fit(capsys, tmp_path, base):
+    """An adapter that does not name its base: the tensor shapes decide, and qwen3-tiny's q_proj
+    has 128 outputs where tiny's has 64."""
+    path = _adapter(tmp_path, "qwen3-tiny")
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": None}))
+    fails(capsys, base + [f"model.lora_adapter_path={path}"], "model.lora_adapter_path", "another base model")
+
+
+def test_lora_adapter_directory_without_weights(capsys, tmp_path, base):
+    path = _adapter(tmp_path, "tiny")
+    (path / "adapter_model.safetensors").unlink()
+    fails(capsys, base + [f"model.lora_adapter_path={path}"], "has no adapter_model.safetensors")

@@ -51,10 +51,20 @@ def test_tiny_presets_fit_the_byte_tokenizer(name):
     assert sum(p.numel() for p in _meta_model(name).parameters()) < 200_000
 
 
-def test_the_presets_are_the_five_documented_ones():
+def test_qwen2_7b_is_qwen2_7b():
+    """The LoRA benchmark's shape: Qwen2-7B's config.json and its 7,615,616,512 parameters."""
+    cfg = preset_config("qwen2-7b")
+    heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, heads) == (3584, 28, (28, 4))
+    assert (cfg.intermediate_size, cfg.vocab_size) == (18944, 152064)
+    assert cfg.rope_parameters["rope_theta"] == 1000000.0 and cfg.tie_word_embeddings is False
+    assert sum(p.numel() for p in _meta_model("qwen2-7b").parameters()) == 7_615_616_512
+
+
+def test_the_presets_are_the_six_documented_ones():
     """model.preset offers these (a typo is caught up front: minirl.validate.files); tiny-agent
     is tiny with the agent tokenizer's vocabulary (tests/unit/test_lookup_task.py)."""
-    assert set(PRESETS) == {"tiny", "tiny-agent", "llama3-tiny", "qwen3-tiny", "qwen2-1.5b"}
+    assert set(PRESETS) == {"tiny", "tiny-agent", "llama3-tiny", "qwen3-tiny", "qwen2-1.5b", "qwen2-7b"}
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -44,3 +44,12 @@ def test_check_config_refuses_a_math_change_and_names_the_key():
     with pytest.raises(UserError, match=r"actor\.clip_ratio = 0\.3 \(checkpoint\) vs 0\.2 \(now\)"):
         check_config(saved, cfg.to_dict(), "runs/x/ckpt_3", ignore=False, defaults=_defaults(cfg))
     assert check_config(saved, cfg.to_dict(), "runs/x/ckpt_3", ignore=True, defaults=_defaults(cfg))
+
+
+def test_lora_keys_change_the_math_but_the_merged_export_does_not():
+    saved = to_toml(load_config(None, ["model.lora_rank=8", "model.lora_save_merged=true"]))
+    same_math = load_config(None, ["model.lora_rank=8"])
+    assert check_config(saved, same_math.to_dict(), "runs/x/ckpt_3", ignore=False, defaults=_defaults(same_math)) == []
+    other_rank = load_config(None, ["model.lora_rank=16"])
+    with pytest.raises(UserError, match=r"model\.lora_rank = 8 \(checkpoint\) vs 16 \(now\)"):
+        check_config(saved, other_rank.to_dict(), "runs/x/ckpt_3", ignore=False, defaults=_defaults(other_rank))

@@ -296,3 +296,32 @@ def test_replies_that_do_not_say_success_raise():
     for reply in [(False, "refused"), None, "ok", type("Out", (), {"success": False})()]:
         with pytest.raises(RuntimeError, match="sglang x"):
             check(reply, "x")
+
+
+def test_lora_actor_syncs_its_merged_adapters(fake, qwen2):
+    """A LoRA actor (minirl.models.lora): SGLang is built with the merged weights under plain
+    names and, after an update, receives only the targeted matrices, merged; it then holds exactly
+    the trainer's merged weights and generates as the LoRA model does."""
+    import copy
+
+    from minirl.config.load import load_config
+    from minirl.models import assembly, lora
+    from minirl_plugins.engines.sglang import build_sglang_engine
+
+    cfg, hf = qwen2
+    model_cfg = load_config(
+        None, ["model.lora_rank=4", "model.lora_alpha=8", 'model.target_modules=["q_proj", "up_proj"]']
+    ).model
+    actor = lora.apply_lora(copy.deepcopy(hf), model_cfg, "tiny")
+    eng = build_sglang_engine(_Rollout(), engine_context(cfg, actor=actor))
+    with torch.no_grad():
+        for name, p in actor.named_parameters():
+            if lora.is_adapter_param(name):
+                p.add_(torch.full_like(p, 0.03))
+    want = weights_checksum(assembly.full_weights(actor))
+    assert weights_checksum(_fake_model(eng).named_parameters()) != want
+    eng.load_weights(assembly.full_weights(actor, adapted_only=True))
+    assert weights_checksum(_fake_model(eng).named_parameters()) == want
+    merged = lora.unload(copy.deepcopy(actor))
+    got = eng.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=6))
+    assert [c.token_ids for c in got] == [_hf_greedy(merged, p, 6) for p in PROMPTS]

@@ -23,6 +23,7 @@ from typing import Iterable
 import torch
 
 from minirl.dist.spmd import free_port
+from minirl.models.assembly import full_weights
 from minirl.protocols import Completion, EngineContext, SamplingParams, TurnOutput, generate_batch
 from minirl_plugins.engines.sglang.api import SGLangAPI, unsupported
 from minirl_plugins.engines.sglang.request_table import Pending, RequestTable
@@ -46,7 +47,7 @@ class SGLangEngine:
         bucket_mb = int(getattr(rollout_cfg, "update_weights_bucket_megabytes", 512))
         self.sync = WeightSync(api, self.engine, ctx.dtype, bucket_mb)
         if ctx.actor is not None:
-            self.load_weights(ctx.actor.named_parameters())
+            self.load_weights(full_weights(ctx.actor))  # merged, when the actor has LoRA adapters
 
     # ---------------------------------------------------------------------------- protocol
 

@@ -17,6 +17,7 @@ from typing import Iterable
 
 import torch
 
+from minirl.models.assembly import full_weights
 from minirl.protocols import Completion, EngineContext, SamplingParams, TurnOutput, generate_batch, sample_ids
 from minirl_plugins.engines.native.config import EngineConfig
 from minirl_plugins.engines.native.engine.block_manager import BlockManager
@@ -53,7 +54,7 @@ class NativeEngine:
 
     def _init_weights(self, ctx: EngineContext) -> None:
         if ctx.actor is not None:
-            self.load_weights(ctx.actor.named_parameters())
+            self.load_weights(full_weights(ctx.actor))  # merged, when the actor has LoRA adapters
         elif ctx.extra.get("path"):
             self.load_weights(iter_checkpoint(ctx.extra["path"], self.device))
         else:

@@ -1,0 +1,225 @@
+"""LoRA adapters on the actor (model.lora_rank > 0 or model.lora_adapter_path), through peft.
+
+peft's layer injection (`inject_adapter_in_model`) replaces each targeted nn.Linear in place by a
+LoRA layer that holds the frozen Linear as `base_layer` plus `lora_A` and `lora_B`; the model keeps
+its class, its decoder and its other modules, so minirl's assembly (activation checkpointing,
+compiled layers, FSDP2, Ulysses) sees the same tree with three more leaves per targeted matrix.
+Only the adapters require gradients, so the optimizer holds state for them alone.
+
+What the rest of minirl asks of this module:
+- `adapters_disabled(model)`: the base model, for the reference log-probs (no second copy);
+- `merged_weights(model)`: (Hugging Face name, W + B A * alpha / r) for the rollout engines, the
+  checksum and the merged export; `adapted_only` yields just the targeted matrices (the frozen
+  rest never changes after the engine's first load);
+- `adapter_state` / `save_adapter` / `load_adapter`: peft's adapter directory
+  (adapter_config.json + adapter_model.safetensors) in and out.
+peft is imported only here and only when LoRA is on (the optional extra minirl[lora]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Iterator
+
+import torch
+
+from minirl.errors import UserError
+from minirl.models.loading import seeded
+from minirl.models.names import hf_name
+
+ADAPTER = "default"  # peft's adapter name; one adapter per model
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_BASE = ".base_layer"
+
+
+def enabled(model_cfg) -> bool:
+    """LoRA is on: a rank, or an adapter to continue from (whose config gives the rank)."""
+    return model_cfg.lora_rank > 0 or bool(model_cfg.lora_adapter_path)
+
+
+def peft_config(model_cfg):
+    """The peft LoraConfig of [model]: the adapter directory's own when lora_adapter_path is set."""
+    from peft import LoraConfig
+
+    if model_cfg.lora_adapter_path:
+        return LoraConfig.from_pretrained(os.path.expanduser(model_cfg.lora_adapter_path))
+    exclude = model_cfg.exclude_modules or None
+    return LoraConfig(
+        r=model_cfg.lora_rank,
+        lora_alpha=model_cfg.lora_alpha,
+        target_modules=model_cfg.target_modules,
+        exclude_modules=exclude,
+        lora_dropout=model_cfg.lora_dropout,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(model: torch.nn.Module, model_cfg, base_name: str = "") -> torch.nn.Module:
+    """Inject the adapters in place and freeze everything else; returns the model.
+
+    Fresh adapters draw A from model.seed (B is zero, so the model starts as the base: the
+    reference is then exactly the starting policy) without touching the run's random stream, so
+    every rank draws the same ones. lora_adapter_path loads its weights instead. base_name:
+    what adapter_config.json records as base_model_name_or_path (model.path or the preset)."""
+    from peft import inject_adapter_in_model
+
+    config = peft_config(model_cfg)
+    config.base_model_name_or_path = base_name or config.base_model_name_or_path
+    device = next(model.parameters()).device
+    # peft draws A on the CPU or on the base layer's device: both generators from model.seed
+    with seeded(torch.device("cpu"), model_cfg.seed), seeded(device, model_cfg.seed):
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter_param(name))
+        if is_adapter_param(name):  # peft keeps float32 adapters on a bf16 base; FSDP2 wants one dtype
+            param.data = param.data.to(model.dtype)
+    model.lora_config = config  # what save_adapter writes
+    if model_cfg.lora_adapter_path:
+        load_adapter(model, model_cfg.lora_adapter_path)
+    return model
+
+
+def is_adapter_param(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """{module name: LoRA layer} of the model (empty without adapters); names as the model has them."""
+    return {name: m for name, m in model.named_modules() if _is_lora_layer(m)}
+
+
+def _is_lora_layer(module: torch.nn.Module) -> bool:
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")
+
+
+def has_adapters(model: torch.nn.Module) -> bool:
+    return any(_is_lora_layer(m) for m in model.modules())
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module):
+    """The base model for the duration: every LoRA layer computes base_layer(x) alone.
+
+    peft's own switch (enable_adapters(False)) also flips requires_grad of the adapters, which an
+    FSDP2 model must not see change between its forward and backward; the flag it reads is set
+    here directly (tests/unit/test_lora.py holds the result to a separate base model's output)."""
+    layers = [m for m in model.modules() if _is_lora_layer(m)]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield model
+    finally:
+        for m, b in zip(layers, before):
+            m._disable_adapters = b
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor shard (FSDP2), on its mesh's device; or the tensor itself."""
+    t = t.detach()
+    if hasattr(t, "full_tensor"):
+        if t.device.type != t.device_mesh.device_type:  # a CPU-offloaded shard: NCCL gathers device memory
+            t = t.to(t.device_mesh.device_type)
+        t = t.full_tensor()
+    return t
+
+
+def delta(layer: torch.nn.Module) -> torch.Tensor:
+    """B A * alpha / r of one LoRA layer as a full [out, in] float32 tensor (gathered under FSDP2)."""
+    a = _full(layer.lora_A[ADAPTER].weight).float()
+    b = _full(layer.lora_B[ADAPTER].weight).float()
+    return (b @ a) * layer.scaling[ADAPTER]
+
+
+def merged(layer: torch.nn.Module) -> torch.Tensor:
+    """W + B A * alpha / r in W's dtype: the weight the rollout engines compute with. The sum is
+    taken in float32 and rounded once."""
+    w = _full(layer.base_layer.weight)
+    return (w.float() + delta(layer)).to(w.dtype)
+
+
+def merged_weights(model: torch.nn.Module, adapted_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) in the model's parameter order with the adapters merged: a targeted
+    matrix becomes W + B A * alpha / r under its plain name (`.base_layer` removed), the adapters
+    themselves are left out. adapted_only: the targeted matrices only. Names keep the model's
+    wrapper prefixes (minirl.models.assembly.hf_name removes them). Every rank of a sharded
+    model must iterate: the gathers are collectives."""
+    layers = lora_layers(model)
+    for name, param in model.named_parameters():
+        if is_adapter_param(name):
+            continue
+        owner, _, leaf = name.rpartition(".")
+        if owner.endswith(_BASE) and owner[: -len(_BASE)] in layers and leaf == "weight":
+            yield owner[: -len(_BASE)] + ".weight", merged(layers[owner[: -len(_BASE)]])
+        elif not adapted_only:
+            yield name.replace(_BASE + ".", "."), _full(param)
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters in peft's file layout: `base_model.model.<module>.lora_A.weight` (the
+    adapter name dropped), full tensors on the CPU. Every rank must call (gathers)."""
+
+    out = {}
+    for name, param in model.named_parameters():
+        if is_adapter_param(name):
+            key = "base_model.model." + hf_name(name).replace(f".{ADAPTER}.", ".")
+            out[key] = _full(param).to("cpu", copy=True).contiguous()
+    return out
+
+
+def save_adapter(model: torch.nn.Module, path: str, is_main: bool = True) -> None:
+    """A peft adapter directory that peft's PeftModel.from_pretrained and lora_adapter_path load."""
+    state = adapter_state(model)
+    if not is_main:
+        return
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    save_file(state, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    model.lora_config.save_pretrained(path)
+
+
+@torch.no_grad()
+def load_adapter(model: torch.nn.Module, path: str) -> None:
+    """Copy a peft adapter directory's weights into the model's adapters (shapes checked up front
+    by minirl.validate.files; a missing or extra tensor is an error here)."""
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(os.path.expanduser(path), ADAPTER_WEIGHTS))
+    params = {name: p for name, p in model.named_parameters() if is_adapter_param(name)}
+    want = {"base_model.model." + hf_name(n).replace(f".{ADAPTER}.", "."): n for n in params}
+    missing, extra = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
+    if missing or extra:
+        raise UserError(
+            f"model.lora_adapter_path = {path!r}: the adapter does not fit the model "
+            f"({len(missing)} adapter tensors missing, e.g. {missing[:2]}; {len(extra)} unexpected, e.g. {extra[:2]}); "
+            "use an adapter trained on this base model with the same target_modules"
+        )
+    for key, name in want.items():
+        param, tensor = params[name], saved[key]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise UserError(
+                f"model.lora_adapter_path = {path!r}: {key} has shape {tuple(tensor.shape)}, the model's adapter "
+                f"{tuple(param.shape)}; use an adapter trained on this base model"
+            )
+        param.copy_(tensor.to(param.dtype))
+
+
+def unload(model: torch.nn.Module) -> torch.nn.Module:
+    """Merge every adapter into its base Linear and put the Linear back in place of the LoRA layer
+    (a plain model with the adapters' effect: the hf engine's copy, the merged export)."""
+    with torch.no_grad():
+        for name, layer in lora_layers(model).items():
+            layer.base_layer.weight.copy_(merged(layer))
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), attr, layer.base_layer)
+    return model
+
+
+def read_adapter_config(path: str) -> dict:
+    with open(os.path.join(os.path.expanduser(path), ADAPTER_CONFIG)) as f:
+        return json.load(f)

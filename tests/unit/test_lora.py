@@ -1,0 +1,255 @@
+"""LoRA (minirl/models/lora.py): only the adapters train, the reference is the base with the
+adapters disabled (equal to a separate reference model), the merged weights compute what the
+adapters compute, the native engine holds exactly the trainer's current adapters after every
+sync, and the peft adapter directory round-trips through peft itself.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minirl.config.load import load_config
+from minirl.forward.packed import logprob_head, packed_forward
+from minirl.models import assembly, lora
+from minirl.models.checksum import weights_checksum
+from minirl.models.fused_mlp import _adapting, _is_silu_gated
+from minirl.models.loading import random_model
+from minirl.models.presets import preset_config
+from minirl_plugins.algorithms.optim import build_adamw
+from minirl_plugins.engines.native import build_native_engine
+from tests.tiny_models import PROMPTS, engine_context
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+RESPONSES = [[3, 4, 5, 6], [8, 9], [11, 12, 13]]
+
+
+def model_cfg(*overrides: str):
+    return load_config(None, ["model.lora_rank=4", "model.lora_alpha=8", *overrides]).model
+
+
+def base_model(seed: int = 0):
+    return random_model(preset_config("tiny"), "cpu", torch.float32, seed)
+
+
+def lora_model(*overrides: str, seed: int = 0):
+    """(the base model, a copy of it with adapters)."""
+    base = base_model(seed)
+    return base, lora.apply_lora(copy.deepcopy(base), model_cfg(*overrides), "tiny")
+
+
+@torch.no_grad()
+def perturb_adapters(model, seed: int, scale: float = 0.05) -> None:
+    """Adapter values an update could have reached (fresh B is zero: the adapters do nothing)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if lora.is_adapter_param(name):
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+def log_probs(model) -> torch.Tensor:
+    prompts = PROMPTS[: len(RESPONSES)]
+    with torch.no_grad():
+        return packed_forward(model, prompts, RESPONSES, torch.device("cpu"), logprob_head(1.0))[0]
+
+
+def logits(model, ids=PROMPTS[2]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids]), attn_implementation="sdpa").logits
+
+
+def test_only_the_adapters_carry_gradients_and_optimizer_state():
+    base, model = lora_model()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(lora.is_adapter_param(n) for n in trainable)
+    assert len(trainable) == 2 * 7 * 2  # A and B of 7 linear layers in each of 2 decoder layers
+    optim_cfg = load_config(None, ["actor.optim.lr=1e-2"]).actor.optim
+    optimizer, _ = build_adamw(model, optim_cfg, total_steps=3)
+    for _ in range(2):
+        loss = -log_probs_grad(model).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in optimizer.state} == trainable
+    for name, p in model.named_parameters():  # the base is untouched, bit for bit
+        if not lora.is_adapter_param(name):
+            assert torch.equal(p, base.get_parameter(name.replace(".base_layer", ""))), name
+    assert any(lora.delta(layer).abs().max() > 0 for layer in lora.lora_layers(model).values())
+
+
+def log_probs_grad(model) -> torch.Tensor:
+    prompts = PROMPTS[: len(RESPONSES)]
+    return packed_forward(model, prompts, RESPONSES, torch.device("cpu"), logprob_head(1.0))[0]
+
+
+def test_fresh_adapters_start_as_the_base_model():
+    """B starts at zero, so the policy at step 0 is the reference exactly (the KL starts at 0)."""
+    base, model = lora_model()
+    assert torch.equal(log_probs(model), log_probs(base))
+
+
+def test_reference_with_adapters_disabled_equals_a_separate_reference_model():
+    base, model = lora_model()
+    perturb_adapters(model, seed=1)
+    with lora.adapters_disabled(model):
+        ref = log_probs(model)
+    assert torch.equal(ref, log_probs(base))
+    assert not torch.equal(log_probs(model), ref)  # the adapters are back on afterwards
+    assert all(not m.disable_adapters for m in lora.lora_layers(model).values())
+
+
+@settings(max_examples=8, deadline=None)
+@given(rank=st.integers(1, 8), alpha=st.integers(1, 64), seed=st.integers(0, 2**16))
+def test_merged_weights_compute_what_the_adapters_compute(rank, alpha, seed):
+    """W + B A * alpha / r in a plain model (the engines' copy) gives the LoRA model's logits."""
+    _, model = lora_model(f"model.lora_rank={rank}", f"model.lora_alpha={alpha}")
+    perturb_adapters(model, seed)
+    plain = base_model()
+    plain.load_state_dict(dict(lora.merged_weights(model)))
+    torch.testing.assert_close(logits(plain), logits(model), rtol=1e-5, atol=1e-5)
+    merged = lora.unload(copy.deepcopy(model))  # the hf engine's copy
+    assert not lora.has_adapters(merged)
+    torch.testing.assert_close(logits(merged), logits(model), rtol=1e-5, atol=1e-5)
+
+
+def test_target_and_exclude_modules_pick_the_adapted_matrices():
+    _, model = lora_model(
+        'model.target_modules=["q_proj", "down_proj"]', 'model.exclude_modules=["layers.1.mlp.down_proj"]'
+    )
+    assert sorted(lora.lora_layers(model)) == [
+        "model.layers.0.mlp.down_proj",
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.1.self_attn.q_proj",
+    ]
+    moved = [name for name, _ in assembly.full_weights(model, adapted_only=True)]
+    assert moved == [f"{n}.weight" for n in lora.lora_layers(model)]
+    every = [name for name, _ in assembly.full_weights(model)]
+    assert every == [name for name, _ in base_model().named_parameters()]  # a plain model's names
+
+
+def test_native_engine_generates_with_the_trainers_adapters_after_every_sync():
+    """Each sync moves only the adapted matrices, merged; afterwards the engine's weights are
+    exactly the trainer's merged weights (checksum) and it scores tokens as the LoRA model does."""
+    _, model = lora_model()
+    config = model.config
+    engine = build_native_engine(None, engine_context(config, actor=model))
+    assert engine.checksum(torch.float32) == weights_checksum(assembly.full_weights(model), torch.float32)
+    for step in range(3):
+        perturb_adapters(model, seed=10 + step)  # an update
+        trainer_sum = weights_checksum(assembly.full_weights(model), torch.float32)
+        assert engine.checksum(torch.float32) != trainer_sum  # stale until the sync
+        moved = list(assembly.full_weights(model, adapted_only=True))
+        assert len(moved) == 14
+        engine.load_weights(moved)
+        assert engine.checksum(torch.float32) == trainer_sum
+        got = engine.logits(PROMPTS[2])
+        torch.testing.assert_close(got.float(), logits(model)[0].float(), rtol=1e-4, atol=1e-4)
+
+
+def test_peft_export_loads_in_peft_and_back_through_lora_adapter_path(tmp_path):
+    from peft import PeftModel
+
+    base, model = lora_model('model.target_modules=["q_proj", "v_proj", "up_proj"]')
+    perturb_adapters(model, seed=3)
+    lora.save_adapter(model, str(tmp_path / "adapter"))
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "adapter"))
+    assert torch.equal(logits(peft_model), logits(model))
+    loaded = lora.apply_lora(copy.deepcopy(base), model_cfg(f"model.lora_adapter_path={tmp_path / 'adapter'}"), "tiny")
+    ours = dict(model.named_parameters())
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, ours[name]), name
+        assert p.requires_grad == lora.is_adapter_param(name)  # continues training the adapter
+
+
+def test_adapter_of_another_shape_is_refused_on_load(tmp_path):
+    _, model = lora_model("model.lora_rank=2")
+    lora.save_adapter(model, str(tmp_path / "a"))
+    _, other = lora_model('model.target_modules=["q_proj"]')
+    with pytest.raises(Exception, match="model.lora_adapter_path"):
+        lora.load_adapter(other, str(tmp_path / "a"))
+
+
+def test_bf16_base_gets_bf16_adapters():
+    """One parameter dtype per module: FSDP2 refuses a mix (peft would keep float32 adapters)."""
+    base = random_model(preset_config("tiny"), "cpu", torch.bfloat16, 0)
+    model = lora.apply_lora(base, model_cfg(), "tiny")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_fused_mlp_keeps_a_lora_mlp_and_runs_unfused_only_while_adapting():
+    """The fused gate/up kernel sees a LoRA MLP as its own (base weights) and is bypassed while
+    the adapters are on: with them off (the reference pass) the kernel's product is the layer's."""
+    _, model = lora_model()
+    mlp = model.model.layers[0].mlp
+    assert _is_silu_gated(mlp)
+    assert _adapting(mlp.gate_proj)
+    with lora.adapters_disabled(model):
+        assert not _adapting(mlp.gate_proj)
+    assert _adapting(mlp.gate_proj)
+
+
+def test_target_modules_take_a_string_or_a_list(tmp_path):
+    assert load_config(None, ['model.target_modules=["q_proj"]']).model.target_modules == ["q_proj"]
+    assert load_config(None, ["model.target_modules=.*proj"]).model.target_modules == ".*proj"
+    toml = tmp_path / "c.toml"
+    toml.write_text('[model]\nlora_rank = 8\ntarget_modules = "all-linear"\nexclude_modules = ["o_proj"]\n')
+    m = load_config(str(toml), []).model
+    assert (m.target_modules, m.exclude_modules) == ("all-linear", ["o_proj"])
+
+
+def test_hf_engine_merges_its_copy_and_takes_the_merged_sync():
+    from types import SimpleNamespace
+
+    from minirl_plugins.engines.hf import HFEngine
+    from tests.tiny_models import greedy
+
+    _, model = lora_model()
+    engine = HFEngine(SimpleNamespace(max_num_seqs=8), engine_context(model.config, actor=model))
+    assert not lora.has_adapters(engine.model)  # plain Linears: generate runs no adapter code
+    perturb_adapters(model, seed=4, scale=0.3)
+    engine.load_weights(assembly.full_weights(model, adapted_only=True))
+    assert weights_checksum(engine.model.named_parameters()) == weights_checksum(assembly.full_weights(model))
+    want = [int(logits(model, p)[0, -1].argmax()) for p in PROMPTS]
+    got = [c.token_ids[0] for c in engine.generate(PROMPTS, greedy(max_new=1))]
+    assert got == want
+
+
+def test_fresh_adapters_come_from_model_seed_and_leave_the_run_stream_alone():
+    """Every rank draws the same A whatever its own seed (the trainer seeds seed + rank), and
+    building the adapters shifts no random stream of the run."""
+    torch.manual_seed(1)
+    untouched = torch.rand(3)
+    torch.manual_seed(1)
+    _, a = lora_model()
+    assert torch.equal(torch.rand(3), untouched)
+    torch.manual_seed(2)
+    _, b = lora_model()
+    assert all(torch.equal(p, b.get_parameter(n)) for n, p in a.named_parameters())
+    _, c = lora_model("model.seed=1")
+    assert not torch.equal(c.get_parameter(ADAPTER_A), a.get_parameter(ADAPTER_A))
+
+
+ADAPTER_A = "model.layers.0.self_attn.q_proj.lora_A.default.weight"
+
+
+def test_lora_update_flops_count_weight_gradients_of_the_adapters_only():
+    """MFU of a LoRA update: forward 2·N, input gradients 2·N, weight gradients 2·n_adapters per
+    token (N counts the frozen base and the adapters), attention three times its forward."""
+    from minirl.observe.metrics import flops_params, lora_params, train_flops
+
+    base, model = lora_model()
+    assert lora_params(base) is None
+    n, n_lora = flops_params(model), lora_params(model)
+    # 2 layers x r = 4 x (in + out) of q, k, v, o, gate, up, down (hidden 64, kv 32, intermediate 128)
+    assert n_lora == 2 * 4 * (128 + 96 + 96 + 128 + 192 + 192 + 192)
+    assert n == flops_params(base) + n_lora
+    lens = [10, 6]
+    attn = 2 * 2 * 64 * (100 + 36)  # 2·L·width·Σs²
+    assert train_flops(model.config, n, lens, True, n_lora) == (4 * n + 2 * n_lora) * 16 + 3 * attn
+    assert train_flops(model.config, n, lens, True) == 3 * (2 * n * 16 + attn)
