@@ -207,7 +207,7 @@ class Trainer:
         return validate(rollout, self.rewards, self.tokenizer, self.val, self.cfg.data.max_response_length, self.dist)
 
     def train_step(self, records, step: int) -> dict[str, float]:
-        timer = PhaseTimer(self.dist.device)
+        timer = PhaseTimer(self.dist.device, step)
         with timer.phase("step"):
             batch, reward_metrics, generated = self.rollout(records, step, timer)
             if not self.on_policy:
