@@ -105,12 +105,13 @@ class _HashingStream:
 class HashingFileSystem(FileSystem):
     """DCP's local filesystem with every written file's size and CRC-32C recorded in `sums`
     (file name relative to `root` -> (size, crc hex)); renames (DCP writes .metadata.tmp, then
-    renames it) carry the entry along."""
+    renames it) carry the entry along. `errors`: what any writer thread raised."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, step: int | None = None) -> None:
         super().__init__()
-        self.root = os.path.abspath(root)
+        self.root, self.step = os.path.abspath(root), step
         self.sums: dict[str, tuple[int, str]] = {}
+        self.errors: list[BaseException] = []  # raised in any writer thread (DCP may drop a helper's)
         self._lock = threading.Lock()
 
     def _rel(self, path) -> str:
@@ -126,13 +127,20 @@ class HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        fault.point("checkpoint_write")  # in DCP's writer thread
-        with Path(path).open(mode) as raw:
-            stream = _HashingStream(raw, lambda crc: self._record(path, crc))
-            try:
-                yield stream
-            finally:
-                stream.close()
+        try:
+            fault.point("checkpoint_write", self.step)  # in DCP's writer threads
+            with Path(path).open(mode) as raw:
+                stream = _HashingStream(raw, lambda crc: self._record(path, crc))
+                try:
+                    yield stream
+                finally:
+                    stream.close()
+        except BaseException as exc:
+            # DCP's helper threads die with their exception and their files' results go missing:
+            # keep it, so that the save is known to have failed
+            with self._lock:
+                self.errors.append(exc)
+            raise
 
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)

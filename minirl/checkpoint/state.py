@@ -17,6 +17,7 @@ import logging
 import os
 import random
 import shutil
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,8 +103,9 @@ def _make_tmp(tmp: str) -> None:
 def _write_rank_files(tmp: str, parts: Checkpointable, trainer_state: dict, config_toml: str, dist) -> dict:
     """This rank's files (its DCP shards, its RNG; rank 0 also the trainer state and the config),
     each with its (size, CRC-32C) by path relative to tmp."""
-    sums = _dcp_save(parts, tmp)
-    fault.point("checkpoint", int(trainer_state["step"]))
+    step = int(trainer_state["step"])
+    sums = _dcp_save(parts, tmp, step)
+    fault.point("checkpoint", step)
     rng = os.path.join("rng", f"rank{dist.rank}.pt")
     sums[rng] = store.write_file_durably(os.path.join(tmp, rng), _rng_bytes(dist.device))
     if dist.is_main:
@@ -222,13 +224,21 @@ def _no_dist() -> bool:
 WRITE_THREADS = int(os.environ.get("MINIRL_CKPT_WRITE_THREADS", "4"))
 
 
-def _dcp_save(parts: Checkpointable, path: str) -> dict[str, tuple[int, str]]:
-    """Write this rank's shards (rank 0: also .metadata); returns their (size, CRC-32C) by name."""
+def _dcp_save(parts: Checkpointable, path: str, step: int | None = None) -> dict[str, tuple[int, str]]:
+    """Write this rank's shards (rank 0: also .metadata); returns their (size, CRC-32C) by name.
+    An error in any of DCP's writer threads is raised here (DCP drops a helper thread's)."""
     writer = dcp.FileSystemWriter(path, thread_count=WRITE_THREADS, sync_files=True)
-    writer.fs = checksum.HashingFileSystem(path)  # hashes each byte on its way to the file
-    with _quiet_dcp(reading=False):
-        dcp.save(parts.state_dicts(), storage_writer=writer, no_dist=_no_dist())
-    return dict(writer.fs.sums)
+    fs = writer.fs = checksum.HashingFileSystem(path, step)  # hashes each byte on its way to the file
+    previous = threading.excepthook
+    threading.excepthook = lambda args: None if args.exc_value in fs.errors else previous(args)
+    try:
+        with _quiet_dcp(reading=False):
+            dcp.save(parts.state_dicts(), storage_writer=writer, no_dist=_no_dist())
+    finally:
+        threading.excepthook = previous
+    if fs.errors:
+        raise fs.errors[0]
+    return dict(fs.sums)
 
 
 def _last_line(exc: BaseException) -> str:
