@@ -371,7 +371,7 @@ def test_a_hanging_reward_in_the_training_process_times_out(tmp_path, data, rewa
     assert main(argv(tmp_path, data, *over, "trainer.total_training_steps=1")) == 0
     assert time.monotonic() - start < 120
     row = json.loads((run_dir(tmp_path) / "metrics.jsonl").read_text())
-    assert row["reward/timeouts"] == 4 and row["critic/score/mean"] == 0.0
+    assert row["reward/timeouts"] == 4 and row["score/mean"] == 0.0
 
 
 def test_a_reward_function_may_start_processes(tmp_path, data, reward_file):
@@ -383,7 +383,7 @@ def test_a_reward_function_may_start_processes(tmp_path, data, reward_file):
     )
     assert main(argv(tmp_path, data, *over, "trainer.total_training_steps=1")) == 0
     row = json.loads((run_dir(tmp_path) / "metrics.jsonl").read_text())
-    assert row["critic/score/mean"] == 1.0 and row["reward/errors"] == 0
+    assert row["score/mean"] == 1.0 and row["reward/errors"] == 0
 
 
 # ---------------------------------------------------------------------------------------------
