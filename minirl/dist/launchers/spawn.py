@@ -1,6 +1,7 @@
 """The supervisor of the local launcher: one fresh process per rank on this machine. The first
-worker that fails makes it stop all others (they may sit in a collective with it) and print its
-report once; reports travel through files, not pipes, so a long traceback cannot block a dying
+worker that fails makes it kill all others (they may sit in a collective with it) and print its
+report once, naming the cause (a rank killed by a signal, a stopped rank) over its
+consequences; reports travel through files, not pipes, so a long traceback cannot block a dying
 worker. SIGTERM/SIGINT are forwarded; a worker whose supervisor died exits within a second.
 """
 
@@ -49,7 +50,9 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple = ()) -> int:
             failed = _wait_first_failure(procs)
         hung = _stopped_ranks(procs)  # before _stop: a SIGSTOPped rank is the cause of a timeout
         killed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode < 0}
-        _stop(procs)  # the others may be blocked in a collective with the failed rank
+        # the others may be blocked in a collective with the failed rank, and cannot finish a step
+        # or a checkpoint without it: SIGKILL at once (SIGTERM would start a graceful stop)
+        _stop(procs, grace_s=0.0 if failed is not None and failed.exitcode not in _STOP_CODES else _STOP_GRACE_S)
         if failed is None:
             return 0
         if hung:
@@ -165,14 +168,17 @@ def _hung_reason(timed_out_rank: int) -> str:
     )
 
 
-def _stop(procs: list) -> None:
+def _stop(procs: list, grace_s: float = _STOP_GRACE_S) -> None:
+    """SIGTERM every live worker, SIGKILL those still alive after grace_s (a stopped one at once)."""
     procs = [p for p in procs if p.pid is not None]  # started ones only
     for p in procs:
-        if p.is_alive():
+        if p.is_alive() and grace_s > 0:
             p.terminate()
+        elif p.is_alive():
+            p.kill()
     for rank in _stopped_ranks(procs):  # a stopped process never handles SIGTERM
         procs[rank].kill()
-    deadline = time.monotonic() + _STOP_GRACE_S
+    deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
