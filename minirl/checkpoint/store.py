@@ -68,13 +68,14 @@ def write_file_durably(path: str, data: bytes) -> tuple[int, str]:
 
 def write_manifest(tmp_dir: str, step: int, sums: dict[str, tuple[int, str]]) -> None:
     """List every file under tmp_dir with its size and checksum (`sums`: relative path -> (size,
-    crc) as written); written after all of them are synced."""
+    crc) as written); written after all of them are synced. A file written without passing
+    through minirl.checkpoint.checksum (a plugin's extra file) is read back for its checksum."""
     files = {}
     for root, _, names in os.walk(tmp_dir):
         for name in names:
-            rel = os.path.relpath(os.path.join(root, name), tmp_dir)
-            assert rel in sums, f"{rel} was written without a checksum (not through minirl.checkpoint.checksum)"
-            size, crc = sums[rel]
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, tmp_dir)
+            size, crc = sums[rel] if rel in sums else (os.path.getsize(full), checksum.of_file(full))
             files[rel] = {"size": size, checksum.ALGORITHM: crc}
     manifest = {"format": 2, "step": step, "files": dict(sorted(files.items()))}
     write_file_durably(os.path.join(tmp_dir, MANIFEST), json.dumps(manifest, indent=1).encode())

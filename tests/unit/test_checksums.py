@@ -66,12 +66,17 @@ def test_hashing_filesystem_records_what_reaches_the_disk(tmp_path):
 
 
 def test_manifest_lists_every_file_and_damage_is_found(tmp_path):
-    """write_manifest takes the checksums made while writing; damaged_files re-reads and names
-    the file whose bytes changed (same size), and only that one."""
+    """write_manifest takes the checksums made while writing (reads back only a file written
+    around them); damaged_files re-reads and names the file whose bytes changed (same size),
+    and only that one."""
     sums = {}
     for name, data in (("x.bin", b"x" * 1000), ("y.bin", b"y" * 10)):
         sums[name] = store.write_file_durably(str(tmp_path / name), data)
+    (tmp_path / "extra.bin").write_bytes(b"written by a plugin, not through the checksums")
     store.write_manifest(str(tmp_path), 3, sums)
+    manifest = store.verify(str(tmp_path))
+    assert set(manifest["files"]) == {"x.bin", "y.bin", "extra.bin"}  # the stray file read back
+    assert all(len(entry["crc32c"]) == 8 for entry in manifest["files"].values())
     assert store.damaged_files(str(tmp_path)) == []
     raw = bytearray((tmp_path / "x.bin").read_bytes())
     raw[500] ^= 4
