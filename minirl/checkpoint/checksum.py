@@ -3,10 +3,10 @@
 Every byte a checkpoint writes passes through `Crc.update` on its way to the file: the DCP
 shards through `HashingFileSystem` (the storage layer DCP's FileSystemWriter writes through), the
 small files (RNG, trainer state, config) through `minirl.checkpoint.store.write_file_durably`.
-Nothing is read back to checksum it, so the cost is the hashing alone, done in the writer
-threads; the crc32c package uses the CPU's CRC32 instruction (about 15 GB/s a core) and
-releases the GIL, so DCP's write threads hash in parallel (scripts/bench_checkpoint.py measures
-the cost against the write time).
+Nothing is read back to checksum it. The crc32c package uses the CPU's CRC32 instruction (about
+15 GB/s a core) and releases the GIL, and a large write is hashed on a helper thread while the
+write system call runs, so the hashing overlaps the I/O instead of adding to it
+(scripts/bench_checkpoint.py measures the cost against the write time).
 
 Why CRC-32C: it detects every burst error up to 32 bits and every odd number of flipped bits,
 which covers what a disk or a copy does to a file; it is not a cryptographic hash (a checkpoint
@@ -71,16 +71,29 @@ def of_files(paths: list[str], threads: int = 4) -> list[str]:
         return list(pool.map(of_file, paths))
 
 
+_OVERLAP_BYTES = 1 << 20  # a write at least this large is hashed while the write runs
+
+
 class _HashingStream:
     """A binary file that checksums what is written to it; DCP calls write, tell, flush,
-    fileno (for fsync) and close."""
+    fileno (for fsync) and close. A large write (a tensor's bytes) is hashed on `pool` while
+    the write system call copies the same buffer: both release the GIL, so the CRC costs about
+    nothing beyond the write instead of adding to it."""
 
-    def __init__(self, raw, on_close) -> None:
+    def __init__(self, raw, on_close, pool: ThreadPoolExecutor | None = None) -> None:
         self.raw, self.crc, self._on_close, self._closed = raw, Crc(), on_close, False
+        self.pool = pool
 
     def write(self, data) -> int:
-        n = self.raw.write(data)
-        self.crc.update(data)
+        if self.pool is None or memoryview(data).nbytes < _OVERLAP_BYTES:
+            n = self.raw.write(data)
+            self.crc.update(data)
+            return n
+        hashed = self.pool.submit(self.crc.update, data)  # the CRC is sequential per file: one at a time
+        try:
+            n = self.raw.write(data)
+        finally:
+            hashed.result()
         return n
 
     def tell(self) -> int:
@@ -107,9 +120,11 @@ class HashingFileSystem(FileSystem):
     (file name relative to `root` -> (size, crc hex)); renames (DCP writes .metadata.tmp, then
     renames it) carry the entry along. `errors`: what any writer thread raised."""
 
-    def __init__(self, root: str, step: int | None = None) -> None:
+    def __init__(self, root: str, step: int | None = None, hash_threads: int = 0) -> None:
         super().__init__()
         self.root, self.step = os.path.abspath(root), step
+        # hash_threads > 0: large writes are hashed on these while they are written (close() ends them)
+        self.pool = ThreadPoolExecutor(hash_threads, thread_name_prefix="minirl-crc") if hash_threads else None
         self.sums: dict[str, tuple[int, str]] = {}
         self.errors: list[BaseException] = []  # raised in any writer thread (DCP may drop a helper's)
         self._lock = threading.Lock()
@@ -130,7 +145,7 @@ class HashingFileSystem(FileSystem):
         try:
             fault.point("checkpoint_write", self.step)  # in DCP's writer threads
             with Path(path).open(mode) as raw:
-                stream = _HashingStream(raw, lambda crc: self._record(path, crc))
+                stream = _HashingStream(raw, lambda crc: self._record(path, crc), self.pool)
                 try:
                     yield stream
                 finally:
@@ -141,6 +156,10 @@ class HashingFileSystem(FileSystem):
             with self._lock:
                 self.errors.append(exc)
             raise
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
 
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)

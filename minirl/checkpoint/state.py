@@ -228,7 +228,8 @@ def _dcp_save(parts: Checkpointable, path: str, step: int | None = None) -> dict
     """Write this rank's shards (rank 0: also .metadata); returns their (size, CRC-32C) by name.
     An error in any of DCP's writer threads is raised here (DCP drops a helper thread's)."""
     writer = dcp.FileSystemWriter(path, thread_count=WRITE_THREADS, sync_files=True)
-    fs = writer.fs = checksum.HashingFileSystem(path, step)  # hashes each byte on its way to the file
+    # hashes each byte on its way to the file, one hashing thread per writer thread
+    fs = writer.fs = checksum.HashingFileSystem(path, step, hash_threads=WRITE_THREADS)
     previous = threading.excepthook
     threading.excepthook = lambda args: None if args.exc_value in fs.errors else previous(args)
     try:
@@ -236,6 +237,7 @@ def _dcp_save(parts: Checkpointable, path: str, step: int | None = None) -> dict
             dcp.save(parts.state_dicts(), storage_writer=writer, no_dist=_no_dist())
     finally:
         threading.excepthook = previous
+        fs.close()
     if fs.errors:
         raise fs.errors[0]
     return dict(fs.sums)

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -52,15 +53,20 @@ def test_typed_buffers_are_hashed_as_their_bytes():
     assert crc.value == crc32c_reference(t.numpy().tobytes()) and crc.size == 28
 
 
-def test_hashing_filesystem_records_what_reaches_the_disk(tmp_path):
-    """Files written through create_stream (in pieces, a rename after) are recorded under their
-    final name with the size and CRC that reading them back gives."""
-    fs = checksum.HashingFileSystem(str(tmp_path))
+@pytest.mark.parametrize("hash_threads", [0, 2])
+def test_hashing_filesystem_records_what_reaches_the_disk(tmp_path, hash_threads):
+    """Files written through create_stream (in pieces, small and large, a rename after) are
+    recorded under their final name with the size and CRC that reading them back gives, whether
+    large writes are hashed inline or on a thread while they are written."""
+    fs = checksum.HashingFileSystem(str(tmp_path), hash_threads=hash_threads)
+    big = np.random.default_rng(0).integers(0, 2**62, size=(3 << 20) // 8, dtype=np.int64)  # 3 MiB
     with fs.create_stream(tmp_path / "a.tmp", "wb") as stream:
         stream.write(b"hello ")
+        stream.write(memoryview(big))
         stream.write(memoryview(np.arange(5, dtype=np.int64)))
         stream.close()  # DCP closes inside the block; the context exit must not record twice
     fs.rename(tmp_path / "a.tmp", tmp_path / "a")
+    fs.close()
     assert fs.sums == {"a": (os.path.getsize(tmp_path / "a"), checksum.of_file(str(tmp_path / "a")))}
     assert fs.errors == []
 
