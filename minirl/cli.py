@@ -1,6 +1,7 @@
 """The command line (USAGE below): run a job, or print its resolved config as TOML; `plugins`
 lists every plugin and registered component by kind, the config's own plugin modules included;
-`compare` and `report` read run directories (minirl.observe.runs). The config is validated as a
+`compare` and `report` read run directories (minirl.observe.runs); `check-checkpoint` verifies
+checkpoints against their checksums (minirl.checkpoint.check). The config is validated as a
 whole before any model loads (minirl.validate.core). A user mistake prints one error line per
 mistake on stderr and exits with status 2; Ctrl-C during start-up exits with 130. Notices go to
 stderr, so `--print-config > job.toml` writes valid TOML.
@@ -11,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from minirl.checkpoint.check import HELP as CHECK_HELP
+from minirl.checkpoint.check import check_command
 from minirl.config.load import load_config, plugin_modules, profiles_in, to_toml
 from minirl.errors import UserError
 from minirl.observe.runs.commands import COMMANDS
@@ -19,7 +22,8 @@ from minirl.plugins import PluginManager
 USAGE = """python -m minirl --config FILE [--profile P] [--print-config] [section.key=value ...]
        python -m minirl plugins [--config FILE] [section.key=value ...]
        python -m minirl compare RUN_A RUN_B [...] [--names a,b] [--steps 2:] [--format text|markdown|csv]
-       python -m minirl report RUN [RUN ...] [--out DIR]"""
+       python -m minirl report RUN [RUN ...] [--out DIR]
+       python -m minirl check-checkpoint DIR"""
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -33,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="commands (python -m minirl COMMAND --help for each):\n"
         "  (none)     run a job: --config FILE [--profile P] [section.key=value ...]\n"
         "  plugins    list every plugin and registered component (with --config: its [plugins] modules too)\n"
-        + "".join(f"  {name:10s} {help_line}\n" for name, (_, help_line) in COMMANDS.items()),
+        + "".join(f"  {name:10s} {help_line}\n" for name, (_, help_line) in COMMANDS.items())
+        + f"  check-checkpoint DIR\n             {CHECK_HELP}\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="a TOML config file (see bench.toml)")
@@ -94,6 +99,8 @@ def list_plugins(argv: list[str]) -> int:
 def run(argv: list[str]) -> int:
     if argv[:1] == ["plugins"]:
         return list_plugins(argv[1:])
+    if argv[:1] == ["check-checkpoint"]:
+        return check_command(argv[1:])
     if argv[:1] and argv[0] in COMMANDS:
         return COMMANDS[argv[0]][0](argv[1:])
     args = build_parser().parse_intermixed_args(argv)

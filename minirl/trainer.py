@@ -30,6 +30,7 @@ from minirl.checkpoint.training import TrainingState
 from minirl.config.load import Config
 from minirl.critic import critic_line
 from minirl.critic import update as critic_lib
+from minirl.data.identity import file_identity
 from minirl.data.prompts import expand_groups
 from minirl.dist.context import DistContext
 from minirl.dist.signals import StopRequest
@@ -106,7 +107,8 @@ class Trainer:
         if self.critic is not None:
             parts.others["critic"] = (self.critic.model, self.critic.optimizer)
             schedulers["critic"] = self.critic.scheduler
-        return TrainingState(parts, schedulers, self.loader, self.guard, self.kl_ctrl)
+        files = [file_identity(f) for f in self.cfg.data.train_files]
+        return TrainingState(parts, schedulers, self.loader, self.guard, self.kl_ctrl, data_files=files)
 
     # -----------------------------------------------------------------------------------------
     # the loop
@@ -208,7 +210,7 @@ class Trainer:
         return validate(rollout, self.rewards, self.tokenizer, self.val, self.cfg.data.max_response_length, self.dist)
 
     def train_step(self, records, step: int) -> dict[str, float]:
-        timer = PhaseTimer(self.dist.device)
+        timer = PhaseTimer(self.dist.device, step)
         with timer.phase("step"):
             batch, reward_metrics, generated = self.rollout(records, step, timer)
             if not self.on_policy:

@@ -24,10 +24,11 @@ from minirl.batch import RolloutBatch
 from minirl.errors import UserError
 from minirl.protocols import Reducer
 
-# Where a non-finite value can first appear, in the order the step computes them. "reward"
-# (token scores), "old_log_prob", "ref" and "adv" are the trainer's phases whose outputs the
-# update reads; "loss" and "grad_norm" are inside the update itself.
-NONFINITE_PHASES = ("", "reward", "old_log_prob", "ref", "adv", "loss", "grad_norm", "update_critic")
+# Where a non-finite value can first appear. "reward" (token scores), "old_log_prob", "ref",
+# "values" (the critic's) and "adv" are the trainer's phases whose outputs the update reads;
+# "loss" and "grad_norm" are inside the update itself. New phases go at the end: a logged
+# actor/nonfinite_phase is an index into this tuple.
+NONFINITE_PHASES = ("", "reward", "old_log_prob", "ref", "adv", "loss", "grad_norm", "update_critic", "values")
 NONFINITE_STEPS = "nonfinite_steps"  # after the update's metric prefix
 STEPS_METRIC = f"actor/{NONFINITE_STEPS}"
 CRITIC_STEPS_METRIC = f"critic/{NONFINITE_STEPS}"
@@ -60,6 +61,7 @@ def first_nonfinite_input(batch: RolloutBatch, reduce: Reducer) -> str:
         ("reward", batch.token_scores_BT),
         ("old_log_prob", batch.old_log_probs_BT),
         ("ref", batch.ref_log_probs_BT),
+        ("values", batch.values_BT),
         ("adv", batch.rewards_BT),
         ("adv", batch.advantages_BT),
     )

@@ -82,11 +82,12 @@ def _plan(t) -> RunPlan:
     run_dir = next((d for d in reversed(family) if os.path.isdir(d)), base)  # the newest fresh start
     if t.resume_mode == "resume_path":
         return _plan_from_path(t, run_dir)
-    found = store.complete_checkpoints(run_dir)
     fresh = f"{base}-{len(family) + 1}"
-    if t.resume_mode == "auto" and found:
-        step, path = found[-1]
-        return RunPlan(run_dir, path, f"resuming from step {step}: {path} (trainer.resume_mode = 'auto')", fresh)
+    if t.resume_mode == "auto" and store.complete_checkpoints(run_dir):
+        step, path, warnings = newest_intact(run_dir)
+        notice = "".join(f"minirl: warning: {w}\n" for w in warnings)
+        notice += f"resuming from step {step}: {path} (trainer.resume_mode = 'auto')"
+        return RunPlan(run_dir, path, notice, fresh)
     if not _holds_output(run_dir):
         return RunPlan(run_dir, None, f"starting fresh in {run_dir} (no checkpoint to resume)")
     why = "trainer.resume_mode = 'disable'" if t.resume_mode == "disable" else "it has no complete checkpoint"
@@ -98,8 +99,39 @@ def _plan_from_path(t, run_dir: str) -> RunPlan:
     assert path, "validation checks that resume_mode = 'resume_path' has a path"
     if not os.path.isdir(path):
         raise UserError(f"trainer.resume_from_path = {path!r} is not a directory; point it at a ckpt_<step> directory")
+    damaged = store.damaged_files(path)
+    if damaged:
+        older = [p for _, p in store.complete_checkpoints(os.path.dirname(os.path.abspath(path))) if p != path]
+        fix = f"point trainer.resume_from_path at an older one ({older[-1]})" if older else "there is no older one"
+        raise UserError(f"checkpoint {path} is damaged: {damaged[0]} (the file changed after it was written); {fix}")
     step = int(store.verify(path)["step"])
     return RunPlan(run_dir, path, f"resuming from step {step}: {path} (trainer.resume_from_path)")
+
+
+def newest_intact(run_dir: str) -> tuple[int, str, list[str]]:
+    """(step, path, warnings) of the newest complete checkpoint whose files all match their
+    checksums. A damaged one is renamed to `<name>.damaged` (kept for inspection, never resumed
+    or pruned) with a warning naming the file; none left intact stops the run."""
+    warnings = []
+    for step, path in reversed(store.complete_checkpoints(run_dir)):
+        try:
+            damaged = store.damaged_files(path)
+        except UserError as exc:  # a missing or truncated file
+            damaged = [str(exc)]
+        if not damaged:
+            return step, path, warnings
+        aside = path + store.DAMAGED_SUFFIX
+        shutil.rmtree(aside, ignore_errors=True)  # the same step found damaged before
+        os.rename(path, aside)
+        more = f" and {len(damaged) - 1} more" if len(damaged) > 1 else ""
+        warnings.append(
+            f"checkpoint {path} is damaged ({damaged[0]}{more}); moved to {aside}, falling back to the "
+            "previous complete checkpoint"
+        )
+    raise UserError(
+        f"no intact checkpoint left in {run_dir}: {'; '.join(warnings)}. Restore the files from a copy, or start "
+        "fresh (trainer.resume_mode = 'disable')"
+    )
 
 
 def _holds_output(run_dir: str) -> bool:

@@ -6,7 +6,7 @@ ckpt_<step>/
   rng/rank<r>.pt                each rank's random streams: torch CPU (and CUDA), python, numpy
   trainer_state.json            what the trainer puts there (rank 0)
   config.toml                   the config the checkpoint was written with (rank 0)
-  manifest.json                 last: every file and its size (minirl.checkpoint.store)
+  manifest.json                 last: every file, its size and CRC-32C (minirl.checkpoint.store)
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import logging
 import os
 import random
 import shutil
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from minirl.checkpoint import store
+from minirl.checkpoint import checksum, store
+from minirl.dist import fault
 from minirl.dist.context import DistContext
 from minirl.errors import UserError
 
@@ -77,24 +79,137 @@ class Checkpointable:
         return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
+class CheckpointWriteError(UserError):
+    """A checkpoint could not be written (full disk, I/O error, no permission): the previous
+    checkpoint is untouched and the temporary directory removed."""
+
+
 def save(run_dir: str, step: int, parts: Checkpointable, trainer_state: dict, config_toml: str, dist, keep: int) -> str:
-    """Write ckpt_<step> atomically (every rank must call); returns its path on every rank."""
+    """Write ckpt_<step> atomically (every rank must call); returns its path on every rank. A
+    write that fails on any rank fails on every rank with one CheckpointWriteError (the ranks
+    agree after each stage, so none waits for another in a barrier)."""
     tmp = os.path.join(run_dir, f"{store.TMP_PREFIX}{step}")
-    if dist.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"))
-    dist.barrier()
-    _dcp_save(parts, tmp)
-    store.write_file_durably(os.path.join(tmp, "rng", f"rank{dist.rank}.pt"), _rng_bytes(dist.device))
-    if dist.is_main:
-        store.write_file_durably(os.path.join(tmp, TRAINER_STATE), json.dumps(trainer_state, indent=1).encode())
-        store.write_file_durably(os.path.join(tmp, CONFIG), config_toml.encode())
-    dist.barrier()
-    if dist.is_main:
-        store.write_manifest(tmp, step)
-        store.publish(tmp, run_dir, step, keep)
-    dist.barrier()
+    sums: dict[str, tuple[int, str]] = {}
+
+    def write_files() -> None:
+        sums.update(_write_rank_files(tmp, parts, trainer_state, config_toml, dist))
+
+    def publish() -> None:
+        all_sums = {k: v for rank_sums in _gather(dist, sums) for k, v in rank_sums.items()}
+        if dist.is_main:
+            store.write_manifest(tmp, step, all_sums)
+            store.publish(tmp, run_dir, step, keep)
+
+    for stage, everyone in ((lambda: _make_tmp(tmp), False), (write_files, True), (publish, True)):
+        failed = _agreed_failure(dist, _attempt(stage if everyone or dist.is_main else lambda: None))
+        if failed is not None:
+            if dist.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointWriteError(_write_error_line(failed, tmp, run_dir, parts, dist))
     return os.path.join(run_dir, store.ckpt_name(step))
+
+
+def _make_tmp(tmp: str) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.join(tmp, "rng"))
+
+
+def _write_rank_files(tmp: str, parts: Checkpointable, trainer_state: dict, config_toml: str, dist) -> dict:
+    """This rank's files (its DCP shards, its RNG; rank 0 also the trainer state and the config),
+    each with its (size, CRC-32C) by path relative to tmp."""
+    step = int(trainer_state["step"])
+    sums = _dcp_save(parts, tmp, step)
+    fault.point("checkpoint", step)
+    rng = os.path.join("rng", f"rank{dist.rank}.pt")
+    sums[rng] = store.write_file_durably(os.path.join(tmp, rng), _rng_bytes(dist.device))
+    if dist.is_main:
+        state_json = json.dumps(trainer_state, indent=1).encode()
+        sums[TRAINER_STATE] = store.write_file_durably(os.path.join(tmp, TRAINER_STATE), state_json)
+        sums[CONFIG] = store.write_file_durably(os.path.join(tmp, CONFIG), config_toml.encode())
+    return sums
+
+
+def _attempt(fn) -> str | None:
+    """None when fn() succeeds, else the OSError it raised (DCP wraps a writer thread's error in
+    its CheckpointException, a BaseException) as one line."""
+    try:
+        fn()
+    except OSError as exc:
+        return _os_error_line(exc)
+    except CheckpointException as exc:
+        inner = [e for e, _ in exc.failures.values() if isinstance(e, OSError)]
+        if not inner:
+            raise
+        return _os_error_line(inner[0])
+    return None
+
+
+def _os_error_line(exc: OSError) -> str:
+    where = f" ({exc.filename})" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"
+
+
+def _gather(dist, obj: Any) -> list[Any]:
+    if _no_dist():
+        return [obj]
+    out: list[Any] = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, obj)
+    return out
+
+
+def _agreed_failure(dist, error: str | None) -> str | None:
+    """The first rank's error ("rank r: ...") when any rank failed, on every rank; else None."""
+    errors = _gather(dist, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not failed:
+        return None
+    rank, text = failed[0]
+    return text if len(errors) == 1 else f"rank {rank}: {text}"
+
+
+def _write_error_line(error: str, tmp: str, run_dir: str, parts: Checkpointable, dist) -> str:
+    need = sum(_gather(dist, _state_bytes(parts)))
+    previous = store.complete_checkpoints(run_dir)
+    prev = previous[-1][1] if previous else None
+    if prev:
+        need = max(need, store.total_size(prev))
+    kept = f"the previous checkpoint {prev} is intact" if prev else "there is no earlier checkpoint"
+    return (
+        f"writing checkpoint {tmp} failed: {error}; it needs about {_gb(need)} and {run_dir} has {_gb(_free(run_dir))} "
+        f"free; the partial write was removed and {kept}. Free space (or fix the permission), or point "
+        "trainer.default_local_dir at another disk, then run the same command again to resume"
+    )
+
+
+def _state_bytes(parts: Checkpointable) -> int:
+    """This rank's bytes of model and optimizer state (its shards), what its DCP files hold."""
+    total = 0
+    for value in _tensors(parts.state_dicts()):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _tensors(tree: Any):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
+    elif torch.is_tensor(tree):
+        yield tree
+
+
+def _free(path: str) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def load(path: str, parts: Checkpointable, dist: DistContext) -> dict:
@@ -123,10 +238,23 @@ def _no_dist() -> bool:
 WRITE_THREADS = int(os.environ.get("MINIRL_CKPT_WRITE_THREADS", "4"))
 
 
-def _dcp_save(parts: Checkpointable, path: str) -> None:
+def _dcp_save(parts: Checkpointable, path: str, step: int | None = None) -> dict[str, tuple[int, str]]:
+    """Write this rank's shards (rank 0: also .metadata); returns their (size, CRC-32C) by name.
+    An error in any of DCP's writer threads is raised here (DCP drops a helper thread's)."""
     writer = dcp.FileSystemWriter(path, thread_count=WRITE_THREADS, sync_files=True)
-    with _quiet_dcp(reading=False):
-        dcp.save(parts.state_dicts(), storage_writer=writer, no_dist=_no_dist())
+    # hashes each byte on its way to the file, one hashing thread per writer thread
+    fs = writer.fs = checksum.HashingFileSystem(path, step, hash_threads=WRITE_THREADS)
+    previous = threading.excepthook
+    threading.excepthook = lambda args: None if args.exc_value in fs.errors else previous(args)
+    try:
+        with _quiet_dcp(reading=False):
+            dcp.save(parts.state_dicts(), storage_writer=writer, no_dist=_no_dist())
+    finally:
+        threading.excepthook = previous
+        fs.close()
+    if fs.errors:
+        raise fs.errors[0]
+    return dict(fs.sums)
 
 
 def _last_line(exc: BaseException) -> str:

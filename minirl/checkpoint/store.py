@@ -1,7 +1,8 @@
 """The checkpoints of a run directory on disk: which are complete, atomic writes, retention.
 
 A checkpoint `ckpt_<step>/` is complete when it has its manifest.json (written last, listing every
-file with its size). It only ever appears through the rename of a fully written and fsynced
+file with its size and its CRC-32C, computed as the bytes were written: minirl.checkpoint.checksum).
+It only ever appears through the rename of a fully written and fsynced
 `.tmp_ckpt_<step>/`, so a process killed anywhere leaves the previous one complete. `latest` names
 the newest (informational: the scan decides). The run directory must be one filesystem that
 every rank sees (a shared one across nodes).
@@ -14,12 +15,14 @@ import os
 import re
 import shutil
 
+from minirl.checkpoint import checksum
 from minirl.errors import UserError
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _CKPT_RE = re.compile(r"^ckpt_(\d+)$")
 TMP_PREFIX = ".tmp_ckpt_"
+DAMAGED_SUFFIX = ".damaged"  # a checkpoint whose checksums failed, moved aside at resume
 
 
 def ckpt_name(step: int) -> str:
@@ -54,21 +57,27 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def write_file_durably(path: str, data: bytes) -> None:
+def write_file_durably(path: str, data: bytes) -> tuple[int, str]:
+    """Write, flush and fsync; returns (size, CRC-32C) of what was written."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return len(data), checksum.of_bytes(data)
 
 
-def write_manifest(tmp_dir: str, step: int) -> None:
-    """List every file under tmp_dir with its size; written after all of them are synced."""
+def write_manifest(tmp_dir: str, step: int, sums: dict[str, tuple[int, str]]) -> None:
+    """List every file under tmp_dir with its size and checksum (`sums`: relative path -> (size,
+    crc) as written); written after all of them are synced. A file written without passing
+    through minirl.checkpoint.checksum (a plugin's extra file) is read back for its checksum."""
     files = {}
     for root, _, names in os.walk(tmp_dir):
         for name in names:
             full = os.path.join(root, name)
-            files[os.path.relpath(full, tmp_dir)] = os.path.getsize(full)
-    manifest = {"format": 1, "step": step, "files": dict(sorted(files.items()))}
+            rel = os.path.relpath(full, tmp_dir)
+            size, crc = sums[rel] if rel in sums else (os.path.getsize(full), checksum.of_file(full))
+            files[rel] = {"size": size, checksum.ALGORITHM: crc}
+    manifest = {"format": 2, "step": step, "files": dict(sorted(files.items()))}
     write_file_durably(os.path.join(tmp_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
     for root, dirs, _ in os.walk(tmp_dir):
         for d in dirs:
@@ -125,7 +134,8 @@ def verify(path: str) -> dict:
             "copied partially); pick another ckpt_<step> directory for trainer.resume_from_path"
         )
     manifest = read_json(manifest_path, tables=("files",))
-    for rel, size in dict(manifest["files"]).items():
+    for rel, entry in dict(manifest["files"]).items():
+        size = entry["size"] if isinstance(entry, dict) else entry  # format 1: the size alone
         full = os.path.join(path, rel)
         if not os.path.isfile(full):
             raise UserError(f"checkpoint file {full} is missing; resume from an older checkpoint or restore the file")
@@ -136,3 +146,27 @@ def verify(path: str) -> dict:
                 "damaged); resume from an older checkpoint (trainer.resume_mode = 'resume_path')"
             )
     return manifest
+
+
+def damaged_files(path: str) -> list[str]:
+    """Every file of complete checkpoint `path` whose bytes differ from what was written (its
+    CRC-32C), each as 'FILE: why'; [] when all match. A checkpoint written before checksums
+    (manifest format 1) is checked for sizes only. Missing or truncated files raise (verify)."""
+    manifest = verify(path)
+    recorded = {rel: e.get(checksum.ALGORITHM) for rel, e in manifest["files"].items() if isinstance(e, dict)}
+    rels = [rel for rel, crc in sorted(recorded.items()) if crc]
+    found = checksum.of_files([os.path.join(path, rel) for rel in rels])
+    return [
+        f"{os.path.join(path, rel)}: CRC-32C {crc} on disk, {recorded[rel]} when written"
+        for rel, crc in zip(rels, found)
+        if crc != recorded[rel]
+    ]
+
+
+def total_size(path: str) -> int:
+    """Bytes of a complete checkpoint, from its manifest (0 when unreadable)."""
+    try:
+        files = read_json(os.path.join(path, MANIFEST), tables=("files",))["files"]
+    except UserError:
+        return 0
+    return sum(e["size"] if isinstance(e, dict) else int(e) for e in files.values())

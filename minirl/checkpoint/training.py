@@ -12,6 +12,7 @@ from typing import Any, Callable
 from minirl.checkpoint import state as ckpt_state
 from minirl.checkpoint.resume import check_config, config_differences
 from minirl.config.load import Config, to_toml, tomllib
+from minirl.data import identity
 from minirl.dist.context import DistContext
 from minirl.errors import UserError
 
@@ -29,6 +30,7 @@ class TrainingState:
     guard: Any
     kl_ctrl: Any = None
     extra: dict[str, Any] = field(default_factory=dict)  # JSON-able state of other components
+    data_files: list[dict] = field(default_factory=list)  # minirl.data.identity of data.train_files
 
     def to_json(self, step: int, seed: int, world_size: int) -> dict:
         per_epoch, drawn = self.loader.steps_per_epoch, self.loader.drawn
@@ -41,6 +43,7 @@ class TrainingState:
                 "steps_per_epoch": per_epoch,
                 "num_prompts": len(self.loader.records),
                 "shuffle_seed": self.loader.seed,
+                "files": self.data_files,
             },
             "schedulers": {name: s.state_dict() for name, s in self.schedulers.items()},
             "kl_coef": None if self.kl_ctrl is None else self.kl_ctrl.value,
@@ -105,6 +108,7 @@ def resume(path: str, state: TrainingState, cfg: Config, dist: DistContext, say:
     )
     if diffs:
         say(f"minirl: resuming despite config changes (trainer.resume_ignore_config_changes): {'; '.join(diffs)}")
+    _check_data_files(saved["data"].get("files"), state.data_files, path, t.resume_ignore_config_changes, say)
     changed = _data_differences(state.loader, saved["data"])
     if changed and not t.resume_ignore_config_changes:
         raise UserError(
@@ -121,6 +125,26 @@ def resume(path: str, state: TrainingState, cfg: Config, dist: DistContext, say:
             "to an uninterrupted one"
         )
     return int(saved["step"])
+
+
+def _check_data_files(saved: list[dict] | None, now: list[dict], path: str, ignore: bool, say) -> None:
+    """A resume over changed training files would continue at the old data position in other
+    prompts: refused, naming the files, whichever resume mode (unlike a changed config key, a
+    file replaced under the same name is rarely meant as a new run). A checkpoint written before
+    identities were recorded (None) is not checked."""
+    if saved is None or not now:
+        return
+    changed, touched = identity.changed_files(saved, now)
+    if changed and not ignore:
+        raise UserError(
+            f"resume refused: the training data changed since checkpoint {path} was written ({'; '.join(changed)}), "
+            "so its data position would point at other prompts; restore the files, start fresh "
+            "(trainer.resume_mode = 'disable'), or set trainer.resume_ignore_config_changes = true to resume anyway"
+        )
+    if changed:
+        say(f"minirl: resuming despite changed data files (trainer.resume_ignore_config_changes): {'; '.join(changed)}")
+    if touched:
+        say(f"minirl: data files modified since the checkpoint (same size and row groups): {', '.join(touched)}")
 
 
 def _baseline(cfg: Config, state: TrainingState) -> tuple[dict, tuple[str, ...]]:

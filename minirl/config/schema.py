@@ -261,7 +261,7 @@ class OverlongBufferConfig:
 class RewardConfig:
     reward_manager: str = "naive"  # naive: one call per response | batch: one call for many (needs a custom function)
     num_workers: int = 0  # worker processes for the reward calls; 0: in the training process
-    timeout_s: float = 60.0  # per call, with num_workers > 0: a call past it scores 0 (reward/timeouts)
+    timeout_s: float = 60.0  # per call, at any num_workers: a call past it scores 0 (reward/timeouts)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
+from minirl.dist import fault
 from minirl.models import lora
 
 # dense bf16 FLOP/s per device, for MFU when trainer.peak_flops is 0
@@ -17,10 +18,12 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "H20": 148e12, "L4
 
 
 class PhaseTimer:
-    """Wall-clock seconds and peak device memory of each named phase of a step."""
+    """Wall-clock seconds and peak device memory of each named phase of a step. Each phase is
+    also a fault-injection point of step `step` (minirl.dist.fault; nothing happens unless
+    MINIRL_FAULT names it)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, step: int | None = None):
+        self.device, self.step = device, step
         self.seconds: dict[str, float] = {}
         self.peak_gib: dict[str, float] = {}
 
@@ -31,6 +34,7 @@ class PhaseTimer:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
+        fault.point(name, self.step)
         try:
             yield
         finally:

@@ -1,10 +1,12 @@
 """Scoring responses with the reward functions (docs/algorithms.md §8), and placing the scores on tokens.
 
 reward.reward_manager = "batch" scores many responses per call; reward.num_workers > 0 runs the
-calls in worker processes (minirl.reward.pool). A function that raises or returns a non-finite
-or non-number value, a call that times out and a worker that crashes are data failures, not
-crashes of the run: the response scores 0, and the failure is counted per kind and data_source
-(for the step's metrics) and logged once per kind and data_source.
+calls in worker processes (minirl.reward.pool), 0 in this process under a timer
+(minirl.reward.deadline); either way a call is abandoned after reward.timeout_s. A function
+that raises or returns a non-finite or non-number value, a call that times out and a worker
+that crashes are data failures, not crashes of the run: the response scores 0, and the failure
+is counted per kind and data_source (for the step's metrics) and logged once per kind and
+data_source.
 
 Shape legend: B sequences, T response positions.
 """
@@ -18,6 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from minirl.errors import UserError
+from minirl.reward.deadline import CallTimeout, call_with_deadline
 from minirl.reward.pool import RewardPool
 from minirl.reward.scorers import Outcome, RewardSource, Row, Scorers
 
@@ -44,8 +47,9 @@ class RewardManager:
     """Scores decoded responses: by data_source, or with one custom function; in this process
     or in a RewardPool. `close()` stops the pool's workers."""
 
-    def __init__(self, registry: Any, *, scorers: Scorers | None = None, pool=None, chunks=1):
+    def __init__(self, registry: Any, *, scorers: Scorers | None = None, pool=None, chunks=1, timeout_s=0.0):
         self.registry = registry  # every data_source must be in it, unless a custom function scores all
+        self.timeout_s = timeout_s  # per call in this process (0: none); a pool has its own
         self.scorers = scorers or Scorers(registry=registry)
         self.pool: RewardPool | None = pool
         self.chunks = chunks  # calls per batch (a batch manager splits the responses over the workers)
@@ -97,8 +101,18 @@ class RewardManager:
 
     def _run(self, calls: list[list[Row]]) -> list[list[Outcome]]:
         if self.pool is None:
-            return [self.scorers.run(call) for call in calls]
+            return [self._run_here(call) for call in calls]
         return self.pool.run(calls)
+
+    def _run_here(self, call: list[Row]) -> list[Outcome]:
+        """One call in this process, abandoned after timeout_s (minirl.reward.deadline)."""
+        if self.timeout_s <= 0:
+            return self.scorers.run(call)
+        try:
+            return call_with_deadline(lambda: self.scorers.run(call), self.timeout_s)
+        except CallTimeout:
+            detail = f"still running after {self.timeout_s:g} s, abandoned (reward.timeout_s)"
+            return [Outcome(failure="timeout", detail=detail) for _ in call]
 
     def close(self) -> None:
         """Stop the worker processes, if any (a later score() starts them again)."""
@@ -129,7 +143,8 @@ def build_reward_manager(reward_cfg, custom_cfg, registry: Any, plugin_modules=(
     source = RewardSource(custom_cfg.path, custom_cfg.name, batch, tuple(plugin_modules))
     scorers = source.load() if custom_cfg.path else Scorers(registry=registry)
     pool = RewardPool(source.load, reward_cfg.num_workers, reward_cfg.timeout_s) if reward_cfg.num_workers else None
-    return RewardManager(registry, scorers=scorers, pool=pool, chunks=max(1, reward_cfg.num_workers))
+    chunks = max(1, reward_cfg.num_workers)
+    return RewardManager(registry, scorers=scorers, pool=pool, chunks=chunks, timeout_s=reward_cfg.timeout_s)
 
 
 def place_scores(scores_B: Any, mask_BT: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ a call's timeout.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import signal
@@ -60,8 +61,11 @@ def _die_with_parent() -> None:
 
 
 def _serve(conn, load: Callable[[], Any]) -> None:
-    """A worker's loop: load the scorers, say ready, then answer calls until None or EOF."""
+    """A worker's loop: load the scorers, say ready, then answer calls until None or EOF. The
+    worker leads a process group of its own, so that killing it (a timeout, close()) also kills
+    the processes its reward function started."""
     _die_with_parent()
+    os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle (StopRequest)
     try:
         scorers, fatal = load(), ""
@@ -87,7 +91,8 @@ def _serve(conn, load: Callable[[], Any]) -> None:
 class _Worker:
     def __init__(self, ctx, load: Callable[[], Any]):
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, load), daemon=True, name="minirl-reward")
+        # not daemonic: a reward function may start processes of its own (daemonic ones may not)
+        self.process = ctx.Process(target=_serve, args=(child, load), daemon=False, name="minirl-reward")
         self.process.start()
         child.close()
         self.ready = False
@@ -111,6 +116,11 @@ class _Worker:
             return None
 
     def kill(self) -> None:
+        """SIGKILL the worker and its process group (what its reward function started)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # gone, or it never led its group yet
+            pass
         self.process.kill()
         self.process.join()
         self.conn.close()
@@ -137,7 +147,10 @@ class RewardPool:
         """Each call's outcomes, in call order; a call that times out or whose worker dies gives
         every one of its rows that failure."""
         if not self.workers:
-            self._ctx = self._ctx or _context()
+            if self._ctx is None:
+                self._ctx = _context()
+                # before multiprocessing's own exit handler, which joins non-daemonic workers
+                atexit.register(self.close)
             self.workers = [_Worker(self._ctx, self.load) for _ in range(self.num_workers)]
         results: list[list[Outcome] | None] = [None] * len(calls)
         todo = deque(range(len(calls)))

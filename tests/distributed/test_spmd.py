@@ -3,7 +3,9 @@ hung worker stops the whole job with its error instead of hanging it."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 import time
 
 import dist_helpers as h
@@ -87,6 +89,35 @@ def test_a_hung_worker_times_out_instead_of_hanging(capfd):
     err = capfd.readouterr().err
     assert rc == 1 and elapsed < 60
     assert "worker rank 0 failed" in err
+
+
+def _signal_worker(rank: int, timeout_s: float, signum: int) -> None:
+    spmd.init_process_group(torch.device("cpu"), timeout_s)
+    tdist.all_reduce(torch.ones(1))  # both ranks are in the group
+    if rank == 1:
+        os.kill(os.getpid(), signum)
+    tdist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1
+
+
+@pytest.mark.parametrize(
+    "signum, timeout_s, named",
+    [
+        (signal.SIGKILL, 300.0, "worker rank 1 died: killed by SIGKILL; all workers stopped"),
+        (signal.SIGSTOP, 3.0, "worker rank 1 died: stopped by a signal (SIGSTOP or SIGTSTP: process state T)"),
+    ],
+)
+def test_a_killed_or_stopped_rank_in_a_collective_is_named(capfd, signum, timeout_s, named):
+    """kill -9 of rank 1 while rank 0 waits in a collective stops the job at once (not after the
+    300 s timeout) naming rank 1 and its signal, even when rank 0's lost-peer error arrives
+    first; a SIGSTOPped rank 1 stops it after the collective timeout, named as the hung rank
+    (rank 0's timeout is the consequence). Either way no worker is left."""
+    start = time.monotonic()
+    rc = spawn.spawn(_signal_worker, 2, (timeout_s, signum))
+    elapsed = time.monotonic() - start
+    err = capfd.readouterr().err
+    assert rc == 1 and elapsed < min(timeout_s, 30) + 20, (elapsed, err)
+    assert named in err and err.count("minirl:") == 1, err
+    assert not multiprocessing.active_children()
 
 
 def _user_error_worker(rank: int) -> None:

@@ -37,9 +37,10 @@ def _log_then_crash(log):
 
 
 def _shards_then_crash(dcp_save):
-    def patched(parts, path):
-        dcp_save(parts, path)
+    def patched(parts, path, *rest):
+        sums = dcp_save(parts, path, *rest)
         maybe_crash("checkpoint", int(os.path.basename(path).removeprefix(store.TMP_PREFIX)))
+        return sums
 
     return patched
 

@@ -45,6 +45,27 @@ def batch_score(data_sources, solution_strs, ground_truths, extra_infos):
 
 def short_batch(data_sources, solution_strs, ground_truths, extra_infos):
     return [1.0] * (len(solution_strs) - 1)
+
+def _square(x, out):
+    out.put(x * x)
+
+def with_a_child(data_source, solution_str, ground_truth, extra_info=None):
+    import multiprocessing  # a grader that runs its check in a process of its own
+
+    ctx = multiprocessing.get_context("fork")  # the function lives in a file-loaded module
+    out = ctx.Queue()
+    child = ctx.Process(target=_square, args=(int(solution_str), out))
+    child.start()
+    value = out.get(timeout=20)
+    child.join()
+    return float(value)
+
+def swallow(data_source, solution_str, ground_truth, extra_info=None):
+    try:
+        time.sleep(120)
+    except Exception:  # a grader that catches everything it knows of
+        return 1.0
+    return 2.0
 """
 
 
@@ -156,6 +177,44 @@ def test_pool_survives_a_hang_and_a_crash_and_keeps_order(reward_file, caplog):
         assert caplog.text.count("crashed its worker") == 1  # logged once per data_source
         workers = [w.process for w in rewards.pool.workers]
     assert not any(p.is_alive() for p in workers)  # closed on leaving the block
+
+
+@pytest.mark.parametrize("name", ["compute_score", "swallow"])
+def test_timeout_s_applies_in_the_training_process_too(reward_file, name):
+    """reward.num_workers = 0: a call past reward.timeout_s is abandoned (scores 0, counted as a
+    timeout) instead of hanging the run, even when the function catches Exception; the next
+    calls score normally and no timer is left armed."""
+    import signal
+
+    rewards = manager(reward_file, name, num_workers=0, timeout_s=0.5)
+    start = time.monotonic()
+    result = rewards.score([rec("slow", "x", 0)], ["hang"])
+    assert time.monotonic() - start < 5
+    assert result.scores == [0.0] and result.failures["timeout"] == {"slow": 1}
+    if name == "compute_score":
+        assert rewards.score([rec("ok", "1", 1)], ["1"]).scores == [1.0]
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_timeout_s_off_the_main_thread_abandons_the_call(reward_file):
+    """Signals reach only the main thread: elsewhere the call is left on a thread of its own."""
+    import threading
+
+    rewards, box = manager(reward_file, num_workers=0, timeout_s=0.5), {}
+    thread = threading.Thread(target=lambda: box.update(r=rewards.score([rec("slow", "x", 0)], ["hang"])))
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and box["r"].failures["timeout"] == {"slow": 1}
+
+
+def test_a_reward_function_may_start_its_own_processes(reward_file):
+    """Reward workers are not daemonic, so a grader can run a process of its own (a daemonic
+    worker's child raises 'daemonic processes are not allowed to have children')."""
+    with closing(manager(reward_file, "with_a_child", num_workers=1, timeout_s=30)) as rewards:
+        result = rewards.score([rec("ok", "", 0), rec("ok", "", 1)], ["3", "4"])
+        assert result.scores == [9.0, 16.0] and result.count("error") == 0
+        workers = [w.process for w in rewards.pool.workers]
+    assert not any(p.is_alive() for p in workers)
 
 
 def test_pool_runs_batch_functions_in_chunks(reward_file):

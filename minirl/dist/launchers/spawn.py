@@ -1,6 +1,7 @@
 """The supervisor of the local launcher: one fresh process per rank on this machine. The first
-worker that fails makes it stop all others (they may sit in a collective with it) and print its
-report once; reports travel through files, not pipes, so a long traceback cannot block a dying
+worker that fails makes it kill all others (they may sit in a collective with it) and print its
+report once, naming the cause (a rank killed by a signal, a stopped rank) over its
+consequences; reports travel through files, not pipes, so a long traceback cannot block a dying
 worker. SIGTERM/SIGINT are forwarded; a worker whose supervisor died exits within a second.
 """
 
@@ -47,8 +48,16 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple = ()) -> int:
             p.start()
         with _ForwardSignals(procs):
             failed = _wait_first_failure(procs)
-        _stop(procs)  # the others may be blocked in a collective with the failed rank
-        return 0 if failed is None else _report(procs.index(failed), failed.exitcode, error_dir)
+        hung = _stopped_ranks(procs)  # before _stop: a SIGSTOPped rank is the cause of a timeout
+        killed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode < 0}
+        # the others may be blocked in a collective with the failed rank, and cannot finish a step
+        # or a checkpoint without it: SIGKILL at once (SIGTERM would start a graceful stop)
+        _stop(procs, grace_s=0.0 if failed is not None and failed.exitcode not in _STOP_CODES else _STOP_GRACE_S)
+        if failed is None:
+            return 0
+        if hung:
+            return print_report(hung[0], Report("died", _hung_reason(procs.index(failed)), EXIT_CRASH))
+        return _report(procs.index(failed), failed.exitcode, error_dir, killed)
     finally:
         _stop(procs)
         shutil.rmtree(error_dir, ignore_errors=True)
@@ -115,8 +124,10 @@ def _wait_first_failure(procs: list):
     return stopped
 
 
-def _report(rank: int, exitcode: int, error_dir: str) -> int:
-    """Print the failed worker's error (or the earliest report, if it left none) once."""
+def _report(rank: int, exitcode: int, error_dir: str, killed: dict[int, int] | None = None) -> int:
+    """Print the failed worker's error (or the earliest report, if it left none) once. `killed`:
+    the ranks a signal had ended before the supervisor stopped the others (kill -9, the OOM
+    killer): when the failed rank only lost its peer, the cause is the killed rank."""
     reports = {}
     for name in os.listdir(error_dir):
         if name.endswith(".json"):
@@ -124,6 +135,9 @@ def _report(rank: int, exitcode: int, error_dir: str) -> int:
                 reports[int(name[4:-5])] = json.load(f)
     # the others' reports of being stopped (by the supervisor) or of losing a peer are consequences
     causes = {r: rep for r, rep in reports.items() if rep["kind"] not in ("stopped", "peer")}
+    silent = {r: code for r, code in (killed or {}).items() if r not in reports}
+    if silent and not causes and (rank not in reports or reports[rank]["kind"] == "peer"):
+        rank, exitcode = min(silent.items())
     if rank not in reports and causes:
         rank = min(causes, key=lambda r: causes[r]["time"])
     if rank not in reports:  # killed by a signal (the OOM killer, say): nothing was written
@@ -132,12 +146,39 @@ def _report(rank: int, exitcode: int, error_dir: str) -> int:
     return print_report(rank, Report(found["kind"], found["text"], found["exit_code"]))
 
 
-def _stop(procs: list) -> None:
+def _stopped_ranks(procs: list) -> list[int]:
+    """Ranks whose process is stopped (SIGSTOP, SIGTSTP, a debugger): alive but never answering,
+    so its peers' collectives time out. Linux's /proc; elsewhere none are found."""
+    ranks = []
+    for rank, p in enumerate(procs):
+        try:
+            with open(f"/proc/{p.pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]  # the field after "(name)"
+        except (OSError, IndexError, TypeError):
+            continue
+        if state in ("T", "t"):
+            ranks.append(rank)
+    return ranks
+
+
+def _hung_reason(timed_out_rank: int) -> str:
+    return (
+        f"stopped by a signal (SIGSTOP or SIGTSTP: process state T) and never answered; rank {timed_out_rank}'s "
+        "collective timed out waiting for it after trainer.collective_timeout_s"
+    )
+
+
+def _stop(procs: list, grace_s: float = _STOP_GRACE_S) -> None:
+    """SIGTERM every live worker, SIGKILL those still alive after grace_s (a stopped one at once)."""
     procs = [p for p in procs if p.pid is not None]  # started ones only
     for p in procs:
-        if p.is_alive():
+        if p.is_alive() and grace_s > 0:
             p.terminate()
-    deadline = time.monotonic() + _STOP_GRACE_S
+        elif p.is_alive():
+            p.kill()
+    for rank in _stopped_ranks(procs):  # a stopped process never handles SIGTERM
+        procs[rank].kill()
+    deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
@@ -146,7 +187,7 @@ def _stop(procs: list) -> None:
 
 
 def _exit_reason(exitcode: int) -> str:
-    """"killed by SIGKILL" for a negative exit code (multiprocessing's signal), else the code."""
+    """ "killed by SIGKILL" for a negative exit code (multiprocessing's signal), else the code."""
     if exitcode is not None and exitcode < 0:
         try:
             return f"killed by {signal.Signals(-exitcode).name}"
