@@ -43,7 +43,8 @@ class ToolAgent:
         t = Trajectory(list(sample.prompt_ids), logprobs=[], messages=list(sample.messages), num_turns=0)
         context, tools_run, stats = list(sample.prompt_ids), 0, Counter()
         while True:
-            out = await ctx.generate(sample, context, _turn_budget(cfg, budget - len(t.response_ids)), ctx.chat.stop_ids)
+            turn_budget = _turn_budget(cfg, budget - len(t.response_ids))
+            out = await ctx.generate(sample, context, turn_budget, ctx.chat.stop_ids)
             _append(t, out.token_ids, 1, out.logprobs)
             context += out.token_ids
             t.num_turns, t.finish_reason = t.num_turns + 1, out.finish_reason
