@@ -80,60 +80,54 @@ def _tiny_agent(**overrides) -> PretrainedConfig:
     return _tiny(**{"vocab_size": AGENT_VOCAB_SIZE, **overrides})
 
 
+# the keys every Qwen2 config.json below shares
+QWEN2_COMMON = dict(
+    architectures=["Qwen2ForCausalLM"],
+    hidden_act="silu",
+    max_position_embeddings=131072,
+    initializer_range=0.02,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    use_sliding_window=False,
+    attention_dropout=0.0,
+    use_cache=True,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
+
+
 def _qwen2_1_5b(**overrides) -> PretrainedConfig:
     """DeepSeek-R1-Distill-Qwen-1.5B's config.json, key for key (bos in config.json is 151643;
     its tokenizer and generation_config.json use <｜begin▁of▁sentence｜> = 151646)."""
-    return Qwen2Config(
-        architectures=["Qwen2ForCausalLM"],
+    shape = dict(
         vocab_size=151936,
         hidden_size=1536,
         intermediate_size=8960,
         num_hidden_layers=28,
         num_attention_heads=12,
         num_key_value_heads=2,
-        hidden_act="silu",
-        max_position_embeddings=131072,
-        initializer_range=0.02,
-        rms_norm_eps=1e-6,
         rope_theta=10000.0,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
         sliding_window=4096,
         max_window_layers=21,
-        attention_dropout=0.0,
-        use_cache=True,
-        bos_token_id=151643,
-        eos_token_id=151643,
-        **overrides,
     )
+    return Qwen2Config(**{**QWEN2_COMMON, **shape, **overrides})
 
 
 def _qwen2_7b(**overrides) -> PretrainedConfig:
     """Qwen2-7B's config.json (the base model), key for key: the shape of the LoRA benchmark, a
     model whose full fine-tuning (weights, gradients, AdamW state) does not fit one H200."""
-    return Qwen2Config(
-        architectures=["Qwen2ForCausalLM"],
+    shape = dict(
         vocab_size=152064,
         hidden_size=3584,
         intermediate_size=18944,
         num_hidden_layers=28,
         num_attention_heads=28,
         num_key_value_heads=4,
-        hidden_act="silu",
-        max_position_embeddings=131072,
-        initializer_range=0.02,
-        rms_norm_eps=1e-6,
         rope_theta=1000000.0,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
         sliding_window=131072,
         max_window_layers=28,
-        attention_dropout=0.0,
-        use_cache=True,
-        bos_token_id=151643,
-        eos_token_id=151643,
-        **overrides,
     )
+    return Qwen2Config(**{**QWEN2_COMMON, **shape, **overrides})
 
 
 PRESETS: dict[str, Preset] = {
