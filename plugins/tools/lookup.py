@@ -7,12 +7,11 @@ the tool, so a policy that answers right has learnt to call it. `key` is optiona
 the tiny-agent tokenizer has one token for the argument-free call (LOOKUP_CALL), which is how a
 random-init policy finds it.
 
-config.repeat (default 1) states the value that many times in the reply ("7 7 7 7 7 7 7 7" for 8).
-Why: a random-init model's attention is near uniform over its context (about 120 tokens here),
-so one digit among them barely reaches the answer position, and reinforcement learning alone did
-not teach the tiny model to copy it in 200 steps (the greedy score stayed at guessing, 0.19); with
-8 copies, as the copy task states its digit 8 times, it learns to read the reply (bench.toml's
-cpu-agent profile, examples/tools/lookup.yaml).
+config.repeat (default 1) states the value that many times in the reply ("7 7 7" for 3).
+Why: a random-init model's attention is near uniform over its context, so one digit among ~120
+tokens barely reaches the answer position, and reinforcement learning alone did not teach the
+tiny model to copy it (the greedy score stayed at guessing, 0.19); the more copies, the faster it
+learns to read the reply (examples/tools/lookup.yaml states 64; docs/agents.md has the curves).
 """
 
 from __future__ import annotations
