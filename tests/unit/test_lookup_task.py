@@ -105,9 +105,10 @@ def test_tiny_agent_model_builds_and_covers_the_tokenizer():
 # ---------------------------------------------------------------------------------------------
 
 ROW_KWARGS = {"lookup": {"create_kwargs": {"key": "k37", "value": "7"}}}
-REPLY = " ".join(["7"] * 8)  # examples/tools/lookup.yaml states the value 8 times
-# what the model reads after its call: ChatML's tool turn (the reply, 15 tokens) and the next prompt
-TOOL_REPLY_TOKENS = 36
+REPLY = " ".join(["7"] * 64)  # examples/tools/lookup.yaml states the value 64 times
+# what the model reads after its call: ChatML's tool turn (21 tokens around the reply, one byte a
+# token) and the next prompt
+TOOL_REPLY_TOKENS = 21 + len(REPLY)
 
 
 def test_lookup_returns_the_value_without_a_key_or_with_the_right_one():
@@ -169,7 +170,7 @@ def _view(tool_text: str | None, answered: bool = True) -> dict:
     "response, trajectory, expected",
     [
         (" 7 is the digit", _view("7"), 1.0),  # the right digit first
-        ("3", _view(REPLY), 0.1),  # a successful call, its reply stated 8 times
+        ("3", _view(REPLY), 0.1),  # a successful call, its reply stated 64 times
         ("7", None, 1.0),  # right without the tool (a lucky guess) still counts
         ("3", _view("7"), 0.1),  # a successful call, wrong answer
         (LOOKUP_CALL, _view("7"), 0.1),  # called again instead of answering
@@ -215,7 +216,7 @@ def _scripted_rollout(budget: int):
 
 def test_a_tool_agent_rollout_that_calls_and_copies_scores_one():
     """The chain the learning test relies on, with a scripted model: the call token stops turn
-    one, the tool's reply comes back masked (36 tokens of ChatML), turn two answers the digit."""
+    one, the tool's reply comes back masked (148 tokens of ChatML), turn two answers the digit."""
     t = _scripted_rollout(budget=1 + TOOL_REPLY_TOKENS + len(ANSWER))
     assert t.num_turns == 2 and t.response_ids[0] == LOOKUP_CALL_ID and t.response_ids[-2:] == ANSWER
     assert t.response_mask == [1] + [0] * TOOL_REPLY_TOKENS + [1, 1]
