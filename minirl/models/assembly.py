@@ -82,9 +82,4 @@ def full_weights(model: torch.nn.Module, adapted_only: bool = False) -> Iterator
         return
     assert not adapted_only, "adapted_only without LoRA adapters"
     for name, param in model.named_parameters():
-        tensor = param.detach()
-        if hasattr(tensor, "full_tensor"):
-            if tensor.device.type != tensor.device_mesh.device_type:  # a CPU-offloaded shard:
-                tensor = tensor.to(tensor.device_mesh.device_type)  # NCCL gathers device memory
-            tensor = tensor.full_tensor()
-        yield hf_name(name), tensor
+        yield hf_name(name), lora.full_tensor(param)

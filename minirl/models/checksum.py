@@ -12,15 +12,11 @@ from typing import Iterable
 import torch
 
 from minirl.models.assembly import hf_name
+from minirl.models.lora import full_tensor
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MASK64 = (1 << 64) - 1
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor shard (FSDP2), or the tensor itself."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 @torch.no_grad()

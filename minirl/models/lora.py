@@ -118,7 +118,7 @@ def adapters_disabled(model: torch.nn.Module):
             m._disable_adapters = b
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a DTensor shard (FSDP2), on its mesh's device; or the tensor itself."""
     t = t.detach()
     if hasattr(t, "full_tensor"):
@@ -130,15 +130,15 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def delta(layer: torch.nn.Module) -> torch.Tensor:
     """B A * alpha / r of one LoRA layer as a full [out, in] float32 tensor (gathered under FSDP2)."""
-    a = _full(layer.lora_A[ADAPTER].weight).float()
-    b = _full(layer.lora_B[ADAPTER].weight).float()
+    a = full_tensor(layer.lora_A[ADAPTER].weight).float()
+    b = full_tensor(layer.lora_B[ADAPTER].weight).float()
     return (b @ a) * layer.scaling[ADAPTER]
 
 
 def merged(layer: torch.nn.Module) -> torch.Tensor:
     """W + B A * alpha / r in W's dtype: the weight the rollout engines compute with. The sum is
     taken in float32 and rounded once."""
-    w = _full(layer.base_layer.weight)
+    w = full_tensor(layer.base_layer.weight)
     return (w.float() + delta(layer)).to(w.dtype)
 
 
@@ -156,7 +156,7 @@ def merged_weights(model: torch.nn.Module, adapted_only: bool = False) -> Iterat
         if owner.endswith(_BASE) and owner[: -len(_BASE)] in layers and leaf == "weight":
             yield owner[: -len(_BASE)] + ".weight", merged(layers[owner[: -len(_BASE)]])
         elif not adapted_only:
-            yield name.replace(_BASE + ".", "."), _full(param)
+            yield name.replace(_BASE + ".", "."), full_tensor(param)
 
 
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -167,7 +167,7 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, param in model.named_parameters():
         if is_adapter_param(name):
             key = "base_model.model." + hf_name(name).replace(f".{ADAPTER}.", ".")
-            out[key] = _full(param).to("cpu", copy=True).contiguous()
+            out[key] = full_tensor(param).to("cpu", copy=True).contiguous()
     return out
 
 
