@@ -129,17 +129,23 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def delta(layer: torch.nn.Module) -> torch.Tensor:
-    """B A * alpha / r of one LoRA layer as a full [out, in] float32 tensor (gathered under FSDP2)."""
-    a = full_tensor(layer.lora_A[ADAPTER].weight).float()
-    b = full_tensor(layer.lora_B[ADAPTER].weight).float()
-    return (b @ a) * layer.scaling[ADAPTER]
+    """B A * alpha / r of one LoRA layer as a full [out, in] tensor in float32 at least (float64
+    adapters stay float64), gathered under FSDP2."""
+    a = full_tensor(layer.lora_A[ADAPTER].weight)
+    b = full_tensor(layer.lora_B[ADAPTER].weight)
+    dtype = _at_least_float32(a.dtype)
+    return (b.to(dtype) @ a.to(dtype)) * layer.scaling[ADAPTER]
+
+
+def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 def merged(layer: torch.nn.Module) -> torch.Tensor:
     """W + B A * alpha / r in W's dtype: the weight the rollout engines compute with. The sum is
-    taken in float32 and rounded once."""
+    taken in float32 at least and rounded once."""
     w = full_tensor(layer.base_layer.weight)
-    return (w.float() + delta(layer)).to(w.dtype)
+    return (w.to(_at_least_float32(w.dtype)) + delta(layer)).to(w.dtype)
 
 
 def merged_weights(model: torch.nn.Module, adapted_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
