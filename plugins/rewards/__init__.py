@@ -45,27 +45,34 @@ def copy_reward(response: str, ground_truth: Any, extra_info: dict | None = None
 
 
 FOUND_SCORE = 0.1  # lookup: a successful call but a wrong or missing final digit
+DIGIT_SCORE = 0.1  # lookup: after a successful call, a wrong answer that is at least a digit
 
 
 def lookup_reward(
     response: str, ground_truth: Any, extra_info: dict | None = None, trajectory: dict | None = None
 ) -> float:
     """The multi-turn lookup task (scripts/make_data.py): 1.0 when the stripped final answer
-    starts with the ground-truth digit; else 0.1 when the trajectory holds a successful lookup
-    call (a tool message of digits, read by a later assistant turn); else 0.0.
+    starts with the ground-truth digit; else, when the trajectory holds a successful lookup call
+    (a tool message of digits, read by a later assistant turn), 0.1 plus 0.1 if the answer starts
+    with a digit; else 0.0.
 
-    Why the 0.1: the digit is only in the tool's reply, so a random-init policy must first find
-    the call (one token in 264 with the tiny-agent tokenizer) and then learn to copy the reply;
-    the bonus makes the call worth repeating before any answer is right. The reward that counts
-    is 1 for the right digit: calling and then guessing earns 0.19 on average, guessing without
-    the call 0.1, calling and copying the reply 1.0.
+    Why the partial credit: the digit is only in the tool's reply, so a random-init policy must
+    first find the call (one token in 264 with the tiny-agent tokenizer), then answer with a digit
+    at all (10 tokens in 264), and only then can it learn which digit the reply states. Each rung
+    pays a little so that it is worth repeating before any answer is right (without the digit's
+    rung the answer position drifted over non-digit tokens for a hundred steps). The reward that
+    counts is 1 for the right digit: guessing without the call earns 0.1 on average, calling and
+    then guessing a digit 0.28, calling and copying the reply 1.0.
     trajectory: what minirl.agent.loop.reward_view gives (None for a single-turn rollout)."""
     truth = str(ground_truth)
     if not truth:
         raise ValueError("lookup: the ground truth is empty; every response would match it")
-    if response.strip().startswith(truth):
+    answer = response.strip()
+    if answer.startswith(truth):
         return 1.0
-    return FOUND_SCORE if _looked_up(trajectory) else 0.0
+    if not _looked_up(trajectory):
+        return 0.0
+    return FOUND_SCORE + (DIGIT_SCORE if answer[:1].isdigit() else 0.0)
 
 
 def _looked_up(trajectory: dict | None) -> bool:

@@ -10,7 +10,7 @@ random-init policy finds it.
 config.repeat (default 1) states the value that many times in the reply ("7 7 7" for 3).
 Why: a random-init model's attention is near uniform over its context, so one digit among ~120
 tokens barely reaches the answer position, and reinforcement learning alone did not teach the
-tiny model to copy it (the greedy score stayed at guessing, 0.19); the more copies, the faster it
+tiny model to copy it (the greedy score stayed at guessing); the more copies, the faster it
 learns to read the reply (examples/tools/lookup.yaml states 64; docs/agents.md has the curves).
 """
 

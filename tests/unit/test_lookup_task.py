@@ -170,9 +170,10 @@ def _view(tool_text: str | None, answered: bool = True) -> dict:
     "response, trajectory, expected",
     [
         (" 7 is the digit", _view("7"), 1.0),  # the right digit first
-        ("3", _view(REPLY), 0.1),  # a successful call, its reply stated 64 times
+        ("3", _view(REPLY), 0.2),  # a successful call, its reply stated 64 times, a wrong digit
         ("7", None, 1.0),  # right without the tool (a lucky guess) still counts
-        ("3", _view("7"), 0.1),  # a successful call, wrong answer
+        ("3", _view("7"), 0.2),  # a successful call, a wrong digit
+        (" x3", _view("7"), 0.1),  # a successful call, an answer that is no digit
         (LOOKUP_CALL, _view("7"), 0.1),  # called again instead of answering
         ("3", _view('Error: tool "lookup" failed: no key "k9"; the prompt names the key'), 0.0),
         ("3", _view(None), 0.0),  # a call that got no reply
@@ -189,7 +190,7 @@ def test_lookup_reward_gets_the_trajectory_through_the_scorers():
     """The registry path passes `trajectory` because lookup_reward declares it."""
     scorers = Scorers(registry={"lookup": lookup_reward})
     rows = [Row("lookup", "3", "7", {}, _view("7")), Row("lookup", "3", "7", {}, None)]
-    assert [o.score for o in scorers.run(rows)] == [0.1, 0.0]
+    assert [o.score for o in scorers.run(rows)] == [0.2, 0.0]
 
 
 ANSWER = [ord("7"), BYTE_EOS_ID]
@@ -223,7 +224,7 @@ def test_a_tool_agent_rollout_that_calls_and_copies_scores_one():
     reply = f"<|im_end|>\n<|im_start|>tool\n{REPLY}<|im_end|>\n<|im_start|>assistant\n"
     assert TOK.decode(t.response_ids[1:-2]) == reply
     assert lookup_reward("7", "7", {}, reward_view(t)) == 1.0
-    assert lookup_reward("3", "7", {}, reward_view(t)) == 0.1
+    assert lookup_reward("3", "7", {}, reward_view(t)) == 0.2
 
 
 def test_a_reply_that_does_not_fit_the_budget_earns_nothing():
