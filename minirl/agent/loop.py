@@ -125,7 +125,7 @@ class AgentRollout:
         return name, self.loops[name]
 
     async def _run_all(self, engine: RolloutEngine, loops, samples: list[Sample]) -> list[Trajectory]:
-        server = EngineServer(engine, 0)
+        server = EngineServer(engine, 0, ordered=self.cfg.multi_turn.deterministic)
         serving = asyncio.ensure_future(server.serve())
         try:
             return await self._run_loops(server, loops, samples)

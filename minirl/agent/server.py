@@ -7,6 +7,13 @@ then in the engine's queue, so a batch of single-turn loops submits exactly what
 would, in the same order, and samples the same tokens. While some loops wait for a slow tool,
 the others' requests keep decoding: the engine steps whenever nobody is busy, whatever the tools
 are doing, and tools run in threads or processes, not on the event loop.
+
+Ordered mode (rollout.multi_turn.deterministic) trades that overlap for reproducibility: when
+tools finish depends on threads and timers, and so would the engine step a continuation joins
+and its row in the batch (which draws the sampler's random numbers). In ordered mode the engine
+does not step while a tool call is running, and the loops waiting for tools resume together, in
+the order they called, once all of their calls are back: every step then sees the same requests
+in the same order, run after run.
 """
 
 from __future__ import annotations
@@ -21,12 +28,15 @@ T = TypeVar("T")
 
 
 class EngineServer:
-    def __init__(self, engine: RolloutEngine, num_loops: int):
+    def __init__(self, engine: RolloutEngine, num_loops: int, ordered: bool = False):
         self.engine = engine
         self.busy = num_loops  # every loop starts running its own code
         self.turns: dict[str, asyncio.Future] = {}
         self.wake = asyncio.Event()
         self.steps = 0
+        self.ordered = ordered
+        self.gates: list[asyncio.Future] = []  # ordered mode: one per tool wait, in call order
+        self.gates_ready = 0  # of those, the waits whose tools are back
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> TurnOutput:
         """Submit one request (n = 1) and wait for its turn to finish."""
@@ -37,12 +47,35 @@ class EngineServer:
         return await future  # the server counted this loop busy again when it set the result
 
     async def idle(self, awaitable: Awaitable[T]) -> T:
-        """Await something other than the engine (a tool call) without holding the engine up."""
+        """Await something other than the engine (a tool call) without holding the engine up
+        (in ordered mode: holding it up, and resuming in call order)."""
+        if self.ordered:
+            return await self._idle_in_order(awaitable)
         self._went_idle()
         try:
             return await awaitable
         finally:
             self.busy += 1
+
+    async def _idle_in_order(self, awaitable: Awaitable[T]) -> T:
+        gate = asyncio.get_running_loop().create_future()
+        self.gates.append(gate)
+        self._went_idle()
+        try:
+            result = await awaitable
+        finally:  # a failed or cancelled wait counts as back too: it must not hold the others
+            self.gates_ready += 1
+            self.wake.set()
+        await gate  # opened by serve(), which counted this loop busy again
+        return result
+
+    def _open_gates(self) -> None:
+        """Every tool wait is back: resume the waiting loops in the order they called."""
+        gates, self.gates, self.gates_ready = self.gates, [], 0
+        self.busy += len(gates)
+        for gate in gates:
+            if not gate.done():
+                gate.set_result(None)
 
     def loop_finished(self) -> None:
         self._went_idle()
@@ -55,7 +88,9 @@ class EngineServer:
         """Step the engine whenever no loop is busy and it has work; until cancelled.
         between_steps(): awaited before each step (asynchronous training loads new weights there)."""
         while True:
-            if self.busy > 0 or not self.engine.has_work():
+            if self.gates and self.gates_ready == len(self.gates):
+                self._open_gates()
+            if self.busy > 0 or self.gates or not self.engine.has_work():
                 self.wake.clear()
                 await self.wake.wait()
                 continue

@@ -79,7 +79,7 @@ class RolloutWorker:
             self.link.count("async/stopped", 1)
 
     async def _main(self) -> None:
-        self.server = EngineServer(self.engine, 0)
+        self.server = EngineServer(self.engine, 0, ordered=self.agents.cfg.multi_turn.deterministic)
         serving = asyncio.ensure_future(self.server.serve(self._between_steps))
         try:
             while not self.stopping:

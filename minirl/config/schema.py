@@ -111,6 +111,9 @@ class MultiTurnConfig:
     tool_response_truncate_side: str = "middle"  # left: keep the tail, right: keep the head, middle: both ends
     tool_config_path: str = ""  # YAML or JSON file in verl's shape: tools: [{class_name, config, tool_schema}]
     format: str = "hermes"  # tool-call format: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    # true: a rollout's tokens do not depend on when its tool calls finish (same seed, same tokens,
+    # run after run), at a price: the engine waits for every running tool call before its next step
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)

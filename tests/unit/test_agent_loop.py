@@ -47,6 +47,7 @@ class ScriptedEngine:
         self.prompts: dict[str, list[list[int]]] = {}
         self.released: set[str] = set()
         self.step_times: list[float] = []
+        self.batches: list[list[str]] = []  # the request ids of every step, in queue order
 
     def submit(self, request_id, prompt_ids, params):
         self.queue.append((request_id, list(prompt_ids), params))
@@ -55,6 +56,7 @@ class ScriptedEngine:
     def step(self):
         time.sleep(self.delay_s)
         self.step_times.append(time.monotonic())
+        self.batches.append([request_id for request_id, _, _ in self.queue])
         out = []
         for request_id, prompt, params in self.queue:
             turn = self.turns.get(request_id, 0)
@@ -263,6 +265,97 @@ class Repeat:
                 t.response_mask += [0] * len(more)
                 t.logprobs += [0.0] * len(more)
         return t
+
+
+JITTER_TOOL = (
+    "tools:\n  - class_name: tests.unit.test_agent_loop.Jitter\n    config: {{type: native, seed: {seed}}}\n"
+    "    tool_schema: {{type: function, function: {{name: jitter, description: waits, "
+    "parameters: {{type: object, properties: {{i: {{type: integer}}}}}}}}}}\n"
+)
+
+
+class Jitter:
+    """A tool that returns after 0-24 ms, the order of its calls' returns set by config.seed."""
+
+    timeout_s = 10.0
+    schema = None
+
+    def __init__(self, config):
+        self.seed = config["seed"]
+
+    def __call__(self, arguments, **sample):
+        time.sleep(((arguments["i"] * 7 + self.seed * 5) % 13) * 0.002)
+        return "back"
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_deterministic_mode_fixes_when_and_in_which_order_tool_results_rejoin(tmp_path, deterministic):
+    """8 samples call a tool twice; its calls return in a different order in each run. Ordered
+    mode: every engine step holds the same requests in sample order, whatever the order of the
+    returns. Without it, the first result back is decoded before the others return."""
+    script = lambda rid, turn, prompt: call("jitter", f'{{"i": {int(rid[0])}}}') if turn < 2 else ids("x") + [IM_END]
+    runs = []
+    for seed in (0, 1):
+        path = tmp_path / f"jitter{seed}.yaml"
+        path.write_text(JITTER_TOOL.format(seed=seed))
+        engine = ScriptedEngine(script)
+        trajectories = run(rollout(str(path), deterministic=deterministic), engine, records(8))
+        assert all(t.num_turns == 3 for t in trajectories)
+        runs.append(engine.batches)
+    in_order = [[f"{i}/0" for i in range(8)]] * 3
+    if deterministic:
+        assert runs == [in_order, in_order]
+    else:
+        assert runs[0] != in_order and runs[0] != runs[1]
+
+
+class WaitsBetweenTurns:
+    """A test loop: three 4-token turns of the real model, and between them an idle wait (a
+    stand-in for a tool) whose length depends on the sample and on the run."""
+
+    delays: list[float] = []
+
+    def __init__(self, cfg):
+        pass
+
+    async def run(self, ctx, sample):
+        t = Trajectory(list(sample.prompt_ids), num_turns=0)
+        context = list(sample.prompt_ids)
+        for turn in range(3):
+            out = await ctx.generate(sample, context, 4)
+            t.response_ids += out.token_ids
+            t.response_mask += [1] * len(out.token_ids)
+            t.logprobs += out.logprobs
+            t.num_turns += 1
+            context += out.token_ids
+            if turn < 2:
+                await ctx.server.idle(asyncio.sleep(self.delays[int(sample.request_id.split("/")[0])]))
+                t.response_ids += [7, 8]
+                t.response_mask += [0, 0]
+                t.logprobs += [0.0, 0.0]
+                context += [7, 8]
+        return t
+
+
+def test_deterministic_multi_turn_rollouts_sample_the_same_tokens_run_after_run():
+    """The native engine samples at temperature 1 with one random stream for the whole batch, so
+    a continuation's row decides its random numbers: in ordered mode the waits' lengths (reversed
+    between the runs) change nothing, token for token."""
+    cfg = tiny_config("qwen2")
+    hf = tiny_hf_model(cfg, seed=2, std=0.2)
+    recs = [PromptRecord(p, "copy", "1", {}, f"f:{i}", i, "", "waits") for i, p in enumerate(PROMPTS * 2)]
+    sampling = SamplingParams(n=1, temperature=1.0, max_new_tokens=40, seed=4)
+    runs = []
+    for delays in ([0.002 * i for i in range(len(recs))], [0.002 * (len(recs) - i) for i in range(len(recs))]):
+        WaitsBetweenTurns.delays = delays
+        agents = rollout(deterministic=True)
+        agents.registry.items["waits"] = WaitsBetweenTurns
+        engine = build_native_engine(None, engine_context(cfg, actor=hf))
+        got = agents.run(engine, to_samples(recs, list(range(len(recs))), sampling), ["waits"] * len(recs))
+        agents.close()
+        assert all(t.num_turns == 3 for t in got)
+        runs.append([(t.response_ids, t.logprobs) for t in got])
+    assert runs[0] == runs[1]
 
 
 def test_single_turn_through_the_agents_equals_generate():
