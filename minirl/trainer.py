@@ -432,8 +432,13 @@ class Trainer:
             f"{minis * a.ppo_epochs} optimizer steps/step; micro-batches: {self.actor_update.update.micro.describe()}; "
             f"old log-probs: {old}; world {dist.world_size} (dp {dist.dp_size}, sp {dist.sp_size}); "
             f"{self.loader.steps_per_epoch} steps/epoch, {self.total_steps} steps"
-            f"{_filter_groups_note(self.cfg.algorithm.filter_groups)}"
+            f"{_filter_groups_note(self.cfg.algorithm.filter_groups)}{_tis_note(self.cfg)}"
         )
+
+
+def _tis_note(cfg: Config) -> str:
+    cap = cfg.actor.tis_imp_ratio_cap
+    return f"; TIS cap {cap} ({cfg.origin('actor.tis_imp_ratio_cap')})" if cap > 0 else ""
 
 
 def rollout_params(cfg: Config, seed: int) -> SamplingParams:

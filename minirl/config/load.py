@@ -82,7 +82,23 @@ def load_config(
         _deep_merge(merged, data)
         origins.update(dict.fromkeys(flatten(data), source))  # TOML has no null: every key is kept
     sections = {name: _build(cls, merged.get(name, {}), name, "merged config") for name, cls in schema.items()}
+    _derive_defaults(sections, origins)
     return Config(sections=sections, profile=profile, source=path or "(defaults)", origins=origins)
+
+
+FP8_TIS_CAP = 2.0  # actor.tis_imp_ratio_cap when an fp8 KV cache turns it on (verl's usual cap)
+
+
+def _derive_defaults(sections: dict[str, Any], origins: dict[str, str]) -> None:
+    """Defaults that follow another key: an fp8 KV cache samples from a policy slightly off the
+    trainer's (docs/algorithms.md §5), so truncated importance sampling is on with it unless
+    actor.tis_imp_ratio_cap was set (-1 keeps it off) or the rollout keeps no log-probs."""
+    actor, rollout = sections.get("actor"), sections.get("rollout")
+    if actor is None or rollout is None or "actor.tis_imp_ratio_cap" in origins:
+        return
+    if rollout.kv_cache_dtype.startswith("fp8") and rollout.calculate_log_probs:
+        sections["actor"] = dataclasses.replace(actor, tis_imp_ratio_cap=FP8_TIS_CAP)
+        origins["actor.tis_imp_ratio_cap"] = f"on with rollout.kv_cache_dtype = {rollout.kv_cache_dtype!r}"
 
 
 def profiles_in(path: str) -> list[str]:

@@ -173,3 +173,22 @@ def test_printed_config_runs_quietly(tmp_path, capsys, overrides):
     assert build.critic(pm, again, None, 1, estimator, said.append) is None  # none built: dist unused
     assert len(said) == len(overrides)
     assert all("critic.grad_clip ignored" in line for line in said)
+
+
+@pytest.mark.parametrize(
+    "overrides, cap",
+    [
+        (["rollout.kv_cache_dtype=fp8"], 2.0),  # an fp8 KV cache turns TIS on
+        (["rollout.kv_cache_dtype=fp8_e5m2"], 2.0),
+        (["rollout.kv_cache_dtype=fp8", "actor.tis_imp_ratio_cap=-1"], -1.0),  # set: kept, even to off
+        (["rollout.kv_cache_dtype=fp8", "actor.tis_imp_ratio_cap=5.0"], 5.0),
+        (["rollout.kv_cache_dtype=fp8", "rollout.calculate_log_probs=false"], -1.0),  # no log-probs to weigh by
+        ([], -1.0),
+        (["rollout.kv_cache_dtype=auto"], -1.0),
+    ],
+)
+def test_an_fp8_kv_cache_turns_truncated_importance_sampling_on(overrides, cap):
+    cfg = load_config(None, overrides)
+    assert cfg.actor.tis_imp_ratio_cap == cap
+    if cap == 2.0:
+        assert "rollout.kv_cache_dtype" in cfg.origin("actor.tis_imp_ratio_cap")
