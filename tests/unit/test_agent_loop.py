@@ -254,17 +254,25 @@ class Repeat:
         context = list(sample.prompt_ids)
         for _ in range(6):
             out = await ctx.generate(sample, context, 50)
-            t.response_ids += out.token_ids
-            t.response_mask += [1] * len(out.token_ids)
-            t.logprobs += out.logprobs
-            t.num_turns += 1
+            add_model_turn(t, out)
             more = ctx.chat.append_ids([{"role": "user", "content": "go on"}], out.token_ids[-1])
             context += out.token_ids + more
             if t.num_turns < 6:
-                t.response_ids += more
-                t.response_mask += [0] * len(more)
-                t.logprobs += [0.0] * len(more)
+                add_masked(t, more)
         return t
+
+
+def add_model_turn(t: Trajectory, out: TurnOutput) -> None:
+    t.response_ids += out.token_ids
+    t.response_mask += [1] * len(out.token_ids)
+    t.logprobs += out.logprobs
+    t.num_turns += 1
+
+
+def add_masked(t: Trajectory, more: list[int]) -> None:
+    t.response_ids += more
+    t.response_mask += [0] * len(more)
+    t.logprobs += [0.0] * len(more)
 
 
 JITTER_TOOL = (
@@ -323,16 +331,11 @@ class WaitsBetweenTurns:
         context = list(sample.prompt_ids)
         for turn in range(3):
             out = await ctx.generate(sample, context, 4)
-            t.response_ids += out.token_ids
-            t.response_mask += [1] * len(out.token_ids)
-            t.logprobs += out.logprobs
-            t.num_turns += 1
+            add_model_turn(t, out)
             context += out.token_ids
             if turn < 2:
                 await ctx.server.idle(asyncio.sleep(self.delays[int(sample.request_id.split("/")[0])]))
-                t.response_ids += [7, 8]
-                t.response_mask += [0, 0]
-                t.logprobs += [0.0, 0.0]
+                add_masked(t, [7, 8])
                 context += [7, 8]
         return t
 
