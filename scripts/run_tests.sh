@@ -13,7 +13,7 @@ check() {  # pytest's exit code: 5 (nothing collected) is a failure too
   if [ "$rc" -ne 0 ]; then status=$rc; fi
 }
 # --durations: the slowest tests, what to trim when CI nears 40 minutes
-OMP_NUM_THREADS=1 "$PY" -m pytest -q -n "$CORES" --dist worksteal --durations=30 tests/unit tests/integration
+OMP_NUM_THREADS=1 "$PY" -m pytest -q -n "$CORES" --dist load --maxschedchunk 1 --durations=30 tests/unit tests/integration
 check $?
 "$PY" -m pytest -q --durations=15 tests/distributed
 check $?

@@ -22,3 +22,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The learning runs (minutes each) first, then the other `slow` tests, then the rest, each
+    group in its usual order: scripts/run_tests.sh hands tests to its pytest-xdist workers one at
+    a time in this order, so the longest runs start at once and the short tests fill in around
+    them, instead of one learning run left to finish alone at the end."""
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, "learns" not in item.name))
