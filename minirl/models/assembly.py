@@ -15,7 +15,7 @@ from minirl.dist.context import DistContext
 from minirl.models import lora
 from minirl.models.compile import compile_layers
 from minirl.models.fused_mlp import fuse_mlps
-from minirl.models.names import hf_name  # noqa: F401 (re-exported: the engines' import)
+from minirl.models.names import full_tensor, hf_name  # hf_name re-exported: the engines' import
 
 
 def assemble_actor(pm, model: torch.nn.Module, cfg, dist: DistContext) -> torch.nn.Module:
@@ -82,4 +82,4 @@ def full_weights(model: torch.nn.Module, adapted_only: bool = False) -> Iterator
         return
     assert not adapted_only, "adapted_only without LoRA adapters"
     for name, param in model.named_parameters():
-        yield hf_name(name), lora.full_tensor(param)
+        yield hf_name(name), full_tensor(param)

@@ -11,8 +11,7 @@ from typing import Iterable
 
 import torch
 
-from minirl.models.assembly import hf_name
-from minirl.models.lora import full_tensor
+from minirl.models.names import full_tensor, hf_name
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

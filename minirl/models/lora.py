@@ -27,7 +27,7 @@ import torch
 
 from minirl.errors import UserError
 from minirl.models.loading import seeded
-from minirl.models.names import hf_name
+from minirl.models.names import full_tensor, hf_name
 
 ADAPTER = "default"  # peft's adapter name; one adapter per model
 ADAPTER_CONFIG = "adapter_config.json"
@@ -116,16 +116,6 @@ def adapters_disabled(model: torch.nn.Module):
     finally:
         for m, b in zip(layers, before):
             m._disable_adapters = b
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor shard (FSDP2), on its mesh's device; or the tensor itself."""
-    t = t.detach()
-    if hasattr(t, "full_tensor"):
-        if t.device.type != t.device_mesh.device_type:  # a CPU-offloaded shard: NCCL gathers device memory
-            t = t.to(t.device_mesh.device_type)
-        t = t.full_tensor()
-    return t
 
 
 def delta(layer: torch.nn.Module) -> torch.Tensor:

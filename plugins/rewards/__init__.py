@@ -44,7 +44,7 @@ def copy_reward(response: str, ground_truth: Any, extra_info: dict | None = None
     return 1.0 if response.strip().startswith(truth) else 0.0
 
 
-FOUND_SCORE = 0.1  # lookup: a successful call but a wrong or missing final digit
+FOUND_SCORE = 0.1  # lookup: a successful call, the answer wrong (or missing)
 DIGIT_SCORE = 0.1  # lookup: after a successful call, a wrong answer that is at least a digit
 
 
