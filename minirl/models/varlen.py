@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # the only dtypes the "flash_attn" and "torch" backends take
+# The "torch" backend runs every sequence of at least this many tokens through cuDNN's dense causal
+# attention (SDPA's cuDNN backend), one sequence at a time, and the shorter ones through the flash
+# kernel: at 27.7k tokens on an H200 cuDNN runs 652 TFLOP/s forward and 587 forward + backward,
+# the flash kernel 336 and 314 (dev/bench_long_context.py, docs/benchmarks.md "Long context").
+# 0 turns the cuDNN path off.
+LONG_SEQUENCE = 4096
 
 
 def varlen_attention(
@@ -31,12 +38,16 @@ def varlen_attention(
 
     backend: "flash_attn" (flash-attn's varlen kernel), "torch" (torch's varlen attention), both
     CUDA and half precision only, or "sdpa" (exact per-segment SDPA); None: the first available.
+    With either CUDA backend, sequences of LONG_SEQUENCE tokens or more run through cuDNN.
     """
     name = backend or _pick_backend(q)
     if name not in _BACKENDS:
         raise ValueError(f"unknown varlen attention backend {name!r}; choose one of {sorted(_BACKENDS)}")
     cu_S1 = cu_seqlens.to(device=q.device, dtype=torch.int32)  # what the kernels take
-    return _BACKENDS[name](q, k, v, cu_S1, max_seqlen, scale)
+    kernel = _BACKENDS[name]
+    if name != "sdpa" and 0 < LONG_SEQUENCE <= max_seqlen and _cudnn_usable(q, k):
+        return _by_length(q, k, v, cu_S1, scale, _cudnn_causal, kernel)
+    return kernel(q, k, v, cu_S1, max_seqlen, scale)
 
 
 def _pick_backend(q: torch.Tensor) -> str:
@@ -72,6 +83,83 @@ def _aten_flash_gqa(q, k, v, cu, max_seqlen, scale):
     strided copy: 4% of a compiled layer's forward on 30k tokens (docs/benchmarks-history.md)."""
     flash = torch.ops.aten._flash_attention_forward
     return flash(q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, True, False, scale=scale)[0]
+
+
+def _by_length(q, k, v, cu, scale, long_fn, short_fn):
+    """Each sequence of at least LONG_SEQUENCE tokens through long_fn(q, k, v, scale) alone, each
+    run of consecutive shorter ones through short_fn(q, k, v, cu, max_seqlen, scale) together;
+    outputs in packed order. One host read of the boundaries, unless the row is one sequence."""
+    if cu.numel() == 2:
+        return long_fn(q, k, v, scale)
+    bounds = cu.tolist()
+    outs, run = [], []  # run: the boundaries of the short sequences not yet computed
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end - start < LONG_SEQUENCE:
+            run = run or [start]
+            run.append(end)
+            continue
+        outs += _short_run(q, k, v, run, scale, short_fn)
+        outs.append(long_fn(q[start:end], k[start:end], v[start:end], scale))
+        run = []
+    outs += _short_run(q, k, v, run, scale, short_fn)
+    return torch.cat(outs)
+
+
+def _short_run(q, k, v, run: list[int], scale, short_fn) -> list[torch.Tensor]:
+    if not run:
+        return []
+    s, e = run[0], run[-1]
+    cu = torch.tensor([b - s for b in run], dtype=torch.int32).to(q.device, non_blocking=True)
+    longest = max(b - a for a, b in zip(run[:-1], run[1:]))
+    return [short_fn(q[s:e], k[s:e], v[s:e], cu, longest, scale)]
+
+
+def _cudnn_causal(q, k, v, scale):
+    """One sequence [n, H, D] through SDPA's cuDNN kernel, the key/value heads unrepeated."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q_1HnD, k_1KnD, v_1KnD = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = F.scaled_dot_product_attention(
+            q_1HnD, k_1KnD, v_1KnD, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
+    return out[0].transpose(0, 1)
+
+
+@functools.cache
+def _cudnn_works(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """cuDNN's attention runs this shape on `device` and agrees with the flash kernel on a small
+    sequence, forward and backward; else a warning, and the flash kernel takes every length."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    n = 300
+    q, k, v = (
+        torch.randn(n, h, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_()
+        for h in (heads, kv_heads, kv_heads)
+    )
+    g = torch.randn(n, heads, head_dim, device=device, dtype=dtype, generator=gen)
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    try:
+        got = [_cudnn_causal(q, k, v, head_dim**-0.5)]
+        got += torch.autograd.grad(got[0], (q, k, v), g)
+        want = [_torch_varlen_attn(q, k, v, cu, n, head_dim**-0.5)]
+        want += torch.autograd.grad(want[0], (q, k, v), g)
+        problem = next((f"differs by {e:.1e}" for a, b in zip(got, want) if (e := _rel_err(a, b)) > 2e-2), None)
+    except RuntimeError as exc:  # no cuDNN, or it refuses the shape
+        problem = f"fails ({str(exc).splitlines()[0][:200]})"
+    if problem is not None:
+        warnings.warn(f"cuDNN attention {problem}; sequences of any length use the flash kernel")
+    return problem is None
+
+
+def _cudnn_usable(q: torch.Tensor, k: torch.Tensor) -> bool:
+    if not q.is_cuda or q.dtype not in FLASH_DTYPES:
+        return False
+    with torch.inference_mode(False), torch.enable_grad():  # the check runs a backward
+        return _cudnn_works(str(q.device), q.dtype, q.shape[1], k.shape[1], q.shape[2])
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
 def _segment_sdpa(q, k, v, cu_seqlens, max_seqlen, scale):

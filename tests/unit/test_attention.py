@@ -120,6 +120,50 @@ def test_kernel_adapters_pass_causal_gqa_and_int32_boundaries(kernel, monkeypatc
     torch.testing.assert_close(out, _dense_causal_reference(q, k, v, seq_lens, 0.5), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("seq_lens", [[5, 1, 9, 3, 2, 6, 7], [9], [2, 3], [6, 6, 1]])
+def test_long_sequences_alone_short_runs_together(seq_lens, monkeypatch):
+    """With the cuDNN path on, every sequence of LONG_SEQUENCE tokens or more goes to the dense
+    kernel alone and each run of consecutive shorter ones to the varlen kernel in one call, with
+    boundaries rebased to the run; the outputs come back in packed order, exactly."""
+    import minirl.models.varlen as attn
+
+    calls = []
+
+    def dense(q, k, v, scale):
+        calls.append(("long", q.shape[0]))
+        cu = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+        return attn._segment_sdpa(q, k, v, cu, q.shape[0], scale)
+
+    def varlen(q, k, v, cu, max_seqlen, scale):
+        calls.append(("short", cu.tolist(), max_seqlen))
+        return attn._segment_sdpa(q, k, v, cu, max_seqlen, scale)
+
+    monkeypatch.setattr(attn, "LONG_SEQUENCE", 6)
+    monkeypatch.setattr(attn, "_cudnn_usable", lambda q, k: True)
+    monkeypatch.setattr(attn, "_cudnn_causal", dense)
+    monkeypatch.setitem(attn._BACKENDS, "torch", varlen)
+    torch.manual_seed(0)
+    n = sum(seq_lens)
+    q, k, v = torch.randn(n, 4, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 8)
+    cu = packed_forward_kwargs(seq_lens)["cu_seq_lens_q"]
+    out = varlen_attention(q, k, v, cu, max(seq_lens), 0.3, backend="torch")
+    torch.testing.assert_close(out, _dense_causal_reference(q, k, v, seq_lens, 0.3), atol=1e-6, rtol=1e-5)
+    expected, run = [], [0]
+    for length in seq_lens:
+        if length >= 6:
+            if len(run) > 1:
+                expected.append(("short", run, max(b - a for a, b in zip(run, run[1:]))))
+            expected.append(("long", length))
+            run = [0]
+        else:
+            run = run + [run[-1] + length]
+    if len(run) > 1:
+        expected.append(("short", run, max(b - a for a, b in zip(run, run[1:]))))
+    if max(seq_lens) < 6:
+        expected = [("short", cu.tolist(), max(seq_lens))]
+    assert calls == expected
+
+
 @pytest.mark.parametrize("reference_attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_packed_logits_and_grads_equal_unpacked(preset, reference_attn):
@@ -262,10 +306,16 @@ def _max_err(x, ref):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("long_sequence", [0, 64])
 @pytest.mark.parametrize("backend", _cuda_backends())
-def test_cuda_varlen_kernels_match_segment_sdpa_bf16(backend):
+def test_cuda_varlen_kernels_match_segment_sdpa_bf16(backend, long_sequence, monkeypatch):
     """Each CUDA varlen kernel is as close to exact float32 attention as bf16 per-segment SDPA
-    is, forward and backward (bf16 rounding alone makes direct comparisons flaky)."""
+    is, forward and backward (bf16 rounding alone makes direct comparisons flaky); at
+    long_sequence 64 the sequences of 64 tokens or more go through cuDNN, the others through the
+    varlen kernel."""
+    import minirl.models.varlen as attn
+
+    monkeypatch.setattr(attn, "LONG_SEQUENCE", long_sequence)
     torch.manual_seed(0)
     seq_lens = [100, 1, 257, 64, 33]
     n, cu = sum(seq_lens), packed_forward_kwargs(seq_lens, device="cuda")["cu_seq_lens_q"]
@@ -277,6 +327,8 @@ def test_cuda_varlen_kernels_match_segment_sdpa_bf16(backend):
         out = varlen_attention(*inputs, cu, max(seq_lens), 128**-0.5, backend=name)
         out.backward(grad.to(dtype))
         results[(name, dtype)] = [out.detach()] + [t.grad for t in inputs]
+    if long_sequence:  # the path under test ran: cuDNN passed its self-check here
+        assert attn._cudnn_usable(base[0].bfloat16(), base[1].bfloat16())
     exact = results[("sdpa", torch.float32)]
     bf16 = results[("sdpa", torch.bfloat16)]
     for got, bf16_sdpa, ref in zip(results[(backend, torch.bfloat16)], bf16, exact):
