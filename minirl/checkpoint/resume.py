@@ -22,7 +22,7 @@ from minirl.errors import UserError
 MODES = ("auto", "disable", "resume_path")
 
 # keys that may change between a checkpoint and its resume: speed, memory, logging, length
-_MODEL_KEYS = "enable_gradient_checkpointing compile_layers fused_mlp"  # model and critic.model
+_MODEL_KEYS = "enable_gradient_checkpointing recompute_num_layers compile_layers fused_mlp"  # model and critic.model
 _UPDATE_KEYS = "ppo_micro_batch_size_per_gpu use_dynamic_bsz ppo_max_token_len_per_gpu ulysses_sequence_parallel_size"
 _FREE_KEYS = {
     "trainer": (

@@ -17,6 +17,9 @@ class ModelConfig:
     tokenizer: str = ""  # a local tokenizer directory; empty = the model's, or the preset's
     dtype: str = "float32"  # parameter dtype of the actor: float32 | bfloat16
     enable_gradient_checkpointing: bool = False
+    # with checkpointing: the first N decoder layers recompute their activations in the backward,
+    # the others keep them (-1: every layer; Megatron's recompute_num_layers, block method)
+    recompute_num_layers: int = -1
     attn_implementation: str = "minirl"  # minirl (packed varlen) | sdpa | eager
     compile_layers: bool = False  # torch.compile each decoder layer (actor and reference): fuses the element-wise work
     fused_mlp: bool = False  # SiLU·mul in the gate/up GEMM's epilogue in gradient-free forwards (Hopper GPUs)
@@ -164,6 +167,7 @@ class RefConfig:
 class CriticModelConfig:
     path: str = ""  # the value model's backbone: a local Hugging Face directory; empty = the actor's model
     enable_gradient_checkpointing: bool = False
+    recompute_num_layers: int = -1  # the first N layers recompute (model.recompute_num_layers)
     compile_layers: bool = False  # torch.compile each of the critic's decoder layers (model.compile_layers)
     fused_mlp: bool = False  # the critic's values passes with model.fused_mlp's kernel
 

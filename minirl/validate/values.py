@@ -58,6 +58,10 @@ def between(lo: float, hi: float, open_lo: bool = False) -> Callable[[Any], bool
 
 # (key, test, rule, fix)
 RANGES: list[tuple[str, Callable[[Any], bool], str, str]] = [
+    *[
+        (f"{s}.recompute_num_layers", at_least(-1), "must be >= 0 layers, or -1 for every layer", "use -1")
+        for s in ("model", "critic.model")
+    ],
     ("data.train_batch_size", at_least(1), "must be at least 1 (prompts per step)", "use e.g. 16"),
     ("data.max_prompt_length", at_least(1), "must be at least 1 token", "use e.g. 512"),
     ("data.max_response_length", at_least(1), "must be at least 1 token", "use e.g. 512"),
