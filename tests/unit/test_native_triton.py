@@ -48,6 +48,18 @@ def test_kernel_with_an_fp8_kv_cache_matches_reference(kernels, name, kv_dtype):
     check(name, kernels[name], kv_dtype)
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_keys_first_decode_kernel_matches_reference(kernels, kv_dtype):
+    """The decode kernel with keys as the dots' first operand (config tokens_major), which the
+    long-context sweep times against the default one, computes the same attention."""
+    from minirl_plugins.engines.native.layers import paged_attention
+
+    configs = paged_attention.TOKENS_MAJOR_CHECKS
+    paged_attention.check_decode_attention(
+        kernels["decode_attention"], torch.device("cpu"), torch.float32, kv_dtype, configs=configs
+    )
+
+
 def test_self_check_accepts_a_kernel_and_names_why_it_rejects_one(kernels):
     """select_ops' verdict (minirl.kernels.selfcheck): None for a kernel that matches its
     reference; for one that is off, the op and its error; for one that raises, the error."""

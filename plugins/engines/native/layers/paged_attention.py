@@ -40,7 +40,14 @@ def decode_attention(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale:
 # uses fewer splits than the step's when its context is short (min_chunk tokens per split at
 # least): each split costs a partial write and a merge. fp8_f16: an fp8 cache's keys and values
 # are upcast to float16 (one native conversion on Hopper) and the dots run in float16.
-DECODE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "min_chunk": 256, "fp8_f16": False}
+DECODE_CONFIG = {
+    "block_n": 128,
+    "num_warps": 4,
+    "num_stages": 2,
+    "min_chunk": 256,
+    "fp8_f16": False,
+    "tokens_major": False,
+}
 # An fp8 cache: float16 dots over 32-key blocks in three stages, the fastest at both swept shapes
 # (40.5 us against the bf16 settings' 62.0 at batch 256 x context 600; docs/benchmarks-history.md).
 FP8_DECODE_CONFIG = {"block_n": 32, "num_stages": 3, "fp8_f16": True}
@@ -147,6 +154,84 @@ def _decode_kernel(
 
 
 @jit
+def _decode_kernel_tokens_major(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pt_ptr,
+    rows_ptr,
+    lens_ptr,
+    o_ptr,
+    lse_ptr,
+    stride_q,
+    stride_slot,
+    stride_pt,
+    stride_o,
+    scale,
+    min_chunk,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    KV_F16: tl.constexpr,
+):
+    """_decode_kernel with the keys as the dots' first operand: scores^T [BLOCK_N, BLOCK_G] =
+    K Q^T and out^T [D, BLOCK_G] = V^T P^T, so a block of keys fills the M side of the matrix
+    instruction (Hopper's wgmma takes M >= 64 with the operand converted in registers) and the
+    query group, padded to 16, sits on the narrow N side."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(rows_ptr + b)
+    length = tl.load(lens_ptr + b)
+    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    n = tl.arange(0, BLOCK_N)
+    heads = kvh * G + g
+    q = tl.load(q_ptr + b * stride_q + heads[:, None] * D + d[None, :], mask=g[:, None] < G, other=0.0)
+    if KV_F16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    q_t = tl.trans(q)  # D x BLOCK_G
+    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc_t = tl.zeros([D, BLOCK_G], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        tok = t0 + n
+        valid = tok < end
+        page = tl.load(pt_ptr + row * stride_pt + tok // PAGE, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE + tok % PAGE
+        kv_off = slot[:, None] * stride_slot + kvh * D + d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
+        s_t = tl.dot(k, q_t, input_precision=PRECISION).to(tl.float32) * scale  # BLOCK_N x BLOCK_G
+        s_t = tl.where(valid[:, None], s_t, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
+        alpha = tl.exp(m_i - m_new)
+        p_t = tl.exp(s_t - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p_t, axis=0)
+        acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p_t.to(v.dtype), input_precision=PRECISION).to(tl.float32)
+        m_i = m_new
+    out = tl.trans(acc_t / tl.maximum(l_i, 1e-30)[None, :])
+    hmask = (g[:, None] < G) & (split < splits)
+    if DIRECT:
+        tl.store(o_ptr + b * stride_o + heads[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=hmask)
+    else:
+        part = (b * H + heads) * SPLITS + split
+        tl.store(o_ptr + part[:, None] * D + d[None, :], out, mask=hmask)
+        lse = m_i + tl.log(l_i)
+        tl.store(lse_ptr + part, lse, mask=(g < G) & (split < splits))
+
+
+@jit
 def _merge_kernel(
     part_ptr, lse_ptr, lens_ptr, o_ptr, stride_o, min_chunk, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr
 ):
@@ -179,7 +264,8 @@ def decode_attention_triton(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads,
     else:
         part = torch.empty(b * h * splits, d, dtype=torch.float32, device=qkv.device)
         lse = torch.empty(b * h * splits, dtype=torch.float32, device=qkv.device)
-    _decode_kernel[(b, hk, splits)](
+    kernel = _decode_kernel_tokens_major if cfg["tokens_major"] else _decode_kernel
+    kernel[(b, hk, splits)](
         qkv,
         k_cache,
         v_cache,
@@ -241,9 +327,16 @@ def random_paged_case(device, dtype, b=5, heads=CHECK_HEADS, page=16, max_len=30
     return qkv, kc, vc, meta
 
 
-def check_decode_attention(fn, device, dtype, kv_dtype=None) -> None:
+# The keys-first kernel (not used by default: dev/bench_long_context.py times it against the other)
+TOKENS_MAJOR_CHECKS = [(1, {"tokens_major": True, "block_n": 64}), (4, {"tokens_major": True, "block_n": 64})]
+
+
+def check_decode_attention(fn, device, dtype, kv_dtype=None, configs=None) -> None:
+    """fn against the gathered SDPA reference at the launch settings the engine uses (`configs`:
+    (splits, config) pairs instead)."""
     # block_n 64 and 128: decode_block_n picks either by the batch
-    configs = [(1, None), (1, {"block_n": 64}), (4, None), (4, {"block_n": 64}), (8, {"min_chunk": 16})]
+    default = [(1, None), (1, {"block_n": 64}), (4, None), (4, {"block_n": 64}), (8, {"min_chunk": 16})]
+    configs = list(configs or default)
     if kv_dtype is not None:  # an fp8 cache: its float16 default (FP8_DECODE_CONFIG) and the bf16 upcast
         configs += [(1, {"fp8_f16": False}), (4, {"fp8_f16": False, "block_n": 64})]
     for splits, config in configs:
