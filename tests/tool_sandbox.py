@@ -4,20 +4,27 @@ watch from outside what its code leaves behind (processes found by a name the co
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from pathlib import Path
 
 from minirl.agent.parser import ToolCall
 from minirl.agent.tools import ToolEntry, ToolOutcome, ToolSet
 
-# Switches the in-process tripwire off from inside (rebinds the audit hook's class through the
-# garbage collector), then proves it: a TCP socket, which the tripwire refuses, is made.
+# Switches the in-process tripwire off from inside: rebinds the audit hook's class (found through
+# the garbage collector) and brings back the functions it replaced (fresh copies of their C
+# modules); then proves it: a TCP socket, which the tripwire refuses, is made.
 TRIPWIRE_OFF = """
-import gc as _gc, socket as _socket
+import gc as _gc, os as _os, signal as _signal_module, socket as _socket, subprocess as _subprocess, sys as _sys
 for _obj in _gc.get_objects():
     if type(_obj).__name__ == "Tripwire":
         type(_obj).__call__ = lambda self, event, args: None
+for _name in ("posix", "_posixsubprocess", "_signal"):
+    del _sys.modules[_name]
+import posix as _posix, _posixsubprocess, _signal
+for _name in ("mkfifo", "mknod", "pidfd_open"):
+    setattr(_os, _name, getattr(_posix, _name))
+_signal_module.pidfd_send_signal = _signal.pidfd_send_signal
+_subprocess._fork_exec = _posixsubprocess.fork_exec
 _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM).close()
 print("TRIPWIRE-OFF", flush=True)
 """
@@ -40,7 +47,7 @@ def mark() -> str:
 def name_self(name: str) -> str:
     """Code that gives the running process the name `name`, seen from outside in /proc/PID/comm
     (prctl PR_SET_NAME through ctypes: the tripwire must be off)."""
-    return f"__import__('ctypes').CDLL(None).prctl(15, {name.encode()!r}, 0, 0, 0)\n"
+    return f"__import__('ctypes').CDLL(None).prctl(15, {name.encode()!r}, 0, 0, 0)"
 
 
 def processes_named(name: str) -> list[int]:
@@ -92,11 +99,3 @@ def call_watching(tool, code: str, name: str, keys: tuple = ()) -> tuple[ToolOut
 
     outcome = asyncio.run(main())
     return outcome, list(seen.values())
-
-
-def host_pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

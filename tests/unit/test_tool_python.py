@@ -123,7 +123,7 @@ for attempt in (lambda: subprocess.run(["true"]), lambda: os.system("true"), os.
 
 def test_it_is_killed_at_the_wall_clock_limit_and_leaves_no_process():
     name = mark()
-    code = TRIPWIRE_OFF + name_self(name) + "while True:\n    pass"  # naming itself takes ctypes
+    code = TRIPWIRE_OFF + name_self(name) + "\nwhile True:\n    pass"  # naming itself takes ctypes
     outcome, seen = call_watching(PythonTool({"timeout_s": 1, "cpu_s": 60}), code, name)
     assert (outcome.status, outcome.text) == ("timeout", 'Error: tool "python" timed out after 1 s')
     assert outcome.latency_s < 10  # killed, not left to its 60 s of CPU
