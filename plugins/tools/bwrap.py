@@ -85,7 +85,10 @@ class Bwrap:
         self.python = python
         self.root = os.geteuid() == 0
         self.view = _mount_view(child)
-        self.filter = seccomp.program()
+        try:
+            self.filter = seccomp.program()
+        except ValueError as exc:
+            raise SandboxUnavailable(str(exc)) from None
 
     async def start(self, limits: list[int], options: dict, env: dict) -> BwrapRun:
         """Start the sandbox for one call (limits: the worker's, sandbox_child.py); its stdin,

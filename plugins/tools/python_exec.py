@@ -47,6 +47,7 @@ DEFAULTS = {
     "max_output_chars": 4096,
 }
 SANDBOXES = ("bwrap", "process")
+BWRAP_ONLY = ("max_processes", "disk_mb")
 DESCRIPTIONS = {
     "bwrap": (
         "Run Python 3 code in a fresh sandbox and return what it prints (stdout, then stderr). The sandbox has "
@@ -81,6 +82,9 @@ class PythonTool:
         self.options = tool_options(config, DEFAULTS, self.name)
         self.timeout_s = self.options["timeout_s"]
         self.sandbox = make_sandbox(self.options)
+        unused = sorted(set(config) & set(BWRAP_ONLY)) if self.options["sandbox"] == "process" else []
+        if unused:
+            warnings.warn(f"tool 'python': config.{unused[0]} has no effect with sandbox = 'process'; drop it")
         self.schema = config.get("tool_schema") or schema(self.options)
 
     async def __call__(self, arguments: dict, **sample) -> str:
@@ -130,7 +134,7 @@ def _probe(sandbox: Bwrap, options: dict) -> None:
     with ThreadPoolExecutor(1, thread_name_prefix="minirl-sandbox-probe") as pool:
         try:
             text = pool.submit(asyncio.run, run_code("print('ok', end='')", options, sandbox)).result()
-        except (ToolError, TimeoutError) as exc:
+        except (ToolError, TimeoutError, OSError) as exc:
             text = str(exc)
     if text != "ok":
         raise SandboxUnavailable(_diagnose(text))
@@ -148,7 +152,7 @@ def _diagnose(text: str) -> str:
         )
     if "source path" in line:
         return f"bwrap cannot read the Python runtime ({line}); make that path readable by the trainer's user"
-    return f"a first call in the sandbox failed: {line}"
+    return f"a first call in the sandbox (print('ok')) failed: {line}; check bwrap and the tool's limits"
 
 
 async def run_code(code: str, options: dict, sandbox: Bwrap | ProcessSandbox) -> str:

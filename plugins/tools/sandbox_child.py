@@ -200,6 +200,8 @@ def init(status_fd, worker_argv):
         os.setgroups([])
         os.setresgid(65534, 65534, 65534)
         os.setresuid(65534, 65534, 65534)  # drops the capabilities bwrap left for this
+    os.closerange(3, status_fd)  # what bwrap was handed (the seccomp program, its pipes) stays out
+    os.closerange(status_fd + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
     pid = os.fork()
     if pid == 0:
         os.close(status_fd)

@@ -242,3 +242,9 @@ def test_a_bwrap_too_old_for_the_disk_quota_is_refused(tmp_path, monkeypatch):
     fake_bwrap(tmp_path, monkeypatch, "bubblewrap 0.6.1", "")
     with pytest.raises(UserError, match=r"bubblewrap 0.6.1; the sandbox needs bubblewrap 0.7 or newer"):
         PythonTool({})
+
+
+def test_a_limit_only_the_sandbox_enforces_warns_in_process_mode():
+    with pytest.warns(UserWarning) as warned:
+        PythonTool({"sandbox": "process", "disk_mb": 8})
+    assert "config.disk_mb has no effect with sandbox = 'process'; drop it" in str(warned[-1].message)
