@@ -101,15 +101,7 @@ class Bwrap:
         argv += [str(status_w), WORKDIR, *map(str, limits)]
         passed = (filter_r, status_w, info_w, block_r)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                pass_fds=passed,
-                env={"PATH": "/usr/bin:/bin"},
-                start_new_session=True,
-            )
+            proc = await spawn(argv, pass_fds=passed, env={"PATH": "/usr/bin:/bin"})
         except BaseException:
             for fd in (*passed, status_r, info_r, block_w):
                 os.close(fd)
@@ -156,6 +148,15 @@ class Bwrap:
             *tmpfs,
             *("--chdir", WORKDIR, "--clearenv", *setenv, "--seccomp", str(filter_fd), "--"),
         ]
+
+
+async def spawn(argv: list[str], **popen) -> asyncio.subprocess.Process:
+    """`argv` with stdin, stdout and stderr piped, in a session of its own (so that no terminal's
+    signals reach it, and a process group that can be killed)."""
+    pipe = asyncio.subprocess.PIPE
+    return await asyncio.create_subprocess_exec(
+        *argv, stdin=pipe, stdout=pipe, stderr=pipe, start_new_session=True, **popen
+    )
 
 
 def _find_bwrap() -> str:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from minirl.agent.tools import ToolError, tool_options, truncate
 from minirl.errors import UserError
-from minirl_plugins.tools.bwrap import Bwrap, SandboxUnavailable
+from minirl_plugins.tools.bwrap import Bwrap, SandboxUnavailable, spawn
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 DEFAULTS = {
@@ -228,15 +228,8 @@ class ProcessSandbox:
     async def start(self, limits: list[int], options: dict, env: dict) -> ProcessRun:
         workdir = tempfile.mkdtemp(prefix="minirl-python-")
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *(sys.executable, "-I", "-B", str(CHILD), workdir, *map(str, limits[:-1]), "0"),  # no process cap
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                cwd=workdir,
-                env={**env, "HOME": workdir, "TMPDIR": workdir},
-                start_new_session=True,
-            )
+            argv = [sys.executable, "-I", "-B", str(CHILD), workdir, *map(str, limits[:-1]), "0"]  # no process cap
+            proc = await spawn(argv, cwd=workdir, env={**env, "HOME": workdir, "TMPDIR": workdir})
         except BaseException:
             _remove_tree(workdir)
             raise
