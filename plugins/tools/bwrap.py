@@ -121,9 +121,9 @@ class Bwrap:
         its uid and gid maps; then let it run. No info: bwrap failed, its stderr says why."""
         info = await _read_all(info_r)
         pid = json.loads(info).get("child-pid") if info else None
-        if pid is not None:
-            run.pidfd = os.pidfd_open(pid)
-            if self.root:
+        with contextlib.suppress(ProcessLookupError):  # gone already: its set-up failed
+            run.pidfd = os.pidfd_open(pid) if pid is not None else None
+            if run.pidfd is not None and self.root:
                 for name in ("uid_map", "gid_map"):
                     Path(f"/proc/{pid}/{name}").write_text(f"0 0 1\n{SANDBOX_ID} {SANDBOX_ID} 1\n")
         try:
