@@ -501,26 +501,39 @@ LO_UP = """
     except OSError as e:
         print('ioctl', e)
     """
-NETWORK = {  # way: (family, where the listener binds, the attempt)
-    "tcp_loopback": (socket.AF_INET, lambda: ("127.0.0.1", 0), CONNECT),
-    "tcp_host_address": (socket.AF_INET, lambda: (host_address(), 0), CONNECT),
-    "tcp_ipv6_loopback": (socket.AF_INET6, lambda: ("::1", 0), CONNECT),
-    "http": (
-        socket.AF_INET,
-        lambda: ("127.0.0.1", 0),
-        "import urllib.request\nurllib.request.urlopen('http://%s:%d/' % $address, timeout=1)",
-    ),
-    "loopback_brought_up_first": (socket.AF_INET, lambda: ("127.0.0.1", 0), dedent(LO_UP) + CONNECT),
-    "unix_socket_path": (socket.AF_UNIX, lambda: None, CONNECT),
-    "abstract_unix_socket": (socket.AF_UNIX, lambda: f"\0minirl-{uuid.uuid4().hex}", CONNECT),
+
+
+def ipv6_loopback() -> tuple[int, tuple]:
+    """::1 where the machine has IPv6, else 127.0.0.1 (containers may have IPv6 off)."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return socket.AF_INET, ("127.0.0.1", 0)
+    return socket.AF_INET6, ("::1", 0)
+
+
+def loopback() -> tuple[int, tuple]:
+    return socket.AF_INET, ("127.0.0.1", 0)
+
+
+NETWORK = {  # way: (where the listener binds: family and address, the attempt)
+    "tcp_loopback": (loopback, CONNECT),
+    "tcp_host_address": (lambda: (socket.AF_INET, (host_address(), 0)), CONNECT),
+    "tcp_ipv6_loopback": (ipv6_loopback, CONNECT),
+    "http": (loopback, "import urllib.request\nurllib.request.urlopen('http://%s:%d/' % $address, timeout=1)"),
+    "loopback_brought_up_first": (loopback, dedent(LO_UP) + CONNECT),
+    "unix_socket_path": (lambda: (socket.AF_UNIX, None), CONNECT),
+    "abstract_unix_socket": (lambda: (socket.AF_UNIX, f"\0minirl-{uuid.uuid4().hex}"), CONNECT),
 }
 
 
 @pytest.mark.parametrize("way", NETWORK)
 def test_no_connection_reaches_a_listener_of_the_host(tool, tmp_path, way):
-    family, where, body = NETWORK[way]
+    where, body = NETWORK[way]
+    family, bind_to = where()
     listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.bind(where() or str(tmp_path / "listener.sock"))
+    listener.bind(bind_to or str(tmp_path / "listener.sock"))
     listener.listen()
     listener.setblocking(False)
     address = listener.getsockname()
