@@ -4,12 +4,12 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DATA := data
 
-.PHONY: install install-test test bench data lint clean
+.PHONY: install install-test bwrap test bench data lint clean
 
 # install: what a training run needs (minirl and its dependencies); install-test adds the test
 # extras (dev: pytest, import-linter, matplotlib, ...; ray: its launcher's tests; lora: peft), about 2 GB.
 install: $(VENV)/.installed
-install-test: $(VENV)/.installed-test
+install-test: $(VENV)/.installed-test bwrap
 
 # Reuse a torch that is already importable (GPU machines); otherwise the CPU build torch==2.13.0.
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -23,6 +23,14 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -c constraints.txt -e '.[dev,ray,lora]'
 	@touch $@
+
+# The python tool runs model-written code in a bubblewrap sandbox (docs/agents.md), and its tests
+# run it: install bubblewrap with apt-get where it is missing and we are root, else say what to run.
+bwrap:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap; } \
+	  || { echo "minirl: the python tool's sandbox needs bubblewrap: run 'apt-get install bubblewrap' as root (Fedora: dnf install bubblewrap)" >&2; exit 1; }
 
 test: install-test
 	bash scripts/run_tests.sh $(PY)

@@ -1,16 +1,24 @@
-"""The child side of the python tool: limits itself, installs a guard, runs the code from stdin.
+"""The python tool's program inside its sandbox: limits itself, arms a tripwire, runs the code.
 
-Run as `python -I -B sandbox_child.py WORKDIR MEMORY_MB CPU_S FILE_MB MAX_FILES` with the code on
-stdin and WORKDIR as the working directory; python_exec.py does this. Standard library only: it
-must not import minirl (torch would blow the memory limit and cost seconds per call).
+Standard library only: it must not import minirl (torch would blow the memory limit and cost
+seconds per call). Two roles:
 
-Order matters: read the code, close stdin, set the resource limits, disarm what the guard cannot
-see, install the audit hook, run. The guard (a sys.addaudithook hook) refuses network sockets,
-writes and file changes outside WORKDIR, starting processes, signalling other processes, raising
-limits, foreign-function calls (ctypes) and loading native code from outside the Python install.
-It stops accidents and the obvious escapes of model-written code; it is not a security boundary
-against code crafted to break out of CPython (bytecode built by hand and loaded with marshal can
-still corrupt the interpreter's memory): run untrusted work inside a container for that.
+- `sandbox_child.py init STATUS_FD WORKER_ARGS...`: the first process of a bubblewrap sandbox
+  (PID 1 of its PID namespace; python_exec.py and bwrap.py start it). Started as uid 0 of the
+  sandbox's user namespace (the trainer ran as root), it first becomes uid 65534 for good. It
+  forks the worker, reaps every process until the worker ends, writes the worker's exit status
+  to STATUS_FD (a pipe the worker cannot write to) and exits: the kernel then kills every other
+  process of the namespace, so nothing the code started outlives the call.
+- `sandbox_child.py WORKDIR MEMORY_MB CPU_S FILE_MB MAX_FILES MAX_PROCESSES` (the worker; the
+  whole program in `sandbox = "process"` mode): reads the code from stdin, closes stdin, sets its
+  resource limits, arms the tripwire and runs the code in WORKDIR.
+
+The tripwire (a sys.addaudithook hook) refuses network sockets, writes and file changes outside
+WORKDIR, starting processes, signalling other processes, raising limits, foreign-function calls
+(ctypes) and loading native code from outside the Python install. It stops mistakes early with a
+clear message. It is not a boundary: code in the same interpreter can rebind it, reach C modules
+it never sees or corrupt the interpreter. In bubblewrap mode the kernel is the boundary
+(docs/agents.md); in process mode nothing is.
 """
 
 import linecache
@@ -66,21 +74,25 @@ def refuse(what):
     raise PermissionError(f"not allowed in the python tool: {what}")
 
 
-def set_limits(memory_mb, cpu_s, file_mb, max_files):
-    """Address space, CPU seconds (SIGXCPU at the soft limit, a kill 1 s later), file size, fds."""
+def set_limits(memory_mb, cpu_s, file_mb, max_files, max_processes):
+    """Address space, CPU seconds (SIGXCPU at the soft limit, a kill 1 s later), file size, fds,
+    and (max_processes > 0, in a sandbox of its own) the processes and threads of the sandbox's
+    uid: the kernel counts them per user namespace, so this caps this call alone."""
     mb = 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (memory_mb * mb, memory_mb * mb))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
     resource.setrlimit(resource.RLIMIT_FSIZE, (file_mb * mb, file_mb * mb))
     resource.setrlimit(resource.RLIMIT_NOFILE, (max_files, max_files))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if max_processes > 0:
+        resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
 
 
 def disarm():
     """Replace the functions audit events do not cover; ctypes is imported here, before the
-    guard, because importing it runs dlopen (numpy imports it), and the guard then refuses
+    tripwire, because importing it runs dlopen (numpy imports it), and the tripwire then refuses
     every foreign call, symbol lookup and raw memory access that ctypes would make."""
-    import _posixsubprocess  # noqa: F401 - loaded now so that the guard can refuse a reload
+    import _posixsubprocess  # noqa: F401 - loaded now so that the tripwire can refuse a reload
     import ctypes  # noqa: F401
 
     _posixsubprocess.fork_exec = lambda *a, **k: refuse("starting a process")
@@ -89,8 +101,9 @@ def disarm():
             setattr(module, name, lambda *a, _n=name, **k: refuse(_n))
 
 
-class Guard:
-    """The audit hook: refuses what the python tool must not do (see the module docstring)."""
+class Tripwire:
+    """The audit hook: refuses what the python tool's code should not do (the module docstring
+    says what, and why it is not a boundary)."""
 
     def __init__(self, workdir):
         self.root = os.path.realpath(workdir)
@@ -166,17 +179,47 @@ def run(code):
     return 0
 
 
-def main(argv):
-    workdir = argv[1]
-    memory_mb, cpu_s, file_mb, max_files = (int(a) for a in argv[2:6])
+def worker(argv):
+    workdir = argv[0]
+    memory_mb, cpu_s, file_mb, max_files, max_processes = (int(a) for a in argv[1:6])
     code = sys.stdin.read()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    set_limits(memory_mb, cpu_s, file_mb, max_files)
+    os.chdir(workdir)
+    set_limits(memory_mb, cpu_s, file_mb, max_files, max_processes)
     disarm()
-    sys.addaudithook(Guard(workdir))
+    sys.addaudithook(Tripwire(workdir))
     return run(code)
+
+
+def init(status_fd, worker_argv):
+    """PID 1 of the sandbox: become uid 65534, fork the worker, reap until it ends, report its
+    status (its exit code, or minus the signal that killed it) on status_fd."""
+    if os.getuid() == 0:  # the trainer runs as root: its uid maps to 0 here, 65534 to the host's 65534
+        os.setgroups([])
+        os.setresgid(65534, 65534, 65534)
+        os.setresuid(65534, 65534, 65534)  # drops the capabilities bwrap left for this
+    os.closerange(3, status_fd)  # what bwrap was handed (the seccomp program, its pipes) stays out
+    os.closerange(status_fd + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    pid = os.fork()
+    if pid == 0:
+        os.close(status_fd)
+        sys.exit(worker(worker_argv))  # the interpreter's own exit: output flushed, threads joined
+    sys.stdin.close()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # only the worker's end (or the host) ends PID 1
+    while True:
+        done, status = os.wait()
+        if done == pid:
+            os.write(status_fd, str(os.waitstatus_to_exitcode(status)).encode())
+            return 0
+
+
+def main(argv):
+    if argv[1] == "init":
+        return init(int(argv[2]), argv[3:])
+    return worker(argv[1:])
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
-"""The python tool (plugins/tools/python_exec.py, sandbox_child.py): the model's code must not
-write outside its working directory, open a network socket or start processes, and must be
-stopped at its wall-clock, memory and CPU limits with a message saying which, leaving no process
-and no directory behind. Each test starts one short child process."""
+"""The python tool (plugins/tools/python_exec.py, bwrap.py, sandbox_child.py) as the model uses
+it: output, tracebacks and exit codes come back; the wall-clock, memory and CPU limits stop the
+code with a message saying which; the tripwire inside refuses the obvious escapes with a message;
+calls run concurrently; a machine that cannot make the sandbox fails the tool's start with one
+line naming the fix; `sandbox = "process"` warns. The kernel boundary itself is tested, escape by
+escape, in test_tool_sandbox_escapes.py. Each test starts one or two short sandboxes."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
-import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -16,16 +17,15 @@ import pytest
 
 from minirl.agent.parser import ToolCall
 from minirl.agent.tools import ToolEntry, ToolOutcome, ToolSet
+from minirl.errors import UserError
+from minirl_plugins.tools import bwrap
 from minirl_plugins.tools.python_exec import PythonTool
+from tests.tool_sandbox import TRIPWIRE_OFF, call, call_watching, mark, name_self, processes_named
 
 
 def run_python(code: str, **config) -> ToolOutcome:
     """One python call through a ToolSet, untruncated by the ToolSet."""
-    tools = ToolSet([ToolEntry.of(PythonTool(config))], max_tool_response_length=0)
-    try:
-        [outcome] = asyncio.run(tools.call_all([ToolCall("python", {"code": code}, "")]))
-    finally:
-        tools.close()
+    [outcome] = call(PythonTool(config), code)
     return outcome
 
 
@@ -50,14 +50,15 @@ def test_an_exit_code_without_output_is_reported():
     assert run_python("import sys\nsys.exit(3)").text == "(exit code 3)"
 
 
-def test_it_cannot_write_outside_its_working_directory():
+def test_the_tripwire_refuses_writes_outside_its_working_directory_with_a_message():
+    """The tripwire (the audit hook inside) stops the obvious attempts early, with a message the
+    model can read; the kernel boundary behind it is tested in test_tool_sandbox_escapes.py."""
     name = f"minirl-escape-{uuid.uuid4().hex}"
-    target = Path(tempfile.gettempdir()) / name  # the working directory's sibling
     code = f"""
 import os, shutil
 open("inside.txt", "w").write("fine")
 attempts = [
-    lambda: open({str(target)!r}, "w"),
+    lambda: open("/var/tmp/{name}", "w"),
     lambda: open("../{name}", "w"),
     lambda: open(os.path.join(os.getcwd(), "..", "{name}"), "a"),
     lambda: os.open("../{name}", os.O_WRONLY | os.O_CREAT),
@@ -79,11 +80,11 @@ print(open("inside.txt").read())
 """
     outcome = run_python(code)
     assert outcome.text.split() == ["refused"] * 11 + ["fine"]
-    assert not target.exists()
+    assert not (Path("/var/tmp") / name).exists()
     assert Path(__file__).exists()
 
 
-def test_it_cannot_open_a_network_socket():
+def test_the_tripwire_refuses_network_sockets_with_a_message():
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
     port = listener.getsockname()[1]
@@ -106,7 +107,7 @@ for attempt in (socket.socket, lambda: socket.create_connection(("127.0.0.1", {p
     assert outcome.text.split() == ["refused"] * 3
 
 
-def test_it_cannot_start_processes_or_signal_others():
+def test_the_tripwire_refuses_processes_signals_and_ctypes_with_a_message():
     code = """
 import os, subprocess
 for attempt in (lambda: subprocess.run(["true"]), lambda: os.system("true"), os.fork,
@@ -120,22 +121,13 @@ for attempt in (lambda: subprocess.run(["true"]), lambda: os.system("true"), os.
     assert run_python(code).text.split() == ["refused"] * 5
 
 
-def test_it_is_killed_at_the_wall_clock_limit_and_leaves_no_process(monkeypatch):
-    pids = []
-    spawn = asyncio.create_subprocess_exec
-
-    async def recording_spawn(*args, **kwargs):
-        proc = await spawn(*args, **kwargs)
-        pids.append(proc.pid)
-        return proc
-
-    monkeypatch.setattr(asyncio, "create_subprocess_exec", recording_spawn)
-    outcome = run_python("while True:\n    pass", timeout_s=1, cpu_s=60)
+def test_it_is_killed_at_the_wall_clock_limit_and_leaves_no_process():
+    name = mark()
+    code = TRIPWIRE_OFF + name_self(name) + "\nwhile True:\n    pass"  # naming itself takes ctypes
+    outcome, seen = call_watching(PythonTool({"timeout_s": 1, "cpu_s": 60}), code, name)
     assert (outcome.status, outcome.text) == ("timeout", 'Error: tool "python" timed out after 1 s')
     assert outcome.latency_s < 10  # killed, not left to its 60 s of CPU
-    [pid] = pids
-    with pytest.raises(ProcessLookupError):
-        os.killpg(pid, 0)  # the process group, child included, is gone
+    assert seen and processes_named(name) == []  # it ran, and it is gone
 
 
 def test_the_memory_limit_is_a_clear_error():
@@ -163,11 +155,11 @@ def test_a_flood_of_output_is_capped_while_it_is_read():
     assert len(outcome.text) < 150 and "truncated" in outcome.text
 
 
-def test_the_working_directory_is_fresh_and_removed_afterwards():
-    code = "import os\nprint(os.getcwd())\nprint(sorted(os.listdir('.')))\nos.makedirs('a/b')\nos.chmod('a', 0)"
-    first, second = run_python(code).text.split("\n")[:2]
-    assert Path(first).name.startswith("minirl-python-") and second == "[]"
-    assert not Path(first).exists()
+def test_the_working_directory_is_fresh_in_every_call():
+    code = "import os\nprint(os.getcwd(), sorted(os.listdir('.')))\nopen('left', 'w').write('x')\nos.makedirs('a/b')"
+    tool = PythonTool({})
+    first, second = call(tool, code)[0], call(tool, code)[0]
+    assert first.text == second.text == "/tmp []\n"
 
 
 def test_the_event_loop_runs_while_the_code_does():
@@ -186,3 +178,73 @@ def test_the_event_loop_runs_while_the_code_does():
 
     [outcome] = asyncio.run(main())
     assert outcome.status == "ok" and ticks >= 3
+
+
+def test_calls_of_one_turn_run_concurrently():
+    """Two calls of a turn (or of two samples) each sleep 1 s; together they take well under 2 s."""
+    tool = PythonTool({})
+    start = time.perf_counter()
+    outcomes = call(tool, "import time\ntime.sleep(1)\nprint('a')", "import time\ntime.sleep(1)\nprint('b')")
+    assert [o.text for o in outcomes] == ["a\n", "b\n"]
+    assert time.perf_counter() - start < 1.8
+
+
+def test_the_description_says_only_what_the_sandbox_enforces():
+    boxed = PythonTool({"disk_mb": 32}).schema["function"]["description"]
+    assert "no network" in boxed and "/tmp (at most 32 MB" in boxed
+    with pytest.warns(UserWarning, match="sandbox = 'process' runs the model's code as the trainer's own user"):
+        plain = PythonTool({"sandbox": "process"}).schema["function"]["description"]
+    assert "network" not in plain and "directory" not in plain
+
+
+def test_the_process_mode_still_runs_code_in_a_directory_it_removes():
+    code = "import os\nprint(os.getcwd())\nos.makedirs('a/b')\nos.chmod('a', 0)"
+    with pytest.warns(UserWarning):
+        outcome = run_python(code, sandbox="process")
+    assert Path(outcome.text.strip()).name.startswith("minirl-python-")
+    assert not Path(outcome.text.strip()).exists()
+
+
+def test_an_unknown_sandbox_names_the_choices():
+    with pytest.raises(UserError, match=r"config.sandbox = 'docker': tool 'python' runs code in 'bwrap' .* 'process'"):
+        PythonTool({"sandbox": "docker"})
+
+
+def fake_bwrap(tmp_path, monkeypatch, version: str, message: str) -> None:
+    """A `bwrap` on PATH that reports `version` and fails every sandbox with `message`."""
+    script = tmp_path / "bwrap"
+    script.write_text(f'#!/bin/sh\n[ "$1" = --version ] && echo "{version}" && exit 0\necho "{message}" >&2\nexit 1\n')
+    script.chmod(0o755)
+    monkeypatch.setattr(bwrap.shutil, "which", lambda name: str(script))
+
+
+def test_without_bwrap_the_tool_refuses_to_start_and_says_how_to_get_it(monkeypatch):
+    monkeypatch.setattr(bwrap.shutil, "which", lambda name: None)
+    monkeypatch.setattr(bwrap.os, "access", lambda path, mode: False)
+    with pytest.raises(UserError) as error:
+        PythonTool({})
+    message = str(error.value)
+    assert "\n" not in message and "bubblewrap (bwrap) is not installed" in message
+    assert "apt-get install bubblewrap" in message and "config.sandbox = 'process'" in message
+
+
+def test_a_kernel_without_user_namespaces_is_named_with_the_sysctl(tmp_path, monkeypatch):
+    refusal = "bwrap: No permissions to creating new namespace, likely because the kernel does not allow it"
+    fake_bwrap(tmp_path, monkeypatch, "bubblewrap 0.8.0", refusal)
+    with pytest.raises(UserError) as error:
+        PythonTool({})
+    message = str(error.value)
+    assert "\n" not in message and "the kernel refused the sandbox's namespaces" in message
+    assert "sysctl -w user.max_user_namespaces" in message and refusal in message
+
+
+def test_a_bwrap_too_old_for_the_disk_quota_is_refused(tmp_path, monkeypatch):
+    fake_bwrap(tmp_path, monkeypatch, "bubblewrap 0.6.1", "")
+    with pytest.raises(UserError, match=r"bubblewrap 0.6.1; the sandbox needs bubblewrap 0.7 or newer"):
+        PythonTool({})
+
+
+def test_a_limit_only_the_sandbox_enforces_warns_in_process_mode():
+    with pytest.warns(UserWarning) as warned:
+        PythonTool({"sandbox": "process", "disk_mb": 8})
+    assert "config.disk_mb has no effect with sandbox = 'process'; drop it" in str(warned[-1].message)
