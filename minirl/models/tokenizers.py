@@ -117,20 +117,45 @@ R1_DISTILL_ADDED_TOKENS = [
 ]
 R1_BOS, R1_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
-# DeepSeek-R1-Distill's conversation format (system prompt first, no tool calls): the generation
-# prompt opens the reasoning block, and earlier assistant turns keep only the text after </think>.
+# DeepSeek-R1-Distill-Qwen's published chat template (the `chat_template` of its
+# tokenizer_config.json, the same in every distill checkpoint), byte for byte. What it renders:
+# the system prompt first; an assistant turn without the reasoning before `</think>`; tool calls
+# only for an assistant message whose content is None; tool results as
+# <｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>...<｜tool▁output▁end｜>...<｜tool▁outputs▁end｜>, after
+# which the model writes on with no new assistant header; `tools=` is not shown (the template
+# never reads it). The generation prompt opens the reasoning block: <｜Assistant｜><think>\n.
 R1_DISTILL_TEMPLATE = (
-    "{% set ns = namespace(system='') %}"
-    "{% for message in messages %}{% if message['role'] == 'system' %}"
-    "{% set ns.system = message['content'] %}{% endif %}{% endfor %}"
-    "{{ bos_token }}{{ ns.system }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}{% set content = message['content'] %}"
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+    "{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='') %}"
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}"
+    "{% set ns.system_prompt = message['content'] %}{%- endif %}{%- endfor %}"
+    "{{bos_token}}{{ns.system_prompt}}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}"
+    "{{'<｜User｜>' + message['content']}}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and message['content'] is none %}{%- set ns.is_tool = false -%}"
+    "{%- for tool in message['tool_calls']%}{%- if not ns.is_first %}"
+    "{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' "
+    "+ tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' "
+    "+ '```' + '<｜tool▁call▁end｜>'}}"
+    "{%- set ns.is_first = true -%}{%- else %}"
+    "{{'\\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] "
+    "+ '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}"
+    "{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}"
+    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and message['content'] is not none %}"
+    "{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}"
+    "{%- set ns.is_tool = false -%}{%- else %}{% set content = message['content'] %}"
     "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
-    "{{ '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' }}"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"
+    "{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}"
+    "{%- if message['role'] == 'tool' %}{%- set ns.is_tool = true -%}"
+    "{%- if ns.is_output_first %}"
+    "{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}"
+    "{%- set ns.is_output_first = false %}"
+    "{%- else %}{{'\\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}"
+    "{%- endif %}{%- endif %}{%- endfor -%}"
+    "{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}"
+    "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜><think>\\n'}}{% endif %}"
 )
 _CONVERTER_VERSION = "1"  # bump when the conversion changes, so stale caches are rebuilt
 
@@ -142,7 +167,9 @@ def qwen2_tokenizer() -> PreTrainedTokenizerFast:
     cached = cache_dir() / "tokenizers" / f"qwen2-r1-distill-v{_CONVERTER_VERSION}-{digest}"
     if not (cached / "tokenizer.json").is_file():
         _save_atomically(convert_qwen2_tokenizer(ranks_path), cached)
-    return PreTrainedTokenizerFast.from_pretrained(str(cached), local_files_only=True)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(cached), local_files_only=True)
+    tokenizer.chat_template = R1_DISTILL_TEMPLATE  # not the cache's: a template fix needs no reconversion
+    return tokenizer
 
 
 def convert_qwen2_tokenizer(ranks_path: Path) -> PreTrainedTokenizerFast:
