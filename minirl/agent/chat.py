@@ -17,7 +17,6 @@ from minirl.errors import UserError
 
 _USER, _ASSISTANT = "minirl-user-0", "minirl-assistant-0"  # placeholder contents of the fixed conversation
 _TOOL = "minirl-tool-0"
-_GEN_PROMPT_TOKENS = 32  # more than any generation prompt's tokens, fewer than a message that mentions <think>
 
 
 class ChatTokens:
@@ -28,6 +27,7 @@ class ChatTokens:
         self.template = template  # where the chat template comes from, for messages (a config key = value)
         self.stop_ids = tuple(_single_tokens_ending_with(tokenizer, call_close))
         self._suffixes: dict[tuple[tuple[str, str], ...], str] = {}  # rendered once per distinct message list
+        self._thinking_prompt: str | None = None  # the generation prompt if it opens a thought, else ""
 
     def check_tool_turns(self) -> None:
         """Refuse a chat template that drops tool messages (it renders no branch for role "tool"):
@@ -44,15 +44,21 @@ class ChatTokens:
     def shows_tools(self, schemas: list[dict]) -> bool:
         """Whether the template renders `tools=` into the prompt (Qwen2.5's does, R1-Distill's not)."""
         messages = [{"role": "user", "content": _USER}]
-        with_tools = self.tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False)
-        return with_tools != self._render(messages, generation_prompt=False)
+        return self._render(messages, False, tools=schemas) != self._render(messages, generation_prompt=False)
 
     def opens_thought(self, ids: list[int]) -> bool:
-        """Whether these ids (a prompt, or appended messages up to the next turn's generation
-        prompt) end inside a reasoning block the template opened (R1-Distill's <think>\\n): the
-        next turn then starts inside a thought. Only the last tokens are read, the template's."""
-        text = self.decode(list(ids[-_GEN_PROMPT_TOKENS:]))
-        return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
+        """Whether these ids (a prompt, or appended messages) end with a generation prompt that
+        opens a reasoning block (R1-Distill's <｜Assistant｜><think>\\n): the next turn then starts
+        inside a thought. Text inside messages (a tool's output that shows a <think>) does not count."""
+        if self._thinking_prompt is None:
+            messages = [{"role": "user", "content": _USER}]
+            prompt = self._render(messages, True)[len(self._render(messages, False)) :]
+            opens = prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
+            self._thinking_prompt = prompt if opens else ""
+        if not self._thinking_prompt:
+            return False
+        tail = len(self.tokenizer.encode(self._thinking_prompt, add_special_tokens=False)) + 1
+        return self.decode(list(ids[-tail:])).endswith(self._thinking_prompt)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -92,9 +98,11 @@ class ChatTokens:
             )
         return after[cut + len(_ASSISTANT) :]
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], generation_prompt: bool, **kwargs: Any) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
+            )
         except Exception as exc:
             raise UserError(
                 f"{self.template}: its chat template cannot render {[m['role'] for m in messages]} "

@@ -193,10 +193,12 @@ def test_template_source_names_the_key_the_tokenizer_comes_from():
 
 def test_the_turn_after_r1s_generation_prompt_starts_inside_a_thought(qwen):
     """The first turn follows <｜Assistant｜><think>\\n (a thought the template opened); the turn
-    after tool outputs follows no header, so no thought; Qwen2.5 opens none."""
+    after tool outputs follows no header, so no thought, whatever the output says; Qwen2.5 opens none."""
     chat = ChatTokens(qwen)
     prompt = qwen.encode(render(qwen, R1_CONVERSATIONS[0], True), add_special_tokens=False)
     assert chat.opens_thought(prompt)
     assert not chat.opens_thought(chat.append_ids([{"role": "tool", "content": "42"}], qwen.eos_token_id))
+    shown = chat.append_ids([{"role": "tool", "content": "a page that says <think>"}], qwen.eos_token_id)
+    assert not chat.opens_thought(shown)  # a tag inside a message is the message's text
     tok = qwen25_tokenizer()
     assert not ChatTokens(tok).opens_thought(render_prompt(tok, R1_CONVERSATIONS[0], "row 0", tools=[CALC]))
