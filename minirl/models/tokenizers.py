@@ -117,46 +117,64 @@ R1_DISTILL_ADDED_TOKENS = [
 ]
 R1_BOS, R1_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
-# DeepSeek-R1-Distill-Qwen's published chat template (the `chat_template` of its
-# tokenizer_config.json, the same in every distill checkpoint), byte for byte. What it renders:
-# the system prompt first; an assistant turn without the reasoning before `</think>`; tool calls
-# only for an assistant message whose content is None; tool results as
-# <｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>...<｜tool▁output▁end｜>...<｜tool▁outputs▁end｜>, after
-# which the model writes on with no new assistant header; `tools=` is not shown (the template
-# never reads it). The generation prompt opens the reasoning block: <｜Assistant｜><think>\n.
-R1_DISTILL_TEMPLATE = (
-    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
-    "{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='') %}"
-    "{%- for message in messages %}{%- if message['role'] == 'system' %}"
-    "{% set ns.system_prompt = message['content'] %}{%- endif %}{%- endfor %}"
-    "{{bos_token}}{{ns.system_prompt}}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}"
-    "{{'<｜User｜>' + message['content']}}{%- endif %}"
-    "{%- if message['role'] == 'assistant' and message['content'] is none %}{%- set ns.is_tool = false -%}"
-    "{%- for tool in message['tool_calls']%}{%- if not ns.is_first %}"
-    "{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' "
-    "+ tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' "
-    "+ '```' + '<｜tool▁call▁end｜>'}}"
-    "{%- set ns.is_first = true -%}{%- else %}"
-    "{{'\\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] "
-    "+ '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}"
-    "{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}"
-    "{%- endif %}{%- endfor %}{%- endif %}"
-    "{%- if message['role'] == 'assistant' and message['content'] is not none %}"
-    "{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}"
-    "{%- set ns.is_tool = false -%}{%- else %}{% set content = message['content'] %}"
-    "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
-    "{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}"
-    "{%- if message['role'] == 'tool' %}{%- set ns.is_tool = true -%}"
-    "{%- if ns.is_output_first %}"
-    "{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}"
-    "{%- set ns.is_output_first = false %}"
-    "{%- else %}{{'\\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}"
-    "{%- endif %}{%- endif %}{%- endfor -%}"
-    "{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}"
-    "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜><think>\\n'}}{% endif %}"
-)
+# minirl's chat template for the qwen2 presets. It renders byte-identically to
+# DeepSeek-R1-Distill-Qwen's published template (the reference is in
+# tests/fixtures/chat_templates/, and tests/unit/test_chat_templates.py compares the two renders,
+# including a hypothesis test over the conversations minirl produces). What it renders: the BOS
+# token, then the last system message's text; user turns after <｜User｜>; assistant turns after
+# <｜Assistant｜> with everything up to the last `</think>` dropped, closed by
+# <｜end▁of▁sentence｜>; an assistant message whose content is None as its tool calls (the first
+# call of the conversation opens the calls block with the assistant tag; every later call follows
+# on a new line and closes the block and the sentence after itself); tool results as
+# <｜tool▁output▁begin｜>...<｜tool▁output▁end｜>, the conversation's first one opening
+# <｜tool▁outputs▁begin｜>, later ones on a new line; an assistant text right after tool results
+# closes them with <｜tool▁outputs▁end｜> and gets no new header (the model writes on); results that
+# end the conversation are closed the same way. The generation prompt <｜Assistant｜><think>\n opens
+# a reasoning block, and is left out after tool results. `tools=` is never read.
+R1_DISTILL_TEMPLATE = r"""
+{%- macro fenced_call(call) -%}
+    {{- call['type'] + '<｜tool▁sep｜>' + call['function']['name']
+        + '\n```json\n' + call['function']['arguments'] + '\n```<｜tool▁call▁end｜>' -}}
+{%- endmacro -%}
+{%- set end_mark = '<｜end▁of▁sentence｜>' -%}
+{%- set state = namespace(calls_started=false, results_started=false, results_open=false) -%}
+{{- bos_token -}}
+{%- for turn in messages | selectattr('role', 'equalto', 'system') -%}
+    {%- if loop.last -%}{{- turn['content'] -}}{%- endif -%}
+{%- endfor -%}
+{%- for turn in messages -%}
+    {%- set role = turn['role'] -%}
+    {%- if role == 'user' -%}
+        {%- set state.results_open = false -%}
+        {{- '<｜User｜>' + turn['content'] -}}
+    {%- elif role == 'assistant' and turn['content'] is none -%}
+        {%- set state.results_open = false -%}
+        {%- for call in turn['tool_calls'] -%}
+            {%- if state.calls_started -%}
+                {{- '\n<｜tool▁call▁begin｜>' + fenced_call(call) + '<｜tool▁calls▁end｜>' + end_mark -}}
+            {%- else -%}
+                {{- '<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + fenced_call(call) -}}
+                {%- set state.calls_started = true -%}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- elif role == 'assistant' and state.results_open -%}
+        {%- set state.results_open = false -%}
+        {{- '<｜tool▁outputs▁end｜>' + turn['content'] + end_mark -}}
+    {%- elif role == 'assistant' -%}
+        {{- '<｜Assistant｜>' + turn['content'].rpartition('</think>')[2] + end_mark -}}
+    {%- elif role == 'tool' -%}
+        {{- '\n' if state.results_started else '<｜tool▁outputs▁begin｜>' -}}
+        {{- '<｜tool▁output▁begin｜>' + turn['content'] + '<｜tool▁output▁end｜>' -}}
+        {%- set state.results_started = true -%}
+        {%- set state.results_open = true -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if state.results_open -%}
+    {{- '<｜tool▁outputs▁end｜>' -}}
+{%- elif add_generation_prompt -%}
+    {{- '<｜Assistant｜><think>\n' -}}
+{%- endif -%}
+"""
 _CONVERTER_VERSION = "1"  # bump when the conversion changes, so stale caches are rebuilt
 
 

@@ -1,9 +1,9 @@
-"""Tool turns rendered by the model's own published chat template, byte for byte.
+"""Tool turns rendered exactly as the model's own published chat template renders them.
 
 The references are the published templates themselves, rendered by transformers' own
 apply_chat_template (tests/fixtures/chat_templates/, sources in its README):
 - deepseek_r1_distill.jinja: DeepSeek-R1-Distill-Qwen's tokenizer_config.json `chat_template`,
-  which the qwen2 presets ship;
+  which the qwen2 presets' own template (minirl's R1_DISTILL_TEMPLATE) renders byte-identically;
 - qwen2_5.jinja: Qwen2.5-Instruct's, the template most verl agent-loop users train with.
 minirl appends each tool message's tokens once, as the suffix the template adds after an assistant
 turn; these tests check that prompt + model turns + those suffixes are exactly the template's
@@ -12,10 +12,13 @@ render of the whole conversation, and that a template that would drop the tool's
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minirl.agent.chat import ChatTokens
 from minirl.agent.loop import AgentRollout
@@ -84,13 +87,55 @@ R1_CONVERSATIONS = [
 ]  # fmt: skip
 
 
-def test_the_qwen2_presets_ship_r1_distills_published_template(qwen, r1_published):
-    """The shipped template is the published one, so every conversation renders byte-identically
-    (tool calls, tool outputs, the generation prompt that opens <think>)."""
-    assert qwen.chat_template == R1_DISTILL_TEMPLATE == R1_PUBLISHED
+def test_the_qwen2_presets_template_renders_as_r1_distills_published_one(qwen, r1_published):
+    """The shipped template is minirl's own text, and renders these conversations byte-identically
+    to the published one (tool calls, tool outputs, the generation prompt that opens <think>)."""
+    assert qwen.chat_template == R1_DISTILL_TEMPLATE != R1_PUBLISHED
     for messages in R1_CONVERSATIONS:
         for generation_prompt in (False, True):
             assert render(qwen, messages, generation_prompt) == render(r1_published, messages, generation_prompt)
+
+
+# Conversations of the shapes minirl produces, for the property test below. Text mixes plain
+# characters with the fragments the templates treat specially (think tags, newlines, fences).
+_TEXT = st.lists(
+    st.text(max_size=6) | st.sampled_from(["<think>", "</think>", "\n", "```", " ", "<｜User｜>"]), max_size=6
+).map("".join)
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6,
+)
+_CALL = st.builds(
+    lambda name, args: {"type": "function", "function": {"name": name, "arguments": json.dumps(args)}},
+    st.from_regex(r"[a-z_][a-z0-9_]{0,11}", fullmatch=True),
+    st.dictionaries(st.text(max_size=6), _JSON, max_size=3),
+)
+_THOUGHT = st.builds(lambda a, b: f"<think>{a}</think>{b}", _TEXT, _TEXT)
+_SEGMENT = st.one_of(
+    _TEXT.map(lambda t: [{"role": "user", "content": t}]),
+    (_TEXT | _THOUGHT).map(lambda t: [{"role": "assistant", "content": t}]),
+    st.lists(_CALL, min_size=1, max_size=3).map(lambda c: [{"role": "assistant", "content": None, "tool_calls": c}]),
+    st.lists(_TEXT.map(lambda t: {"role": "tool", "content": t}), min_size=1, max_size=3),
+)
+_CONVERSATION = st.builds(
+    lambda system, first, rest: system + [{"role": "user", "content": first}] + [m for seg in rest for m in seg],
+    st.just([]) | _TEXT.map(lambda t: [{"role": "system", "content": t}]),
+    _TEXT,
+    st.lists(_SEGMENT, max_size=8),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(messages=_CONVERSATION, generation_prompt=st.booleans(), tools=st.sampled_from([None, [CALC]]))
+def test_r1_distill_template_renders_byte_identically_to_the_published_one(
+    qwen, r1_published, messages, generation_prompt, tools
+):
+    """Any mix of system, user, assistant (with and without a thought), tool-call and tool turns,
+    with and without the generation prompt and tools=: transformers renders minirl's template and
+    the published one to the same text."""
+    ours = render(qwen, messages, generation_prompt, tools=tools)
+    assert ours == render(r1_published, messages, generation_prompt, tools=tools)
 
 
 def test_r1_distill_renders_tool_outputs_and_no_new_header_after_them(qwen):
