@@ -104,7 +104,16 @@ def log_prob_micro(section) -> MicroBatching:
 
 def agent_rollout(pm, cfg: Config, tokenizer) -> AgentRollout:
     """The agent loops and tools (rollout.agent, rollout.multi_turn) every rollout runs through."""
-    return AgentRollout(cfg.rollout, pm["agent_loops"], pm["tools"], tokenizer)
+    return AgentRollout(cfg.rollout, pm["agent_loops"], pm["tools"], tokenizer, template_source(cfg.model))
+
+
+def template_source(model_cfg) -> str:
+    """The config key the tokenizer, and so its chat template, comes from (load_tokenizer's order)."""
+    if model_cfg.tokenizer:
+        return f"model.tokenizer = {model_cfg.tokenizer!r}"
+    if model_cfg.path:
+        return f"model.path = {model_cfg.path!r}"
+    return f"model.preset = {model_cfg.preset!r}"
 
 
 def train_loader(data_cfg, tokenizer, dist: DistContext, tools_for=None) -> PromptLoader:

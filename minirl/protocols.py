@@ -305,6 +305,8 @@ class Trajectory:
     tokens; logprobs: the engine's log-prob of each model token, 0.0 at mask-0 positions.
     messages: the conversation as the reward may want it ({"role", "content"}, tool calls and
     results included). metrics: counts the loop wants summed into the step metrics.
+    assistant_turns: model turns; user_turns: times tool or user messages were appended (one
+    turn's parallel tool results count once); num_turns is verl's count of both plus the prompt.
     """
 
     prompt_ids: list[int]
@@ -312,10 +314,17 @@ class Trajectory:
     response_mask: list[int] = field(default_factory=list)
     logprobs: list[float] | None = field(default_factory=list)  # None: the engine returned none
     finish_reason: str = "stop"
-    num_turns: int = 1  # assistant turns
+    assistant_turns: int = 1
     versions: list[int] | None = None  # per response token: the weight version that sampled it (async)
     messages: list[dict] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    user_turns: int = 0
+
+    @property
+    def num_turns(self) -> int:
+        """verl's AgentLoopOutput.num_turns: the prompt, each model turn and each appended
+        message turn (2 for a single turn; 4 for call, tool result, answer)."""
+        return self.user_turns + self.assistant_turns + 1
 
 
 class AgentLoop(Protocol):

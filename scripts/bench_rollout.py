@@ -178,14 +178,14 @@ class FixedTurns:
 
         from minirl.protocols import Trajectory
 
-        t = Trajectory(list(sample.prompt_ids), num_turns=0)
+        t = Trajectory(list(sample.prompt_ids), assistant_turns=0)
         context = list(sample.prompt_ids)
         for turn in range(self.turns):
             out = await ctx.generate(sample, context, self.tokens)
             t.response_ids += out.token_ids
             t.response_mask += [1] * len(out.token_ids)
             t.logprobs += out.logprobs
-            t.num_turns += 1
+            t.assistant_turns += 1
             t.metrics["cached_tokens"] = t.metrics.get("cached_tokens", 0) + out.cached_tokens
             context += out.token_ids
             if turn + 1 < self.turns:

@@ -12,18 +12,53 @@ from __future__ import annotations
 
 from typing import Any
 
+from minirl.agent.parser import THINK_CLOSE, THINK_OPEN
 from minirl.errors import UserError
 
 _USER, _ASSISTANT = "minirl-user-0", "minirl-assistant-0"  # placeholder contents of the fixed conversation
+_TOOL = "minirl-tool-0"
 
 
 class ChatTokens:
     """The tokenizer's view an agent loop needs: decode turns, encode appended messages."""
 
-    def __init__(self, tokenizer: Any, call_close: str = "</tool_call>"):
+    def __init__(self, tokenizer: Any, call_close: str = "</tool_call>", template: str = "the tokenizer"):
         self.tokenizer = tokenizer
+        self.template = template  # where the chat template comes from, for messages (a config key = value)
         self.stop_ids = tuple(_single_tokens_ending_with(tokenizer, call_close))
         self._suffixes: dict[tuple[tuple[str, str], ...], str] = {}  # rendered once per distinct message list
+        self._thinking_prompt: str | None = None  # the generation prompt if it opens a thought, else ""
+
+    def check_tool_turns(self) -> None:
+        """Refuse a chat template that drops tool messages (it renders no branch for role "tool"):
+        the model would never see a tool's answer, and nothing would say so."""
+        suffix = self._suffix((("tool", _TOOL),))
+        if _TOOL not in suffix:
+            raise UserError(
+                f"{self.template}: its chat template does not render tool messages (a {{'role': 'tool'}} "
+                f"message after an assistant turn renders as {suffix!r}), so the model would never read a "
+                "tool's answer; use a tokenizer whose chat template has a tool branch (model.tokenizer), "
+                "or leave rollout.multi_turn.tool_config_path empty"
+            )
+
+    def shows_tools(self, schemas: list[dict]) -> bool:
+        """Whether the template renders `tools=` into the prompt (Qwen2.5's does, R1-Distill's not)."""
+        messages = [{"role": "user", "content": _USER}]
+        return self._render(messages, False, tools=schemas) != self._render(messages, generation_prompt=False)
+
+    def opens_thought(self, ids: list[int]) -> bool:
+        """Whether these ids (a prompt, or appended messages) end with a generation prompt that
+        opens a reasoning block (R1-Distill's <｜Assistant｜><think>\\n): the next turn then starts
+        inside a thought. Text inside messages (a tool's output that shows a <think>) does not count."""
+        if self._thinking_prompt is None:
+            messages = [{"role": "user", "content": _USER}]
+            prompt = self._render(messages, True)[len(self._render(messages, False)) :]
+            opens = prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
+            self._thinking_prompt = prompt if opens else ""
+        if not self._thinking_prompt:
+            return False
+        tail = len(self.tokenizer.encode(self._thinking_prompt, add_special_tokens=False)) + 1
+        return self.decode(list(ids[-tail:])).endswith(self._thinking_prompt)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -57,18 +92,20 @@ class ChatTokens:
         cut = before.rfind(_ASSISTANT)
         if cut < 0 or after[: cut + len(_ASSISTANT)] != before[: cut + len(_ASSISTANT)]:
             raise UserError(
-                "the tokenizer's chat template renders earlier turns differently once tool or user messages "
-                "follow them, so appended messages cannot be tokenized on their own (token in, token out); "
-                "use a chat template that keeps the conversation's prefix (model.tokenizer)"
+                f"{self.template}: its chat template renders earlier turns differently once tool or user "
+                "messages follow them, so appended messages cannot be tokenized on their own (token in, "
+                "token out); use a chat template that keeps the conversation's prefix (model.tokenizer)"
             )
         return after[cut + len(_ASSISTANT) :]
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], generation_prompt: bool, **kwargs: Any) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
+            )
         except Exception as exc:
             raise UserError(
-                f"the tokenizer's chat template cannot render {[m['role'] for m in messages]} "
+                f"{self.template}: its chat template cannot render {[m['role'] for m in messages]} "
                 f"({type(exc).__name__}: {exc}); multi-turn rollouts need a template with tool messages"
             ) from exc
 

@@ -10,6 +10,7 @@ how to write one.
 from __future__ import annotations
 
 import asyncio
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,6 +18,7 @@ from minirl.agent.chat import ChatTokens
 from minirl.agent.parser import PARSERS, ToolCall
 from minirl.agent.server import EngineServer, request_level
 from minirl.agent.tools import ToolOutcome, ToolSet
+from minirl.agent.verl_tools import AgentData
 from minirl.errors import UserError
 from minirl.protocols import RolloutEngine, SamplingParams, Trajectory, TurnOutput
 
@@ -37,6 +39,7 @@ class Sample:
     ground_truth: Any = None
     extra_info: dict = field(default_factory=dict)
     source: str = ""  # file:row, for messages
+    state: dict = field(default_factory=dict)  # kept across the sample's tool calls (verl's agent_data.extra_fields)
 
     @property
     def tools_kwargs(self) -> dict:
@@ -73,23 +76,48 @@ class AgentContext:
             self.versions.setdefault(sample.request_id, []).extend(stamped)
         return out
 
-    async def call_tools(self, sample: Sample, calls: list[ToolCall]) -> list[ToolOutcome]:
-        """Run the calls (concurrently, each under its timeout); the engine decodes meanwhile."""
-        return await self.server.idle(self.tools.call_all(calls, sample.tools_kwargs))
+    async def call_tools(
+        self, sample: Sample, calls: list[ToolCall], messages: list[dict] | None = None
+    ) -> list[ToolOutcome]:
+        """Run the calls (concurrently, each under its timeout; the outcomes in call order); the
+        engine decodes meanwhile. messages: the conversation so far, for verl tools' agent_data."""
+        agent_data = AgentData(sample.request_id, sample.tools_kwargs, messages or [], sample.state)
+        return await self.server.idle(self.tools.call_all(calls, sample.tools_kwargs, agent_data))
 
 
 class AgentRollout:
     """The agent loops and tools of one run, and the event loop they run on."""
 
-    def __init__(self, rollout_cfg: Any, loops_registry: Any, tools_registry: Any, tokenizer: Any):
+    def __init__(
+        self,
+        rollout_cfg: Any,
+        loops_registry: Any,
+        tools_registry: Any,
+        tokenizer: Any,
+        template: str = "the tokenizer",
+    ):
+        """template: where the tokenizer's chat template comes from, for messages (model.path = ...)."""
         self.cfg = rollout_cfg
         self.registry = loops_registry
         self.loops: dict[str, Any] = {}  # name -> the loop, built on first use
         mt = rollout_cfg.multi_turn
         self.tools = ToolSet.from_config(mt, tools_registry) if mt.enable else ToolSet()
-        self.chat = ChatTokens(tokenizer)
+        self.chat = ChatTokens(tokenizer, template=template)
+        if self.tools.names:
+            self._check_template()
         self.event_loop = asyncio.new_event_loop()
         self.last_steps = 0  # engine steps of the last run
+
+    def _check_template(self) -> None:
+        """Tools are configured: the template must render their answers, and should show them."""
+        self.chat.check_tool_turns()
+        if not self.chat.shows_tools(self.tools.schemas):
+            warnings.warn(
+                f"{self.chat.template}: its chat template does not show the tool list (apply_chat_template "
+                f"ignores tools=), so the model learns of {', '.join(self.tools.names)} only if the prompt "
+                "describes them",
+                stacklevel=2,
+            )
 
     def tool_schemas(self, agent_name: str) -> list[dict] | None:
         """The tool schemas a row's prompt shows: all configured tools, for multi-turn rows."""
@@ -242,10 +270,17 @@ def final_turn_ids(t: Trajectory) -> list[int]:
 
 def reward_view(t: Trajectory) -> dict | None:
     """What a reward function that takes `trajectory` sees: the conversation (prompt messages,
-    assistant turns with their parsed tool calls, tool results), or None for a plain single turn."""
+    assistant turns with their parsed tool calls, tool results), the turn counts (num_turns as
+    verl counts it), verl tools' step rewards, or None for a plain single turn."""
     if not t.messages:
         return None
-    return {"messages": t.messages, "num_turns": t.num_turns, "finish_reason": t.finish_reason}
+    return {
+        "messages": t.messages,
+        "num_turns": t.num_turns,
+        "assistant_turns": t.assistant_turns,
+        "tool_rewards": [m["reward"] for m in t.messages if m.get("role") == "tool" and "reward" in m],
+        "finish_reason": t.finish_reason,
+    }
 
 
 def token_versions(mask: list[int], model_versions: list[int]) -> list[int]:

@@ -8,12 +8,16 @@ Hermes chat templates teach the model to write
     {"name": "calculator", "arguments": {"expression": "2+3"}}
     </tool_call>
 
-Two choices differ from verl's parser on purpose:
+Choices that differ from verl's parser on purpose:
 - A malformed block (bad JSON, no "name", "arguments" not an object, no closing tag) comes back as
   a ToolCall with `error` set instead of being dropped: the agent loop answers it with an error
   message, so the model learns the format instead of its turn silently ending.
-- Calls inside <think>...</think> are reasoning, not actions, and are ignored (verl#6424). A
-  `</think>` with no `<think>` before it closes a thought the chat template opened in the prompt.
+- Calls inside <think>...</think> are reasoning, not actions, and are ignored (verl#6424). The text
+  is read tag by tag: inside a call only a </tool_call> outside the call's JSON strings closes it,
+  so a `</think>` or `</tool_call>` in an argument (code that prints one) is the call's text. A turn
+  that starts inside a thought (R1-Distill's generation prompt opens <think>) is parsed with
+  thinking=True; without it, a `</think>` outside every call with no <think> before it still says
+  that the text before it was a thought the prompt opened.
 """
 
 from __future__ import annotations
@@ -38,14 +42,16 @@ class ToolCall:
     arguments: dict | None
     raw: str  # the text between the tags
     error: str = ""
+    closed: bool = True  # False: the text ended inside the call (no closing tag yet)
 
 
-def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
+def parse_hermes(text: str, thinking: bool = False) -> tuple[str, list[ToolCall]]:
     """(the text with every <tool_call>...</tool_call> block removed, stripped; the calls in order).
 
     Malformed blocks are returned as calls with `error` set, not dropped; an unclosed <tool_call>
-    at the end is one malformed call. Calls inside <think>...</think> are ignored."""
-    spans = _call_spans(text)
+    at the end is one malformed call. Calls inside <think>...</think> are ignored; thinking: the
+    text starts inside a thought (the prompt opened it)."""
+    spans = _call_spans(text, thinking)
     calls = [_parse_call(text[start:end], closed) for (_, start, end, _, closed) in spans]
     kept, cursor = [], 0
     for block_start, _, _, block_end, _ in spans:
@@ -55,45 +61,50 @@ def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
     return "".join(kept).strip(), calls
 
 
-def _call_spans(text: str) -> list[tuple[int, int, int, int, bool]]:
+def _call_spans(text: str, thinking: bool) -> list[tuple[int, int, int, int, bool]]:
     """(block start, body start, body end, block end, closed) of each call outside thinking.
 
-    A left-to-right scan over the four tags: inside a call only </tool_call> counts, inside a
-    thought only </think>; stray closing tags outside both are left in the text."""
-    spans, state, opened = [], "text", 0
-    for match in _TAG.finditer(text, _prompt_thought_end(text)):
+    A left-to-right scan over the four tags: inside a call only a </tool_call> outside its JSON
+    strings counts, inside a thought only </think>. A stray </think> outside both closes a thought
+    the prompt opened: the calls before it were reasoning. Other stray tags stay in the text."""
+    spans, state, opened, seen_think = [], "think" if thinking else "text", 0, thinking
+    for match in _TAG.finditer(text):
         tag = match.group()
         if state == "call":
-            if tag == CALL_CLOSE:
+            if tag == CALL_CLOSE and not _inside_json_string(text[opened + len(CALL_OPEN) : match.start()]):
                 spans.append((opened, opened + len(CALL_OPEN), match.start(), match.end(), True))
                 state = "text"
         elif state == "think":
-            if tag == THINK_CLOSE:
-                state = "text"
+            state = "text" if tag == THINK_CLOSE else state
         elif tag == CALL_OPEN:
             state, opened = "call", match.start()
         elif tag == THINK_OPEN:
-            state = "think"
+            state, seen_think = "think", True
+        elif tag == THINK_CLOSE and not seen_think:
+            spans, seen_think = [], True
     if state == "call":
         spans.append((opened, opened + len(CALL_OPEN), len(text), len(text), False))
     return spans
 
 
-def _prompt_thought_end(text: str) -> int:
-    """Where the scan starts: after a first </think> that no <think> precedes (the chat template
-    opened that thought in the prompt, as Qwen3-Thinking and DeepSeek-R1 templates do), else 0."""
-    close = text.find(THINK_CLOSE)
-    if close < 0:
-        return 0
-    open_ = text.find(THINK_OPEN)
-    return close + len(THINK_CLOSE) if open_ < 0 or open_ > close else 0
+def _inside_json_string(body: str) -> bool:
+    """Whether the end of `body` (a call's JSON so far) is inside a string literal."""
+    inside, escaped = False, False
+    for char in body:
+        if escaped:
+            escaped = False
+        elif char == "\\" and inside:
+            escaped = True
+        elif char == '"':
+            inside = not inside
+    return inside
 
 
 def _parse_call(body: str, closed: bool) -> ToolCall:
     """One call's body -> ToolCall, with a readable `error` when it is malformed."""
     raw = body.strip()
     if not closed:
-        return ToolCall("", None, raw, f"the call has no closing {CALL_CLOSE}; {_FORMAT_HINT}")
+        return ToolCall("", None, raw, f"the call has no closing {CALL_CLOSE}; {_FORMAT_HINT}", closed=False)
     try:
         payload = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -215,4 +226,5 @@ def _shown(value: Any) -> str:
     return f"{json_type(value)} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
-PARSERS: dict[str, Callable[[str], tuple[str, list[ToolCall]]]] = {"hermes": parse_hermes}
+# format name -> parse(text, thinking=False) -> (text without the calls, the calls)
+PARSERS: dict[str, Callable[..., tuple[str, list[ToolCall]]]] = {"hermes": parse_hermes}

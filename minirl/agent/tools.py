@@ -30,9 +30,19 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from minirl.agent.parser import ToolCall, check_arguments, json_type
+from minirl.agent.verl_tools import SHAPE, AgentData, ToolReply, build_verl_tool, is_verl_tool
 from minirl.errors import UserError, describe, reraise_if_debug, wrapped
 
-__all__ = ["ToolCall", "ToolEntry", "ToolError", "ToolOutcome", "ToolSet", "tool_options", "truncate"]
+__all__ = [
+    "ToolCall",
+    "ToolEntry",
+    "ToolError",
+    "ToolOutcome",
+    "ToolSet",
+    "tool_options",
+    "truncate",
+    "truncate_response",
+]
 
 STATUSES = ("ok", "error", "timeout", "bad_call", "unknown_tool", "skipped")
 TRUNCATE_SIDES = ("left", "right", "middle")
@@ -54,6 +64,7 @@ class ToolOutcome:
     text: str
     status: str  # one of STATUSES
     latency_s: float
+    reward: float | None = None  # a verl tool's step reward
 
 
 def truncate(text: str, limit: int, side: str) -> str:
@@ -68,6 +79,21 @@ def truncate(text: str, limit: int, side: str) -> str:
     tail = {"left": limit, "right": 0, "middle": limit // 2}[side]
     marker = f"...(truncated {len(text) - head - tail} chars)..."
     return text[:head] + marker + text[len(text) - tail :]
+
+
+def truncate_response(text: str, limit: int, side: str) -> str:
+    """A tool result cut to rollout.multi_turn.max_tool_response_length characters as verl 0.8 and
+    later cut it, markers included: "left" drops the head, "(truncated)..." + the last `limit`
+    characters; "right" drops the tail, the first `limit` + "...(truncated)"; "middle" keeps
+    limit // 2 of each end around "...(truncated)...". limit <= 0: unchanged."""
+    if limit <= 0 or len(text) <= limit:
+        return text
+    if side == "left":
+        return "(truncated)..." + text[len(text) - limit :]
+    if side == "right":
+        return text[:limit] + "...(truncated)"
+    half = limit // 2  # verl's text[-half:] keeps all of the text at half = 0; this keeps none
+    return text[:half] + "...(truncated)..." + text[len(text) - half :]
 
 
 def tool_options(config: Mapping, defaults: Mapping[str, Any], tool: str) -> dict:
@@ -105,6 +131,7 @@ class ToolEntry:
     schema: dict
     timeout_s: float
     is_async: bool
+    takes_agent_data: bool = False  # a verl tool: called with agent_data=, the sample's state
 
     @classmethod
     def of(cls, tool: Any, schema: dict | None = None, where: str = "tool") -> "ToolEntry":
@@ -115,7 +142,8 @@ class ToolEntry:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise UserError(f"{where}: timeout_s = {timeout!r}; a tool's timeout_s must be a number of seconds > 0")
         is_async = inspect.iscoroutinefunction(tool) or inspect.iscoroutinefunction(type(tool).__call__)
-        return cls(tool, schema["function"]["name"], schema, float(timeout), is_async)
+        takes_agent_data = bool(getattr(tool, "takes_agent_data", False))
+        return cls(tool, schema["function"]["name"], schema, float(timeout), is_async, takes_agent_data)
 
 
 class ToolSet:
@@ -150,12 +178,15 @@ class ToolSet:
             multi_turn_cfg.tool_response_truncate_side,
         )
 
-    async def call_all(self, calls: list[ToolCall], tools_kwargs: Mapping | None = None) -> list[ToolOutcome]:
-        """The outcome of each call, in order. The first max_parallel_calls run concurrently, the
-        rest are skipped with a message. Never raises. tools_kwargs: the row's
-        extra_info.tools_kwargs ({tool name: {"create_kwargs": {...}} or {...}}, verl's layout)."""
-        limit = self.max_parallel_calls
-        ran = await asyncio.gather(*(self._call_one(call, tools_kwargs or {}) for call in calls[:limit]))
+    async def call_all(
+        self, calls: list[ToolCall], tools_kwargs: Mapping | None = None, agent_data: AgentData | None = None
+    ) -> list[ToolOutcome]:
+        """The outcome of each call, in call order. The first max_parallel_calls run concurrently,
+        the rest are skipped with a message. Never raises. tools_kwargs: the row's
+        extra_info.tools_kwargs ({tool name: {"create_kwargs": {...}} or {...}}, verl's layout);
+        agent_data: the sample's state, for verl tools."""
+        limit, kwargs = self.max_parallel_calls, tools_kwargs or {}
+        ran = await asyncio.gather(*(self._call_one(call, kwargs, agent_data) for call in calls[:limit]))
         return list(ran) + [self._skipped(call) for call in calls[limit:]]
 
     def close(self) -> None:
@@ -168,12 +199,14 @@ class ToolSet:
             if callable(closer):
                 closer()
 
-    async def _call_one(self, call: ToolCall, tools_kwargs: Mapping) -> ToolOutcome:
+    async def _call_one(self, call: ToolCall, tools_kwargs: Mapping, agent_data: AgentData | None) -> ToolOutcome:
         start = time.perf_counter()
-        status, text = await self._run(call, tools_kwargs)
-        return ToolOutcome(call.name, truncate(text, self.max_chars, self.side), status, time.perf_counter() - start)
+        status, result = await self._run(call, tools_kwargs, agent_data)
+        text = truncate_response(_as_text(result), self.max_chars, self.side)
+        reward = result.reward if isinstance(result, ToolReply) else None
+        return ToolOutcome(call.name, text, status, time.perf_counter() - start, reward)
 
-    async def _run(self, call: ToolCall, tools_kwargs: Mapping) -> tuple[str, str]:
+    async def _run(self, call: ToolCall, tools_kwargs: Mapping, agent_data: AgentData | None) -> tuple[str, Any]:
         """(status, text) of one call; every failure is a status and a message, never an exception."""
         if call.error:
             return "bad_call", f"Error: {call.error}"
@@ -185,6 +218,8 @@ class ToolSet:
         if problem:
             return "bad_call", f'Error: bad arguments for tool "{entry.name}": {problem}'
         kwargs = _sample_kwargs(tools_kwargs, entry.name)
+        if entry.takes_agent_data:
+            kwargs["agent_data"] = agent_data
         try:
             result = await asyncio.wait_for(self._invoke(entry, call.arguments or {}, kwargs), entry.timeout_s)
         except TimeoutError:
@@ -193,7 +228,7 @@ class ToolSet:
             return "error", f'Error: tool "{entry.name}" failed: {exc}'
         except Exception as exc:
             return "error", f'Error: tool "{entry.name}" failed: {describe(exc)}'
-        return "ok", _as_text(result)
+        return "ok", result
 
     async def _invoke(self, entry: ToolEntry, arguments: dict, kwargs: dict) -> Any:
         """Call the tool: an async one on the loop, a sync one on a worker thread."""
@@ -211,7 +246,7 @@ class ToolSet:
     def _skipped(self, call: ToolCall) -> ToolOutcome:
         n = self.max_parallel_calls
         text = f"Error: not run; at most {n} tool call(s) run per turn, so make at most {n} at once"
-        return ToolOutcome(call.name, truncate(text, self.max_chars, self.side), "skipped", 0.0)
+        return ToolOutcome(call.name, truncate_response(text, self.max_chars, self.side), "skipped", 0.0)
 
 
 def _sample_kwargs(tools_kwargs: Mapping, name: str) -> dict:
@@ -227,6 +262,8 @@ def _as_text(result: Any) -> str:
     """A tool's return value as the tool message: strings as they are, JSON for dicts and lists."""
     if result is None:
         return ""
+    if isinstance(result, ToolReply):
+        return result.text
     if isinstance(result, str):
         return result
     if isinstance(result, (dict, list)):
@@ -293,6 +330,11 @@ def _read_tool_file(path: str) -> list:
 def _build_entry(raw: Any, registry: Any, where: str) -> ToolEntry:
     if not isinstance(raw, dict):
         raise UserError(f"{where}: an entry must be a mapping with {', '.join(ENTRY_KEYS)}, got {json_type(raw)}")
+    if "mcp" in raw:
+        raise UserError(
+            f"{where}.mcp: MCP tools (verl's config.type: mcp) are not supported; wrap the server's tool in "
+            "a native tool class, or drop the entry"
+        )
     unknown = sorted(set(raw) - set(ENTRY_KEYS))
     if unknown:
         raise UserError(f"{where}.{unknown[0]}: not a key of a tool entry; the keys are {', '.join(ENTRY_KEYS)}")
@@ -303,8 +345,11 @@ def _build_entry(raw: Any, registry: Any, where: str) -> ToolEntry:
     schema = raw.get("tool_schema")
     if schema is not None:
         _check_schema(schema, f"{where}.tool_schema")
-        config["tool_schema"] = schema
-    tool = _make(_factory(class_name, registry, where), config, where)
+    factory = _factory(class_name, registry, where)
+    if is_verl_tool(factory):
+        tool = _make(lambda cfg: build_verl_tool(factory, cfg, schema, where), config, where)
+    else:
+        tool = _make(factory, {**config, "tool_schema": schema} if schema is not None else config, where)
     return ToolEntry.of(tool, schema, f"{where} ({class_name})")
 
 
@@ -337,9 +382,11 @@ def _factory(class_name: str, registry: Any, where: str) -> Any:
         module = importlib.import_module(module_name)
     except Exception as exc:
         reraise_if_debug()
+        fix = "check the path and that its directory is on PYTHONPATH"
+        if module_name.partition(".")[0] == "verl":
+            fix = "install verl (pip install verl): its tool classes run here unchanged, through an adapter"
         raise UserError(
-            f"{where}.class_name = {class_name!r}: cannot import {module_name!r} ({describe(exc)}); check the "
-            "path and that its directory is on PYTHONPATH"
+            f"{where}.class_name = {class_name!r}: cannot import {module_name!r} ({describe(exc)}); {fix}"
         ) from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
@@ -353,9 +400,11 @@ def _make(factory: Any, config: dict, where: str) -> Any:
     try:
         return factory(config)
     except UserError as exc:
-        raise UserError(f"{where}: {exc}") from exc
+        raise UserError(str(exc) if str(exc).startswith(where) else f"{where}: {exc}") from exc
     except Exception as exc:
         reraise_if_debug()
+        if isinstance(exc, TypeError) and "argument" in str(exc):  # called in a shape it does not take
+            raise UserError(f"{where}: building the tool failed ({describe(exc)}); {SHAPE}") from exc
         raise wrapped(f"{where}: building the tool", exc, "check the entry's config") from exc
 
 

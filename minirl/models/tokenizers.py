@@ -117,21 +117,64 @@ R1_DISTILL_ADDED_TOKENS = [
 ]
 R1_BOS, R1_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
-# DeepSeek-R1-Distill's conversation format (system prompt first, no tool calls): the generation
-# prompt opens the reasoning block, and earlier assistant turns keep only the text after </think>.
-R1_DISTILL_TEMPLATE = (
-    "{% set ns = namespace(system='') %}"
-    "{% for message in messages %}{% if message['role'] == 'system' %}"
-    "{% set ns.system = message['content'] %}{% endif %}{% endfor %}"
-    "{{ bos_token }}{{ ns.system }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}{% set content = message['content'] %}"
-    "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
-    "{{ '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' }}"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"
-)
+# minirl's chat template for the qwen2 presets. It renders byte-identically to
+# DeepSeek-R1-Distill-Qwen's published template (the reference is in
+# tests/fixtures/chat_templates/, and tests/unit/test_chat_templates.py compares the two renders,
+# including a hypothesis test over the conversations minirl produces). What it renders: the BOS
+# token, then the last system message's text; user turns after <｜User｜>; assistant turns after
+# <｜Assistant｜> with everything up to the last `</think>` dropped, closed by
+# <｜end▁of▁sentence｜>; an assistant message whose content is None as its tool calls (the first
+# call of the conversation opens the calls block with the assistant tag; every later call follows
+# on a new line and closes the block and the sentence after itself); tool results as
+# <｜tool▁output▁begin｜>...<｜tool▁output▁end｜>, the conversation's first one opening
+# <｜tool▁outputs▁begin｜>, later ones on a new line; an assistant text right after tool results
+# closes them with <｜tool▁outputs▁end｜> and gets no new header (the model writes on); results that
+# end the conversation are closed the same way. The generation prompt <｜Assistant｜><think>\n opens
+# a reasoning block, and is left out after tool results. `tools=` is never read.
+R1_DISTILL_TEMPLATE = r"""
+{%- macro fenced_call(call) -%}
+    {{- call['type'] + '<｜tool▁sep｜>' + call['function']['name']
+        + '\n```json\n' + call['function']['arguments'] + '\n```<｜tool▁call▁end｜>' -}}
+{%- endmacro -%}
+{%- set end_mark = '<｜end▁of▁sentence｜>' -%}
+{%- set state = namespace(calls_started=false, results_started=false, results_open=false) -%}
+{{- bos_token -}}
+{%- for turn in messages | selectattr('role', 'equalto', 'system') -%}
+    {%- if loop.last -%}{{- turn['content'] -}}{%- endif -%}
+{%- endfor -%}
+{%- for turn in messages -%}
+    {%- set role = turn['role'] -%}
+    {%- if role == 'user' -%}
+        {%- set state.results_open = false -%}
+        {{- '<｜User｜>' + turn['content'] -}}
+    {%- elif role == 'assistant' and turn['content'] is none -%}
+        {%- set state.results_open = false -%}
+        {%- for call in turn['tool_calls'] -%}
+            {%- if state.calls_started -%}
+                {{- '\n<｜tool▁call▁begin｜>' + fenced_call(call) + '<｜tool▁calls▁end｜>' + end_mark -}}
+            {%- else -%}
+                {{- '<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + fenced_call(call) -}}
+                {%- set state.calls_started = true -%}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- elif role == 'assistant' and state.results_open -%}
+        {%- set state.results_open = false -%}
+        {{- '<｜tool▁outputs▁end｜>' + turn['content'] + end_mark -}}
+    {%- elif role == 'assistant' -%}
+        {{- '<｜Assistant｜>' + turn['content'].rpartition('</think>')[2] + end_mark -}}
+    {%- elif role == 'tool' -%}
+        {{- '\n' if state.results_started else '<｜tool▁outputs▁begin｜>' -}}
+        {{- '<｜tool▁output▁begin｜>' + turn['content'] + '<｜tool▁output▁end｜>' -}}
+        {%- set state.results_started = true -%}
+        {%- set state.results_open = true -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if state.results_open -%}
+    {{- '<｜tool▁outputs▁end｜>' -}}
+{%- elif add_generation_prompt -%}
+    {{- '<｜Assistant｜><think>\n' -}}
+{%- endif -%}
+"""
 _CONVERTER_VERSION = "1"  # bump when the conversion changes, so stale caches are rebuilt
 
 
@@ -142,7 +185,9 @@ def qwen2_tokenizer() -> PreTrainedTokenizerFast:
     cached = cache_dir() / "tokenizers" / f"qwen2-r1-distill-v{_CONVERTER_VERSION}-{digest}"
     if not (cached / "tokenizer.json").is_file():
         _save_atomically(convert_qwen2_tokenizer(ranks_path), cached)
-    return PreTrainedTokenizerFast.from_pretrained(str(cached), local_files_only=True)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(cached), local_files_only=True)
+    tokenizer.chat_template = R1_DISTILL_TEMPLATE  # not the cache's: a template fix needs no reconversion
+    return tokenizer
 
 
 def convert_qwen2_tokenizer(ranks_path: Path) -> PreTrainedTokenizerFast:

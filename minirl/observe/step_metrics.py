@@ -148,11 +148,14 @@ def value_metrics(batch: RolloutBatch, dist: DistContext) -> dict[str, float]:
 
 
 def agent_metrics(trajectories: list, dist: DistContext) -> dict[str, float]:
-    """Multi-turn rollouts: agent/turns mean|max|min (model turns per sample) and each count the
-    loops report (Trajectory.metrics; tool_agent: tool_calls, tool_<status>, tool_latency_s)
-    summed over the step's samples on all ranks (keys ending in _max_s: the largest);
-    agent/tool_latency_s/mean is the mean seconds per tool call."""
-    out = reduced_stats("agent/turns", torch.tensor([float(t.num_turns) for t in trajectories]), dist)
+    """Multi-turn rollouts: num_turns mean|max|min (verl's count: prompt, model turns and
+    appended message turns), agent/assistant_turns mean|max|min (model turns per sample) and each
+    count the loops report (Trajectory.metrics; tool_agent: tool_calls, tool_<status>,
+    tool_latency_s) summed over the step's samples on all ranks (keys ending in _max_s: the
+    largest); agent/tool_latency_s/mean is the mean seconds per tool call."""
+    out = reduced_stats("num_turns", torch.tensor([float(t.num_turns) for t in trajectories]), dist)
+    model_turns = torch.tensor([float(t.assistant_turns) for t in trajectories])
+    out.update(reduced_stats("agent/assistant_turns", model_turns, dist))
     keys = sorted(
         {k for ks in dist.all_gather_objects(sorted({k for t in trajectories for k in t.metrics})) for k in ks}
     )

@@ -79,7 +79,7 @@ class RewardManager:
         self._check_sources(records)
         trajectories = trajectories or [None] * len(records)
         rows = [
-            Row(r.data_source, text, r.ground_truth, r.extra_info, traj)
+            Row(r.data_source, text, r.ground_truth, _with_turns(r.extra_info, traj), traj)
             for r, text, traj in zip(records, responses_text, trajectories)
         ]
         outcomes = [o for call in self._run(self._calls(rows)) for o in call]
@@ -165,3 +165,10 @@ def place_scores(scores_B: Any, mask_BT: torch.Tensor) -> torch.Tensor:
     token_scores_BT = torch.zeros(mask_BT.shape, dtype=torch.float32, device=mask_BT.device)
     token_scores_BT[torch.arange(len(scores_B), device=mask_BT.device), last_B.clamp(min=0)] = placed_B
     return token_scores_BT
+
+
+def _with_turns(extra_info: Any, trajectory: Any) -> Any:
+    """A multi-turn row's extra_info with num_turns added, as verl's reward managers add it."""
+    if not trajectory or not isinstance(extra_info, dict):
+        return extra_info
+    return {**extra_info, "num_turns": trajectory["num_turns"]}

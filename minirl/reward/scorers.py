@@ -28,7 +28,7 @@ class Row:
     text: str
     ground_truth: Any
     extra_info: Any
-    trajectory: Any = None  # multi-turn: {"messages", "num_turns", "finish_reason"}; None: single turn
+    trajectory: Any = None  # multi-turn: minirl.agent.loop.reward_view; None: single turn
 
 
 @dataclass

@@ -59,5 +59,5 @@ def test_tiny_model_learns_to_call_the_tool_and_use_its_answer(tmp_path, lookup_
     assert vals[0][1] <= 0.2  # before training: no call, so at best a guess
     assert vals[-1][1] >= 0.9, vals  # calling and guessing a digit tops out at 0.28
     # every sample calls the tool and answers in a second turn; the tool's tokens are not the model's
-    assert last["agent/turns/mean"] > 1.9 and last["agent/tool_ok"] > 0
+    assert last["agent/assistant_turns/mean"] > 1.9 and last["agent/tool_ok"] > 0
     assert last["response/model_token_share"] < 0.2

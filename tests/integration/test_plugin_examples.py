@@ -61,7 +61,7 @@ class AsksWeather:
         pass
 
     async def run(self, ctx, sample):
-        t = Trajectory(list(sample.prompt_ids), num_turns=2)
+        t = Trajectory(list(sample.prompt_ids), assistant_turns=2, user_turns=1)
         out = await ctx.generate(sample, sample.prompt_ids, 2)
         calls = [ToolCall("weather", {"city": "Paris"}, ""), ToolCall("weather", {"city": "Mars"}, "")]
         outcomes = await ctx.call_tools(sample, calls)

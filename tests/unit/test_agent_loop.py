@@ -125,7 +125,7 @@ def test_tool_agent_trajectory_is_the_engine_tokens_plus_tool_messages(calc_conf
     assert t.response_mask == [1] * len(turn1) + [0] * len(tool_ids) + [1] * 3
     assert t.logprobs == [-0.5] * len(turn1) + [0.0] * len(tool_ids) + [-0.5] * 3
     assert TOK.decode(tool_ids) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
-    assert t.num_turns == 2 and t.finish_reason == "stop"
+    assert t.assistant_turns == 2 and t.finish_reason == "stop"
     assert t.metrics["tool_calls"] == 1 and t.metrics["tool_ok"] == 1
     assert TOK.decode(final_turn_ids(t)) == "42<|im_end|>"
     assert engine.released == {"0/0"}
@@ -160,7 +160,7 @@ def test_malformed_and_unknown_calls_become_tool_messages_and_metrics(calc_confi
     turns = [bad, call("weather", "{}"), call("calculator", '{"expression": "1/0"}'), ids("done") + [IM_END]]
     [t] = run(rollout(calc_config), ScriptedEngine(lambda rid, turn, prompt: turns[turn]), records(1), budget=2000)
     tool_texts = [m["content"] for m in t.messages if m["role"] == "tool"]
-    assert len(tool_texts) == 3 and t.num_turns == 4
+    assert len(tool_texts) == 3 and t.assistant_turns == 4
     assert "json" in tool_texts[0].lower() and "weather" in tool_texts[1] and "calculator" in tool_texts[1]
     assert "zero" in tool_texts[2].lower() or "error" in tool_texts[2].lower()
     assert t.metrics["tool_calls"] == 3
@@ -175,7 +175,7 @@ def test_malformed_and_unknown_calls_become_tool_messages_and_metrics(calc_confi
 def test_turn_limits(calc_config, limits, turns):
     script = lambda rid, turn, prompt: call("calculator", '{"expression": "1"}') if turn < 4 else ids("1") + [IM_END]
     [t] = run(rollout(calc_config, **limits), ScriptedEngine(script), records(1))
-    assert t.num_turns == turns
+    assert t.assistant_turns == turns
     assert t.response_mask[-1] == 1  # a trajectory ends with the model's tokens
 
 
@@ -191,7 +191,7 @@ def test_max_tokens_per_turn_caps_each_turn_and_a_cut_turn_ends_the_trajectory(c
     engine.submit = lambda rid, prompt, params: (asked.append(params.max_new_tokens), submit(rid, prompt, params))
     [t] = run(rollout(calc_config, max_tokens_per_turn=len(turn1)), engine, records(1))
     assert asked[0] == len(turn1) and asked[1] == len(turn1)
-    assert t.num_turns == 2 and t.finish_reason == "length"
+    assert t.assistant_turns == 2 and t.finish_reason == "length"
     assert t.response_ids[-len(turn1) :] == ids("forty-two " * 20)[: len(turn1)]
     [uncapped] = run(rollout(calc_config), ScriptedEngine(script), records(1))
     assert uncapped.finish_reason == "stop" and uncapped.response_ids[-1] == IM_END
@@ -201,7 +201,7 @@ def test_tool_message_that_leaves_no_room_is_not_appended(calc_config):
     turn1 = call("calculator", '{"expression": "1"}')
     script = lambda rid, turn, prompt: turn1 if turn == 0 else ids("x") + [IM_END]
     [t] = run(rollout(calc_config), ScriptedEngine(script), records(1), budget=len(turn1) + 5)
-    assert t.response_ids == turn1 and t.finish_reason == "length" and t.num_turns == 1
+    assert t.response_ids == turn1 and t.finish_reason == "length" and t.assistant_turns == 1
 
 
 def test_a_slow_tool_does_not_stall_the_other_samples(tmp_path):
@@ -227,7 +227,7 @@ def test_a_slow_tool_does_not_stall_the_other_samples(tmp_path):
     agents.registry.items["repeat"] = Repeat
     start = time.monotonic()
     t0, t1 = run(agents, ScriptedEngine(script, delay_s=0.01), recs)
-    assert t1.num_turns == 6 and t0.num_turns == 2
+    assert t1.assistant_turns == 6 and t0.assistant_turns == 2
     assert max(done_at.values()) - start < 1.0 < time.monotonic() - start
 
 
@@ -250,14 +250,14 @@ class Repeat:
         pass
 
     async def run(self, ctx, sample):
-        t = Trajectory(list(sample.prompt_ids), num_turns=0)
+        t = Trajectory(list(sample.prompt_ids), assistant_turns=0)
         context = list(sample.prompt_ids)
         for _ in range(6):
             out = await ctx.generate(sample, context, 50)
             add_model_turn(t, out)
             more = ctx.chat.append_ids([{"role": "user", "content": "go on"}], out.token_ids[-1])
             context += out.token_ids + more
-            if t.num_turns < 6:
+            if t.assistant_turns < 6:
                 add_masked(t, more)
         return t
 
@@ -266,7 +266,7 @@ def add_model_turn(t: Trajectory, out: TurnOutput) -> None:
     t.response_ids += out.token_ids
     t.response_mask += [1] * len(out.token_ids)
     t.logprobs += out.logprobs
-    t.num_turns += 1
+    t.assistant_turns += 1
 
 
 def add_masked(t: Trajectory, more: list[int]) -> None:
@@ -308,7 +308,7 @@ def test_deterministic_mode_fixes_when_and_in_which_order_tool_results_rejoin(tm
         path.write_text(JITTER_TOOL.format(seed=seed))
         engine = ScriptedEngine(script)
         trajectories = run(rollout(str(path), deterministic=deterministic), engine, records(8))
-        assert all(t.num_turns == 3 for t in trajectories)
+        assert all(t.assistant_turns == 3 for t in trajectories)
         runs.append(engine.batches)
     in_order = [[f"{i}/0" for i in range(8)]] * 3
     if deterministic:
@@ -327,7 +327,7 @@ class WaitsBetweenTurns:
         pass
 
     async def run(self, ctx, sample):
-        t = Trajectory(list(sample.prompt_ids), num_turns=0)
+        t = Trajectory(list(sample.prompt_ids), assistant_turns=0)
         context = list(sample.prompt_ids)
         for turn in range(3):
             out = await ctx.generate(sample, context, 4)
@@ -356,7 +356,7 @@ def test_deterministic_multi_turn_rollouts_sample_the_same_tokens_run_after_run(
         engine = build_native_engine(None, engine_context(cfg, actor=hf))
         got = agents.run(engine, to_samples(recs, list(range(len(recs))), sampling), ["waits"] * len(recs))
         agents.close()
-        assert all(t.num_turns == 3 for t in got)
+        assert all(t.assistant_turns == 3 for t in got)
         runs.append([(t.response_ids, t.logprobs) for t in got])
     assert runs[0] == runs[1]
 

@@ -219,7 +219,7 @@ def test_a_tool_agent_rollout_that_calls_and_copies_scores_one():
     """The chain the learning test relies on, with a scripted model: the call token stops turn
     one, the tool's reply comes back masked (148 tokens of ChatML), turn two answers the digit."""
     t = _scripted_rollout(budget=1 + TOOL_REPLY_TOKENS + len(ANSWER))
-    assert t.num_turns == 2 and t.response_ids[0] == LOOKUP_CALL_ID and t.response_ids[-2:] == ANSWER
+    assert t.assistant_turns == 2 and t.response_ids[0] == LOOKUP_CALL_ID and t.response_ids[-2:] == ANSWER
     assert t.response_mask == [1] + [0] * TOOL_REPLY_TOKENS + [1, 1]
     reply = f"<|im_end|>\n<|im_start|>tool\n{REPLY}<|im_end|>\n<|im_start|>assistant\n"
     assert TOK.decode(t.response_ids[1:-2]) == reply
@@ -231,7 +231,7 @@ def test_a_reply_that_does_not_fit_the_budget_earns_nothing():
     """With no room for the reply and an answer, tool_agent stops ("length") without showing the
     reply, though it keeps it in the messages: the call must not earn the 0.1."""
     t = _scripted_rollout(budget=1 + TOOL_REPLY_TOKENS)
-    assert t.num_turns == 1 and t.finish_reason == "length" and t.response_ids == [LOOKUP_CALL_ID]
+    assert t.assistant_turns == 1 and t.finish_reason == "length" and t.response_ids == [LOOKUP_CALL_ID]
     assert reward_view(t)["messages"][-1] == {"role": "tool", "name": "lookup", "content": REPLY}
     assert lookup_reward(LOOKUP_CALL, "7", {}, reward_view(t)) == 0.0
 

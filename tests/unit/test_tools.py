@@ -318,7 +318,7 @@ def test_tools_kwargs_reach_the_tool_create_kwargs_first(tmp_path):
 def test_long_results_are_truncated_on_the_configured_side(tmp_path):
     tools = toolset(tmp_path, [{"class_name": "echo"}], max_tool_response_length=20, tool_response_truncate_side="left")
     [out] = run(tools, [call("echo", text="x" * 100)])
-    assert out.text.startswith("...(truncated ") and out.text.endswith('"sample": {}}')
+    assert out.text.startswith("(truncated)...") and out.text.endswith('"sample": {}}')
 
 
 def test_close_reaches_the_tools(tmp_path):
