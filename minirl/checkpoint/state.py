@@ -4,6 +4,7 @@ ckpt_<step>/
   .metadata, __<r>_<i>.distcp   models and optimizers (torch.distributed.checkpoint): each rank
                                 writes its own shards, a load reshards them to the current mesh
   rng/rank<r>.pt                each rank's random streams: torch CPU (and CUDA), python, numpy
+                                (minirl.checkpoint.rng)
   trainer_state.json            what the trainer puts there (rank 0)
   config.toml                   the config the checkpoint was written with (rank 0)
   manifest.json                 last: every file, its size and CRC-32C (minirl.checkpoint.store)
@@ -15,21 +16,19 @@ import contextlib
 import json
 import logging
 import os
-import random
 import shutil
 import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from minirl.checkpoint import checksum, store
+from minirl.checkpoint import checksum, rng, store
 from minirl.dist import fault
 from minirl.dist.context import DistContext
 from minirl.errors import UserError
@@ -100,7 +99,7 @@ def snapshot(parts: Checkpointable, trainer_state: dict, config_toml: str, dist,
     state = parts.state_dicts()
     if staging is not None:
         state = staging.stage(state)
-    files = {os.path.join("rng", f"rank{dist.rank}.pt"): _rng_bytes(dist.device)}
+    files = {os.path.join("rng", f"rank{dist.rank}.pt"): rng.capture(dist.device)}
     if dist.is_main:
         files[TRAINER_STATE] = json.dumps(trainer_state, indent=1).encode()
         files[CONFIG] = config_toml.encode()
@@ -243,7 +242,7 @@ def load(path: str, parts: Checkpointable, dist: DistContext) -> dict:
     store.verify(path)
     trainer_state = read_trainer_state(path)
     _dcp_load(parts, path)
-    _restore_rng(path, dist, trainer_state)
+    rng.restore(path, dist, trainer_state)
     return trainer_state
 
 
@@ -326,47 +325,3 @@ def _dcp_load(parts: Checkpointable, path: str) -> None:
             "from an older checkpoint"
         ) from None
     parts.load_state_dicts(state)
-
-
-def _rng_bytes(device: torch.device) -> bytes:
-    import io
-
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos)},
-        "numpy_gauss": {"has_gauss": int(has_gauss), "cached": float(cached)},
-        "torch": torch.get_rng_state(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
-
-
-def _restore_rng(path: str, dist: DistContext, trainer_state: dict) -> None:
-    file = os.path.join(path, "rng", f"rank{dist.rank}.pt")
-    if not os.path.isfile(file):
-        # a larger world than the checkpoint's: this rank's streams are new (seeded), so the run
-        # continues correctly but not bit-identically to an uninterrupted one
-        seed = int(trainer_state.get("seed", 0)) + 7919 * int(trainer_state["step"]) + dist.rank
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
-        return
-    try:
-        state = torch.load(file, weights_only=True)
-        py = state["python"]
-        random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss"]))
-        npy, gauss = state["numpy"], state["numpy_gauss"]
-        keys = npy["keys"].numpy().astype(np.uint32)
-        np.random.set_state((npy["kind"], keys, npy["pos"], gauss["has_gauss"], gauss["cached"]))
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state and dist.device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda"], dist.device)
-    except Exception as exc:  # noqa: BLE001 - a damaged file of any kind
-        raise UserError(
-            f"checkpoint file {file} is unreadable ({type(exc).__name__}: {exc}); resume from an older checkpoint"
-        ) from None
