@@ -233,7 +233,7 @@ def main() -> None:
     disk = disk_write_rate(args.out, args.dd_gib)
     crc_s, nbytes = crc_in_memory_seconds(parts)
     rows = [
-        ("parameters", f"{n_params / 1e9:.3f} B", ""),
+        ("parameters", f"{n_params / 1e9:.3f} B" if n_params >= 1e8 else f"{n_params / 1e6:.2f} M", ""),
         ("full checkpoint size", ckpt_state._gb(size), "params + exp_avg + exp_avg_sq, fp32, + RNG/state"),
         ("disk sequential write", f"{disk:.2f} GB/s", f"dd {args.dd_gib} GiB, O_DIRECT, one stream"),
         *save_rows(Saves(args.out, parts, cfg, dist), size, disk, args.repeats),

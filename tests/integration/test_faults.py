@@ -269,6 +269,18 @@ def test_check_checkpoint_command(copied, capsys):
 # ---------------------------------------------------------------------------------------------
 
 
+def assert_ckpt_2_failed_and_ckpt_1_kept(root: Path, capsys, reason: str, logged: list[int]) -> None:
+    """One line naming ckpt_2's temporary directory, the reason and the bytes needed; that
+    directory is gone, ckpt_1 is intact and still `latest`, every logged step's metrics kept."""
+    line = one_error(capsys)
+    tmp = run_dir(root) / ".tmp_ckpt_2"
+    assert f"writing checkpoint {tmp} failed: {reason}" in line and "it needs about" in line
+    assert f"the previous checkpoint {run_dir(root) / 'ckpt_1'} is intact" in line
+    assert checkpoints(root) == {"ckpt_1": "ok"}
+    assert (run_dir(root) / "latest").read_text().strip() == "ckpt_1"
+    assert steps(root) == logged
+
+
 @pytest.mark.parametrize(
     "point, action, reason",
     [
@@ -283,13 +295,7 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one(tmp_path, data, capsys
     step's metrics are on disk; the same command (disk fixed) resumes from ckpt_1."""
     monkeypatch.setenv("MINIRL_FAULT", f"point={point},step=2,action={action}")
     assert main(argv(tmp_path, data)) == 2
-    line = one_error(capsys)
-    tmp = run_dir(tmp_path) / ".tmp_ckpt_2"
-    assert f"writing checkpoint {tmp} failed: {reason}" in line and "it needs about" in line
-    assert f"the previous checkpoint {run_dir(tmp_path) / 'ckpt_1'} is intact" in line
-    assert checkpoints(tmp_path) == {"ckpt_1": "ok"}
-    assert (run_dir(tmp_path) / "latest").read_text().strip() == "ckpt_1"
-    assert steps(tmp_path) == [1, 2]
+    assert_ckpt_2_failed_and_ckpt_1_kept(tmp_path, capsys, reason, logged=[1, 2])
     monkeypatch.delenv("MINIRL_FAULT")
     assert main(argv(tmp_path, data)) == 0
     assert checkpoints(tmp_path) == {"ckpt_1": "ok", "ckpt_2": "ok"} and steps(tmp_path) == [1, 2]
@@ -346,13 +352,7 @@ def test_a_full_disk_during_the_background_write_stops_with_one_line(tmp_path, d
     resumes from ckpt_1 and ends with the straight run's metrics and weights."""
     monkeypatch.setenv("MINIRL_FAULT", "point=checkpoint_write,step=2,action=enospc")
     assert main(argv(tmp_path, data, *THREE)) == 2
-    line = one_error(capsys)
-    tmp = run_dir(tmp_path) / ".tmp_ckpt_2"
-    assert f"writing checkpoint {tmp} failed: No space left on device" in line and "it needs about" in line
-    assert f"the previous checkpoint {run_dir(tmp_path) / 'ckpt_1'} is intact" in line
-    assert checkpoints(tmp_path) == {"ckpt_1": "ok"}
-    assert (run_dir(tmp_path) / "latest").read_text().strip() == "ckpt_1"
-    assert steps(tmp_path) == [1, 2, 3]
+    assert_ckpt_2_failed_and_ckpt_1_kept(tmp_path, capsys, "No space left on device", logged=[1, 2, 3])
     monkeypatch.delenv("MINIRL_FAULT")
     assert main(argv(tmp_path, data, *THREE)) == 0
     assert checkpoints(tmp_path) == {"ckpt_1": "ok", "ckpt_2": "ok", "ckpt_3": "ok"}
