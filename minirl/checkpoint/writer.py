@@ -8,8 +8,9 @@ run on a thread while the next steps train:
   poll    after every step: collects a write that has finished on every rank (the ranks agree
           first, so all of them raise a failed write's error after the same step)
   wait    at the end of the run and on a stop by signal: blocks until the write is done
-  close   after a failure elsewhere: waits like `wait`, but prints a failed write's error
-          instead of raising it (the first error is the one the run reports)
+  close   at the end of the run, after a failure elsewhere too: waits like `wait`, but prints a
+          failed write's error instead of raising it (the run's first error is the one reported);
+          frees the host copies
 
 A write in flight is no checkpoint yet: a kill before its rename leaves `.tmp_ckpt_<step>`
 (removed at the next start), and the run resumes from the newest complete checkpoint, the one
@@ -80,7 +81,8 @@ class CheckpointWriter:
             self._collect()
 
     def close(self) -> None:
-        """Wait for the write in flight without raising (the run is failing already)."""
+        """The run is over: wait for the write in flight without raising (after a failure, the
+        run's first error is the one to report) and free the host copies."""
         try:
             self.wait()
         except Exception as exc:  # noqa: BLE001 - reported, then the first error goes on
@@ -90,6 +92,8 @@ class CheckpointWriter:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
                 self._pool = None
+            if self.staging is not None:
+                self.staging.buffers.clear()  # as much host memory as the checkpoint
 
     def _collect(self) -> None:
         step, future = self._in_flight

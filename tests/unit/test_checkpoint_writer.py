@@ -207,14 +207,14 @@ def test_a_failed_background_write_is_raised_at_the_next_wait(tmp_path, parts, m
 
 def test_close_after_a_failure_reports_a_failed_write_instead_of_raising(tmp_path, parts, monkeypatch, capsys):
     """The run is failing already: close() waits for the write in flight and prints its error
-    (the run's first error is the one reported)."""
+    (the run's first error is the one reported), and frees the host copies."""
     monkeypatch.setenv("MINIRL_FAULT", "point=checkpoint,step=1,action=eio")
     w = writer([])
     save(w, tmp_path, 1, parts)
     w.close()
     err = capsys.readouterr().err
     assert "minirl: the checkpoint being written failed too: writing checkpoint" in err
-    assert "Input/output error" in err and not w.in_flight
+    assert "Input/output error" in err and not w.in_flight and w.staging.buffers == {}
 
 
 def test_a_blocking_writer_saves_before_it_returns(tmp_path, parts):
