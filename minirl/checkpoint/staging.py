@@ -51,14 +51,12 @@ class HostStaging:
 
     def _tensor(self, live: torch.Tensor, path: tuple) -> torch.Tensor:
         staged = self.buffers.get(path)
-        if staged is None or not _same_layout(staged, live):
-            staged = self.buffers[path] = self._allocate(live)
-        _local(staged).copy_(_local(live).detach(), non_blocking=self.pin)
-        return staged
-
-    def _allocate(self, live: torch.Tensor) -> torch.Tensor:
-        # a DTensor stays a DTensor of the same mesh and placements, its local shard on the host
-        staged = torch.empty_like(live.detach(), device="cpu")
+        if staged is not None and _same_layout(staged, live):
+            _local(staged).copy_(_local(live).detach(), non_blocking=self.pin)
+            return staged
+        # the first save: a copy that a DTensor makes as a DTensor of the same mesh and placements
+        # with its local shard on the host (what torch's own staging does), then page-locked
+        staged = self.buffers[path] = live.detach().to("cpu", copy=True)
         if self.pin and _local(staged).nbytes >= PIN_MIN_BYTES:
             _pin(staged)
         self.allocations += 1
