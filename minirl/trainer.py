@@ -81,6 +81,7 @@ class Trainer:
         self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_steps, verbose=dist.is_main)
         self.history: list[dict[str, float]] = []
         self.state = self._training_state()
+        self.checkpoints = ckpt_training.writer(cfg.trainer, dist, self._checkpoint_saved)
         self.start_step = self._resume()  # last: restores the random streams too
         self.loggers = build.loggers(pm, cfg, self.run_dir, self.start_step, dist)
         # (step, greedy validation score), with those a resumed run logged before its checkpoint
@@ -118,6 +119,7 @@ class Trainer:
         try:
             return self._fit()
         finally:  # normal end, an exception, or Stopped: the reward workers never outlive the run
+            self.checkpoints.close()  # nor does a checkpoint write in flight
             self.rewards.close()
             self.agents.close()
 
@@ -152,6 +154,7 @@ class Trainer:
                 if signum is not None:
                     raise self._stopped(signum, step, bar)
                 bar.update(1)
+        self.checkpoints.wait()  # the last checkpoint complete before the run ends
         return self._finish(bar)
 
     def _is_due(self, freq: int, step: int) -> bool:
@@ -160,17 +163,20 @@ class Trainer:
 
     def _save_due(self, step: int, force: bool = False) -> None:
         t = self.cfg.trainer
+        self.checkpoints.poll()  # a background write that finished: its hook, or its error
         if force or self._is_due(t.save_freq, step):
             self.save(step)
         if self._is_due(t.save_hf_freq, step):
             self.save_hf(os.path.join(self.run_dir, f"hf_step_{step}"))
 
     def save(self, step: int) -> str:
-        """A full checkpoint of everything the next step depends on (minirl.checkpoint)."""
-        path = ckpt_training.save(self.state, step, self.cfg, self.run_dir, self.dist)
+        """A full checkpoint of everything the next step depends on (minirl.checkpoint); with
+        trainer.async_save it is written in the background once its state is in host memory."""
+        return ckpt_training.save(self.state, step, self.cfg, self.run_dir, self.checkpoints)
+
+    def _checkpoint_saved(self, step: int, path: str) -> None:
         if self.dist.is_main:
             self.pm.hook.minirl_on_checkpoint_saved(step=step, path=path)
-        return path
 
     def _resume(self) -> int:
         """Decide the run directory (minirl.checkpoint.resume) and restore the checkpoint it names;
@@ -189,6 +195,7 @@ class Trainer:
         return step
 
     def _stopped(self, signum: int, step: int, bar) -> Stopped:
+        self.checkpoints.wait()
         self._finish(bar)
         path = os.path.join(self.run_dir, f"ckpt_{step}")
         how = (

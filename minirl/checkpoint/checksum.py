@@ -72,29 +72,47 @@ def of_files(paths: list[str], threads: int = 4) -> list[str]:
 
 
 _OVERLAP_BYTES = 1 << 20  # a write at least this large is hashed while the write runs
+WRITE_BEHIND_BYTES = 64 << 20  # every this many bytes, the kernel starts writing them to the disk
 
 
 class _HashingStream:
     """A binary file that checksums what is written to it; DCP calls write, tell, flush,
     fileno (for fsync) and close. A large write (a tensor's bytes) is hashed on `pool` while
     the write system call copies the same buffer: both release the GIL, so the CRC costs about
-    nothing beyond the write instead of adding to it."""
+    nothing beyond the write instead of adding to it.
+
+    Write-behind: every WRITE_BEHIND_BYTES the kernel is told to start writing what is in the
+    page cache to the disk and to drop what it has written (posix_fadvise DONTNEED, on Linux).
+    Without it, the bytes of a checkpoint smaller than a tenth of the RAM wait in the cache until
+    the fsync at the end, so the disk idles while they are copied and the write takes copy time
+    plus disk time; with it the two overlap, and the cache does not fill with a checkpoint that
+    nobody reads back."""
 
     def __init__(self, raw, on_close, pool: ThreadPoolExecutor | None = None) -> None:
         self.raw, self.crc, self._on_close, self._closed = raw, Crc(), on_close, False
         self.pool = pool
+        self._started = self._dropped = 0  # file offsets: writing started below, pages dropped below
 
     def write(self, data) -> int:
         if self.pool is None or memoryview(data).nbytes < _OVERLAP_BYTES:
             n = self.raw.write(data)
             self.crc.update(data)
-            return n
-        hashed = self.pool.submit(self.crc.update, data)  # the CRC is sequential per file: one at a time
-        try:
-            n = self.raw.write(data)
-        finally:
-            hashed.result()
+        else:
+            hashed = self.pool.submit(self.crc.update, data)  # the CRC is sequential per file: one at a time
+            try:
+                n = self.raw.write(data)
+            finally:
+                hashed.result()
+        if self.crc.size - self._started >= WRITE_BEHIND_BYTES:
+            self._write_behind()
         return n
+
+    def _write_behind(self) -> None:
+        """Start writing [started, now) to the disk; drop [dropped, started), written by now."""
+        end = self.crc.size  # DCP appends: the bytes hashed are the file's length
+        with contextlib.suppress(AttributeError, OSError):  # no posix_fadvise (macOS), or a pipe
+            os.posix_fadvise(self.raw.fileno(), self._dropped, end - self._dropped, os.POSIX_FADV_DONTNEED)
+        self._dropped, self._started = self._started, end
 
     def tell(self) -> int:
         return self.raw.tell()

@@ -27,7 +27,7 @@ _UPDATE_KEYS = "ppo_micro_batch_size_per_gpu use_dynamic_bsz ppo_max_token_len_p
 _FREE_KEYS = {
     "trainer": (
         "project_name experiment_name total_epochs total_training_steps n_gpus_per_node nnodes world_size "
-        "device default_local_dir logger progress_bar test_freq save_freq save_hf_freq max_ckpt_to_keep "
+        "device default_local_dir logger progress_bar test_freq save_freq save_hf_freq max_ckpt_to_keep async_save "
         "resume_mode resume_from_path resume_ignore_config_changes val_before_train collective_timeout_s "
         "peak_flops max_nonfinite_steps launcher ray_address ray_placement_timeout_s"
     ),

@@ -4,6 +4,7 @@ ckpt_<step>/
   .metadata, __<r>_<i>.distcp   models and optimizers (torch.distributed.checkpoint): each rank
                                 writes its own shards, a load reshards them to the current mesh
   rng/rank<r>.pt                each rank's random streams: torch CPU (and CUDA), python, numpy
+                                (minirl.checkpoint.rng)
   trainer_state.json            what the trainer puts there (rank 0)
   config.toml                   the config the checkpoint was written with (rank 0)
   manifest.json                 last: every file, its size and CRC-32C (minirl.checkpoint.store)
@@ -15,21 +16,19 @@ import contextlib
 import json
 import logging
 import os
-import random
 import shutil
 import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from minirl.checkpoint import checksum, store
+from minirl.checkpoint import checksum, rng, store
 from minirl.dist import fault
 from minirl.dist.context import DistContext
 from minirl.errors import UserError
@@ -84,29 +83,59 @@ class CheckpointWriteError(UserError):
     checkpoint is untouched and the temporary directory removed."""
 
 
+@dataclass
+class Snapshot:
+    """One checkpoint's contents, taken at its step: the DCP state (the live tensors for a
+    write that blocks, host copies for one in the background: minirl.checkpoint.staging) and
+    the small files by path (this rank's random streams; rank 0: trainer state and config)."""
+
+    step: int
+    state: dict[str, Any]
+    files: dict[str, bytes]
+
+
+def snapshot(parts: Checkpointable, trainer_state: dict, config_toml: str, dist, staging=None) -> Snapshot:
+    """What ckpt_<step> will hold, as of now (`staging`: copy the tensors to host buffers)."""
+    state = parts.state_dicts()
+    if staging is not None:
+        state = staging.stage(state)
+    files = {os.path.join("rng", f"rank{dist.rank}.pt"): rng.capture(dist.device)}
+    if dist.is_main:
+        files[TRAINER_STATE] = json.dumps(trainer_state, indent=1).encode()
+        files[CONFIG] = config_toml.encode()
+    return Snapshot(int(trainer_state["step"]), state, files)
+
+
 def save(run_dir: str, step: int, parts: Checkpointable, trainer_state: dict, config_toml: str, dist, keep: int) -> str:
-    """Write ckpt_<step> atomically (every rank must call); returns its path on every rank. A
-    write that fails on any rank fails on every rank with one CheckpointWriteError (the ranks
-    agree after each stage, so none waits for another in a barrier)."""
-    tmp = os.path.join(run_dir, f"{store.TMP_PREFIX}{step}")
+    """Write ckpt_<step> now, blocking (every rank must call); returns its path."""
+    return write(run_dir, snapshot(parts, trainer_state, config_toml, dist), dist, keep)
+
+
+def write(run_dir: str, snap: Snapshot, dist, keep: int, group=None) -> str:
+    """Write ckpt_<snap.step> atomically (every rank must call); returns its path on every rank.
+    A write that fails on any rank fails on every rank with one CheckpointWriteError (the ranks
+    agree after each stage, so none waits for another in a barrier). `group`: the process group
+    of the write's collectives (None: the default one; a background write has its own)."""
+    tmp = os.path.join(run_dir, f"{store.TMP_PREFIX}{snap.step}")
     sums: dict[str, tuple[int, str]] = {}
 
     def write_files() -> None:
-        sums.update(_write_rank_files(tmp, parts, trainer_state, config_toml, dist))
+        sums.update(_write_rank_files(tmp, snap, group))
 
     def publish() -> None:
-        all_sums = {k: v for rank_sums in _gather(dist, sums) for k, v in rank_sums.items()}
+        # the manifest only once every rank's files are written and synced
+        all_sums = {k: v for rank_sums in _gather(group, sums) for k, v in rank_sums.items()}
         if dist.is_main:
-            store.write_manifest(tmp, step, all_sums)
-            store.publish(tmp, run_dir, step, keep)
+            store.write_manifest(tmp, snap.step, all_sums)
+            store.publish(tmp, run_dir, snap.step, keep)
 
     for stage, everyone in ((lambda: _make_tmp(tmp), False), (write_files, True), (publish, True)):
-        failed = _agreed_failure(dist, _attempt(stage if everyone or dist.is_main else lambda: None))
+        failed = _agreed_failure(group, _attempt(stage if everyone or dist.is_main else lambda: None))
         if failed is not None:
             if dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointWriteError(_write_error_line(failed, tmp, run_dir, parts, dist))
-    return os.path.join(run_dir, store.ckpt_name(step))
+            raise CheckpointWriteError(_write_error_line(failed, tmp, run_dir, snap.state, group))
+    return os.path.join(run_dir, store.ckpt_name(snap.step))
 
 
 def _make_tmp(tmp: str) -> None:
@@ -114,18 +143,13 @@ def _make_tmp(tmp: str) -> None:
     os.makedirs(os.path.join(tmp, "rng"))
 
 
-def _write_rank_files(tmp: str, parts: Checkpointable, trainer_state: dict, config_toml: str, dist) -> dict:
+def _write_rank_files(tmp: str, snap: Snapshot, group=None) -> dict:
     """This rank's files (its DCP shards, its RNG; rank 0 also the trainer state and the config),
     each with its (size, CRC-32C) by path relative to tmp."""
-    step = int(trainer_state["step"])
-    sums = _dcp_save(parts, tmp, step)
-    fault.point("checkpoint", step)
-    rng = os.path.join("rng", f"rank{dist.rank}.pt")
-    sums[rng] = store.write_file_durably(os.path.join(tmp, rng), _rng_bytes(dist.device))
-    if dist.is_main:
-        state_json = json.dumps(trainer_state, indent=1).encode()
-        sums[TRAINER_STATE] = store.write_file_durably(os.path.join(tmp, TRAINER_STATE), state_json)
-        sums[CONFIG] = store.write_file_durably(os.path.join(tmp, CONFIG), config_toml.encode())
+    sums = _dcp_save(snap.state, tmp, snap.step, group)
+    fault.point("checkpoint", snap.step)
+    for rel, data in snap.files.items():
+        sums[rel] = store.write_file_durably(os.path.join(tmp, rel), data)
     return sums
 
 
@@ -149,17 +173,18 @@ def _os_error_line(exc: OSError) -> str:
     return f"{exc.strerror or exc}{where}"
 
 
-def _gather(dist, obj: Any) -> list[Any]:
+def _gather(group, obj: Any) -> list[Any]:
+    """Every rank's obj over `group` (None: the default group)."""
     if _no_dist():
         return [obj]
-    out: list[Any] = [None] * tdist.get_world_size()
-    tdist.all_gather_object(out, obj)
+    out: list[Any] = [None] * tdist.get_world_size(group)
+    tdist.all_gather_object(out, obj, group=group)
     return out
 
 
-def _agreed_failure(dist, error: str | None) -> str | None:
+def _agreed_failure(group, error: str | None) -> str | None:
     """The first rank's error ("rank r: ...") when any rank failed, on every rank; else None."""
-    errors = _gather(dist, error)
+    errors = _gather(group, error)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if not failed:
         return None
@@ -167,8 +192,8 @@ def _agreed_failure(dist, error: str | None) -> str | None:
     return text if len(errors) == 1 else f"rank {rank}: {text}"
 
 
-def _write_error_line(error: str, tmp: str, run_dir: str, parts: Checkpointable, dist) -> str:
-    need = sum(_gather(dist, _state_bytes(parts)))
+def _write_error_line(error: str, tmp: str, run_dir: str, state: dict, group) -> str:
+    need = sum(_gather(group, _state_bytes(state)))
     previous = store.complete_checkpoints(run_dir)
     prev = previous[-1][1] if previous else None
     if prev:
@@ -181,10 +206,10 @@ def _write_error_line(error: str, tmp: str, run_dir: str, parts: Checkpointable,
     )
 
 
-def _state_bytes(parts: Checkpointable) -> int:
+def _state_bytes(state: dict) -> int:
     """This rank's bytes of model and optimizer state (its shards), what its DCP files hold."""
     total = 0
-    for value in _tensors(parts.state_dicts()):
+    for value in _tensors(state):
         local = value.to_local() if hasattr(value, "to_local") else value
         total += local.numel() * local.element_size()
     return total
@@ -217,7 +242,7 @@ def load(path: str, parts: Checkpointable, dist: DistContext) -> dict:
     store.verify(path)
     trainer_state = read_trainer_state(path)
     _dcp_load(parts, path)
-    _restore_rng(path, dist, trainer_state)
+    rng.restore(path, dist, trainer_state)
     return trainer_state
 
 
@@ -238,19 +263,27 @@ def _no_dist() -> bool:
 WRITE_THREADS = int(os.environ.get("MINIRL_CKPT_WRITE_THREADS", "4"))
 
 
-def _dcp_save(parts: Checkpointable, path: str, step: int | None = None) -> dict[str, tuple[int, str]]:
-    """Write this rank's shards (rank 0: also .metadata); returns their (size, CRC-32C) by name.
-    An error in any of DCP's writer threads is raised here (DCP drops a helper thread's)."""
+def _dcp_save(state: dict, path: str, step: int | None = None, group=None) -> dict[str, tuple[int, str]]:
+    """Write this rank's shards of `state` (rank 0: also .metadata); returns their (size, CRC-32C)
+    by name. An error in any of DCP's writer threads is raised here (DCP drops a helper thread's).
+    Safe on a background thread: the process-wide settings it changes (the thread exception hook,
+    torch.save's record CRC) are not touched by the training loop."""
     writer = dcp.FileSystemWriter(path, thread_count=WRITE_THREADS, sync_files=True)
     # hashes each byte on its way to the file, one hashing thread per writer thread
     fs = writer.fs = checksum.HashingFileSystem(path, step, hash_threads=WRITE_THREADS)
-    previous = threading.excepthook
+    previous, zip_crc = threading.excepthook, torch.serialization.get_crc32_options()
     threading.excepthook = lambda args: None if args.exc_value in fs.errors else previous(args)
+    # torch.save's own CRC-32 of each record is a second pass over the bytes (1.6 GB/s a core)
+    # before each write, and torch.load never checks it: the manifest's CRC-32C covers them
+    torch.serialization.set_crc32_options(False)
+    # DCP warns that it assumes one process when there is no process group (so do we); a filter,
+    # not catch_warnings, which is not thread-safe
+    warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
     try:
-        with _quiet_dcp(reading=False):
-            dcp.save(parts.state_dicts(), storage_writer=writer, no_dist=_no_dist())
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=_no_dist())
     finally:
         threading.excepthook = previous
+        torch.serialization.set_crc32_options(zip_crc)
         fs.close()
     if fs.errors:
         raise fs.errors[0]
@@ -263,13 +296,16 @@ def _last_line(exc: BaseException) -> str:
     return text if len(text) <= 240 else text[:237] + "..."
 
 
+_SINGLE_PROCESS_WARNING = ".*assuming the intent is to (save|load) in a single process"
+
+
 @contextlib.contextmanager
-def _quiet_dcp(reading: bool):
+def _quiet_dcp_load():
     """DCP warns that it assumes one process when there is no process group (so do we), and a
     failed read logs its tracebacks before raising (the raised error is what we report)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
-        logging.disable(logging.ERROR if reading else logging.NOTSET)
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        logging.disable(logging.ERROR)
         try:
             yield
         finally:
@@ -280,7 +316,7 @@ def _dcp_load(parts: Checkpointable, path: str) -> None:
     # the target state dicts give DCP the current sharding; it reads each rank's slices
     state = parts.state_dicts()
     try:
-        with _quiet_dcp(reading=True):
+        with _quiet_dcp_load():
             dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
     except (Exception, CheckpointException) as exc:  # DCP's own exception is a BaseException
         raise UserError(
@@ -289,47 +325,3 @@ def _dcp_load(parts: Checkpointable, path: str) -> None:
             "from an older checkpoint"
         ) from None
     parts.load_state_dicts(state)
-
-
-def _rng_bytes(device: torch.device) -> bytes:
-    import io
-
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos)},
-        "numpy_gauss": {"has_gauss": int(has_gauss), "cached": float(cached)},
-        "torch": torch.get_rng_state(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
-
-
-def _restore_rng(path: str, dist: DistContext, trainer_state: dict) -> None:
-    file = os.path.join(path, "rng", f"rank{dist.rank}.pt")
-    if not os.path.isfile(file):
-        # a larger world than the checkpoint's: this rank's streams are new (seeded), so the run
-        # continues correctly but not bit-identically to an uninterrupted one
-        seed = int(trainer_state.get("seed", 0)) + 7919 * int(trainer_state["step"]) + dist.rank
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
-        return
-    try:
-        state = torch.load(file, weights_only=True)
-        py = state["python"]
-        random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss"]))
-        npy, gauss = state["numpy"], state["numpy_gauss"]
-        keys = npy["keys"].numpy().astype(np.uint32)
-        np.random.set_state((npy["kind"], keys, npy["pos"], gauss["has_gauss"], gauss["cached"]))
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state and dist.device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda"], dist.device)
-    except Exception as exc:  # noqa: BLE001 - a damaged file of any kind
-        raise UserError(
-            f"checkpoint file {file} is unreadable ({type(exc).__name__}: {exc}); resume from an older checkpoint"
-        ) from None

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from minirl.checkpoint import state as ckpt_state
 from minirl.checkpoint.resume import check_config, config_differences
+from minirl.checkpoint.writer import CheckpointWriter
 from minirl.config.load import Config, to_toml, tomllib
 from minirl.data import identity
 from minirl.dist.context import DistContext
@@ -69,11 +70,16 @@ class TrainingState:
         self.extra.update(saved.get("extra", {}))
 
 
-def save(state: TrainingState, step: int, cfg: Config, run_dir: str, dist: DistContext) -> str:
-    """Write ckpt_<step> (every rank calls); returns its path."""
+def writer(trainer_cfg, dist: DistContext, on_saved: Callable[[int, str], None]) -> CheckpointWriter:
+    """The run's checkpoint writer: in the background when trainer.async_save."""
+    return CheckpointWriter(dist, trainer_cfg.async_save, trainer_cfg.collective_timeout_s, on_saved)
+
+
+def save(state: TrainingState, step: int, cfg: Config, run_dir: str, out: CheckpointWriter) -> str:
+    """Write ckpt_<step> through `out` (every rank calls); returns its path."""
     t = cfg.trainer
-    trainer_state = state.to_json(step, t.seed, dist.world_size)
-    return ckpt_state.save(run_dir, step, state.parts, trainer_state, to_toml(cfg), dist, t.max_ckpt_to_keep)
+    trainer_state = state.to_json(step, t.seed, out.dist.world_size)
+    return out.save(run_dir, step, state.parts, trainer_state, to_toml(cfg), t.max_ckpt_to_keep)
 
 
 def why_not_resume(path: str, state: TrainingState, cfg: Config, total_steps: int) -> str | None:

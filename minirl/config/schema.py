@@ -245,6 +245,9 @@ class TrainerConfig:
     save_freq: int = -1  # write a full, resumable checkpoint every N steps and after the last (-1: never)
     save_hf_freq: int = -1  # export the actor as a Hugging Face directory every N steps and after the last
     max_ckpt_to_keep: int = 0  # keep the newest N complete checkpoints (0: all)
+    # training continues once the checkpoint's state is copied to host memory; the write runs in
+    # the background (costs host memory equal to the rank's share of the checkpoint)
+    async_save: bool = True
     resume_mode: str = "auto"  # auto (newest complete checkpoint, else fresh) | disable | resume_path
     resume_from_path: str = ""  # the checkpoint directory resume_mode = "resume_path" loads
     resume_ignore_config_changes: bool = False  # resume even if keys that change the math differ

@@ -308,3 +308,58 @@ def test_critic_keys_are_math_only_for_a_run_with_a_critic(tmp_path, small_data,
     explicit = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={gae / 'bench' / 'ckpt_2'}"]
     assert run(gae, small_data, "algorithm.adv_estimator=gae", "critic.optim.lr=0.1", *explicit) == 2
     assert "critic.optim.lr = 1e-05 (checkpoint) vs 0.1 (now)" in one_error_line(capsys)
+
+
+def test_sigterm_during_a_background_write_waits_for_it_then_saves_and_stops(tmp_path, small_data, monkeypatch, capsys):
+    """trainer.async_save: ckpt_1's write is held until the SIGTERM has arrived (during step 2),
+    so it is in flight for sure. The run finishes step 2, waits for ckpt_1, writes ckpt_2 and
+    exits 143 only once both are complete, with the one line naming ckpt_2."""
+    import os
+    import signal
+    import threading
+
+    from minirl.checkpoint import state as ckpt_state
+    from minirl.trainer import Trainer
+
+    signalled, write, log = threading.Event(), ckpt_state._write_rank_files, Trainer._log
+
+    def held(tmp, snap, group=None):
+        if snap.step == 1:
+            assert signalled.wait(120), "no SIGTERM came"
+        return write(tmp, snap, group)
+
+    def log_then_signal(self, metrics, step):
+        log(self, metrics, step)
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            signalled.set()
+
+    monkeypatch.setattr(ckpt_state, "_write_rank_files", held)
+    monkeypatch.setattr(Trainer, "_log", log_then_signal)
+    assert run(tmp_path, small_data, "trainer.total_training_steps=4", "trainer.save_freq=1") == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert f"stopped by SIGTERM after step 2: checkpoint {tmp_path / 'bench' / 'ckpt_2'} written" in err
+    assert sorted(p.name for p in (tmp_path / "bench").glob("*ckpt_*")) == ["ckpt_1", "ckpt_2"]
+    assert all((tmp_path / "bench" / f"ckpt_{s}" / "manifest.json").exists() for s in (1, 2))
+    assert steps(tmp_path / "bench") == [1, 2]
+
+
+def test_the_run_ends_only_once_its_last_background_write_is_complete(tmp_path, small_data, monkeypatch):
+    """A slow disk (every background write takes 0.5 s more): when the run returns, the last
+    checkpoint is complete and the checkpoint hook has fired for every save, in order."""
+    import time
+
+    from minirl.checkpoint import state as ckpt_state
+    from minirl.trainer import Trainer
+
+    write, saved = ckpt_state._write_rank_files, []
+
+    def slow(tmp, snap, group=None):
+        time.sleep(0.5)
+        return write(tmp, snap, group)
+
+    monkeypatch.setattr(ckpt_state, "_write_rank_files", slow)
+    monkeypatch.setattr(Trainer, "_checkpoint_saved", lambda self, step, path: saved.append(step))
+    assert run(tmp_path, small_data, "trainer.total_training_steps=3", "trainer.save_freq=1") == 0
+    assert saved == [1, 2, 3] and (tmp_path / "bench" / "ckpt_3" / "manifest.json").exists()
+    assert not list((tmp_path / "bench").glob(".tmp_ckpt_*"))

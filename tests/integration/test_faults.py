@@ -10,7 +10,8 @@ never interrupted). Faults are injected deterministically with MINIRL_FAULT
 (minirl.dist.fault: a phase of a step, a rank, an action), never by timing.
 
 Sections: kill -9 in each phase of a step, then an exact resume; damaged checkpoints (bit flips
-the sizes cannot see); failed checkpoint writes (full disk, I/O error, no permission); dead and
+the sizes cannot see); failed checkpoint writes (full disk, I/O error, no permission); a kill or
+a full disk during a background write (trainer.async_save) while the next step trains; dead and
 hung ranks at world 2; misbehaving reward functions; a critic gone non-finite; data files that
 changed under a checkpoint. The runs are tiny (2 prompts x 2 samples, 2 response tokens, 2
 steps) so that the whole catalogue stays within a few minutes of CI.
@@ -53,6 +54,11 @@ SMALL = (
     "trainer.collective_timeout_s=60",
 )
 WORLD2 = ("data.train_batch_size=4", "actor.ppo_mini_batch_size=2")  # whole prompts per rank and mini-batch
+# a kill in step 2 of a run with trainer.async_save may find ckpt_1 still being written (then the
+# newest complete checkpoint is none): the cases that kill or hang a step save synchronously, so
+# that ckpt_1 is complete before step 2 begins; the background write has cases of its own
+SYNC = "trainer.async_save=false"
+THREE = ("trainer.total_training_steps=3", "trainer.save_hf_freq=3")  # ckpt_2 written while step 3 trains
 PHASES = ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weights", "checkpoint")
 
 
@@ -126,8 +132,8 @@ def stable(root: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(VOLATILE)} for row in rows]
 
 
-def same_weights(a: Path, b: Path) -> bool:
-    wa, wb = (load_file(run_dir(r) / "hf_step_2" / "model.safetensors") for r in (a, b))
+def same_weights(a: Path, b: Path, step: int = 2) -> bool:
+    wa, wb = (load_file(run_dir(r) / f"hf_step_{step}" / "model.safetensors") for r in (a, b))
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -177,8 +183,10 @@ def test_kill_9_in_a_phase_then_the_same_command_resumes_exactly(tmp_path, data,
     """SIGKILL in `phase` of step 2 (as the OOM killer would): ckpt_1 stays complete and intact,
     no ckpt_2 appears (a checkpoint write cut short leaves only its temporary directory); the
     same command resumes from ckpt_1, removes the temporary directory and ends with the straight
-    run's metrics and weights."""
-    crashed, _, tag = job(tmp_path, data, fault=f"point={phase},step=2,action=kill")
+    run's metrics and weights. The phases of the step save synchronously (SYNC); the kill in the
+    checkpoint phase is in the background write of ckpt_2 (the default), at the end of the run."""
+    sync = () if phase == "checkpoint" else (SYNC,)
+    crashed, _, tag = job(tmp_path, data, *sync, fault=f"point={phase},step=2,action=kill")
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
     assert not leftovers(tag)
     ckpts = checkpoints(tmp_path)
@@ -261,6 +269,18 @@ def test_check_checkpoint_command(copied, capsys):
 # ---------------------------------------------------------------------------------------------
 
 
+def assert_ckpt_2_failed_and_ckpt_1_kept(root: Path, capsys, reason: str, logged: list[int]) -> None:
+    """One line naming ckpt_2's temporary directory, the reason and the bytes needed; that
+    directory is gone, ckpt_1 is intact and still `latest`, every logged step's metrics kept."""
+    line = one_error(capsys)
+    tmp = run_dir(root) / ".tmp_ckpt_2"
+    assert f"writing checkpoint {tmp} failed: {reason}" in line and "it needs about" in line
+    assert f"the previous checkpoint {run_dir(root) / 'ckpt_1'} is intact" in line
+    assert checkpoints(root) == {"ckpt_1": "ok"}
+    assert (run_dir(root) / "latest").read_text().strip() == "ckpt_1"
+    assert steps(root) == logged
+
+
 @pytest.mark.parametrize(
     "point, action, reason",
     [
@@ -275,13 +295,7 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one(tmp_path, data, capsys
     step's metrics are on disk; the same command (disk fixed) resumes from ckpt_1."""
     monkeypatch.setenv("MINIRL_FAULT", f"point={point},step=2,action={action}")
     assert main(argv(tmp_path, data)) == 2
-    line = one_error(capsys)
-    tmp = run_dir(tmp_path) / ".tmp_ckpt_2"
-    assert f"writing checkpoint {tmp} failed: {reason}" in line and "it needs about" in line
-    assert f"the previous checkpoint {run_dir(tmp_path) / 'ckpt_1'} is intact" in line
-    assert checkpoints(tmp_path) == {"ckpt_1": "ok"}
-    assert (run_dir(tmp_path) / "latest").read_text().strip() == "ckpt_1"
-    assert steps(tmp_path) == [1, 2]
+    assert_ckpt_2_failed_and_ckpt_1_kept(tmp_path, capsys, reason, logged=[1, 2])
     monkeypatch.delenv("MINIRL_FAULT")
     assert main(argv(tmp_path, data)) == 0
     assert checkpoints(tmp_path) == {"ckpt_1": "ok", "ckpt_2": "ok"} and steps(tmp_path) == [1, 2]
@@ -300,6 +314,65 @@ def test_a_full_disk_on_one_rank_stops_every_rank_with_one_line(tmp_path, data):
 
 
 # ---------------------------------------------------------------------------------------------
+# the background write (trainer.async_save): ckpt_2 is written while step 3 trains
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def straight3(tmp_path_factory, data) -> Path:
+    """The uninterrupted 3-step run the background-write cases must reproduce."""
+    root = tmp_path_factory.mktemp("straight3")
+    result, _, _ = job(root, data, *THREE)
+    assert result.returncode == 0, result.stderr[-5000:]
+    return root
+
+
+@pytest.mark.parametrize("point", ["checkpoint_write", "checkpoint"])
+def test_kill_9_during_the_background_write_resumes_from_the_previous_checkpoint(tmp_path, data, straight3, point):
+    """SIGKILL inside the background write of ckpt_2 (in one of DCP's writer threads, or after
+    the shards, before the manifest) while step 3 trains: ckpt_1 stays complete and intact,
+    ckpt_2 is only its temporary directory, and the same command resumes from ckpt_1 and ends
+    with the straight run's metrics and weights."""
+    crashed, _, tag = job(tmp_path, data, *THREE, fault=f"point={point},step=2,action=kill")
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
+    assert not leftovers(tag)
+    assert checkpoints(tmp_path) == {"ckpt_1": "ok", ".tmp_ckpt_2": "incomplete"}
+    assert steps(tmp_path)[:2] == [1, 2]  # and step 3's line, if it was logged before the kill
+    resumed, _, _ = job(tmp_path, data, *THREE)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from step 1: {run_dir(tmp_path) / 'ckpt_1'}" in resumed.stdout
+    assert checkpoints(tmp_path) == {"ckpt_1": "ok", "ckpt_2": "ok", "ckpt_3": "ok"}
+    assert stable(tmp_path) == stable(straight3) and same_weights(tmp_path, straight3, step=3)
+
+
+def test_a_full_disk_during_the_background_write_stops_with_one_line(tmp_path, data, capsys, monkeypatch, straight3):
+    """The background write of ckpt_2 fails (no space) while step 3 trains: after step 3 the run
+    stops with the same one line as a blocking save, ckpt_1 is intact and still `latest`, no
+    temporary directory is left, step 3's metrics are on disk; the same command (disk fixed)
+    resumes from ckpt_1 and ends with the straight run's metrics and weights."""
+    monkeypatch.setenv("MINIRL_FAULT", "point=checkpoint_write,step=2,action=enospc")
+    assert main(argv(tmp_path, data, *THREE)) == 2
+    assert_ckpt_2_failed_and_ckpt_1_kept(tmp_path, capsys, "No space left on device", logged=[1, 2, 3])
+    monkeypatch.delenv("MINIRL_FAULT")
+    assert main(argv(tmp_path, data, *THREE)) == 0
+    assert checkpoints(tmp_path) == {"ckpt_1": "ok", "ckpt_2": "ok", "ckpt_3": "ok"}
+    assert stable(tmp_path) == stable(straight3) and same_weights(tmp_path, straight3, step=3)
+
+
+@pytest.mark.distributed
+def test_a_full_disk_on_one_rank_during_the_background_write_stops_every_rank(tmp_path, data):
+    """World 2, rank 1's background write of ckpt_2 fails while step 3 trains: the ranks agree
+    on it after the same step (no rank trains on alone), one line names rank 1, ckpt_1 stays
+    intact, no process is left."""
+    fault = "point=checkpoint,step=2,rank=1,action=enospc"
+    result, _, tag = job(tmp_path, data, *THREE, fault=fault, world=2)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and "failed: rank 1: No space left on device" in lines[0]
+    assert checkpoints(tmp_path) == {"ckpt_1": "ok"} and not leftovers(tag)
+
+
+# ---------------------------------------------------------------------------------------------
 # dead and hung ranks (world 2, gloo, the local launcher)
 # ---------------------------------------------------------------------------------------------
 
@@ -310,7 +383,7 @@ def test_a_rank_killed_mid_step_stops_the_job_naming_it(tmp_path, data, phase):
     """kill -9 of rank 1 in generation or in the update (rank 0 waits in a collective with it):
     the job stops at once, not after trainer.collective_timeout_s, with one line naming rank 1
     and SIGKILL; no process is left and ckpt_1 is intact."""
-    result, seconds, tag = job(tmp_path, data, fault=f"point={phase},step=2,rank=1,action=kill", world=2)
+    result, seconds, tag = job(tmp_path, data, SYNC, fault=f"point={phase},step=2,rank=1,action=kill", world=2)
     assert result.returncode == 1, result.stderr[-3000:]
     assert error_lines(result.stderr) == ["minirl: worker rank 1 died: killed by SIGKILL; all workers stopped"]
     assert not leftovers(tag) and checkpoints(tmp_path) == {"ckpt_1": "ok"}
@@ -324,7 +397,7 @@ def test_a_hung_rank_stops_the_job_after_the_collective_timeout(tmp_path, data, 
     ckpt_1's manifest, written just before step 2 began), naming rank 1 as the hung rank; the
     stopped process is killed, none is left."""
     fault = f"point={phase},step=2,rank=1,action=stop"
-    result, _, tag = job(tmp_path, data, "trainer.collective_timeout_s=5", fault=fault, world=2)
+    result, _, tag = job(tmp_path, data, SYNC, "trainer.collective_timeout_s=5", fault=fault, world=2)
     ended = time.time()
     assert result.returncode == 1, result.stderr[-3000:]
     lines = error_lines(result.stderr)

@@ -71,6 +71,32 @@ def test_hashing_filesystem_records_what_reaches_the_disk(tmp_path, hash_threads
     assert fs.errors == []
 
 
+def test_write_behind_keeps_every_byte(tmp_path, monkeypatch):
+    """Every WRITE_BEHIND_BYTES the stream asks the kernel to write out what it has and drop
+    what is written (posix_fadvise): the file and its recorded CRC are still exactly the bytes
+    written, and each advice covers what was written since the one before (to write out) and
+    what the one before wrote out (to drop)."""
+    monkeypatch.setattr(checksum, "WRITE_BEHIND_BYTES", 1 << 20)
+    advised, advise = [], os.posix_fadvise
+
+    def record(fd, offset, length, advice):
+        advised.append((offset, offset + length))
+        advise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    data = np.random.default_rng(1).integers(0, 256, size=5 << 20, dtype=np.uint8).tobytes()
+    fs = checksum.HashingFileSystem(str(tmp_path), hash_threads=1)
+    with fs.create_stream(tmp_path / "f", "wb") as stream:
+        for start in range(0, len(data), 700_000):
+            stream.write(data[start : start + 700_000])
+    fs.close()
+    assert (tmp_path / "f").read_bytes() == data
+    assert fs.sums == {"f": (len(data), checksum.of_bytes(data))}
+    starts, ends = [a for a, _ in advised], [b for _, b in advised]
+    assert len(advised) >= 3 and all(b - a >= 1 << 20 for a, b in zip([0, *ends], ends))  # one per MiB written
+    assert starts == [0, *[0, *ends][:-2]]  # each drops what the one before it wrote out
+
+
 def test_manifest_lists_every_file_and_damage_is_found(tmp_path):
     """write_manifest takes the checksums made while writing (reads back only a file written
     around them); damaged_files re-reads and names the file whose bytes changed (same size),
