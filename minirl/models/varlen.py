@@ -154,12 +154,21 @@ def _cudnn_works(device: str, dtype: torch.dtype, heads: int, kv_heads: int, hea
 def _cudnn_usable(q: torch.Tensor, k: torch.Tensor) -> bool:
     if not q.is_cuda or q.dtype not in FLASH_DTYPES:
         return False
-    with torch.inference_mode(False), torch.enable_grad():  # the check runs a backward
-        return _cudnn_works(str(q.device), q.dtype, q.shape[1], k.shape[1], q.shape[2])
+    return isolated(_cudnn_works, str(q.device), q.dtype, q.shape[1], k.shape[1], q.shape[2])
+
+
+def isolated(fn, *args):
+    """fn(*args) with gradients on and saved-tensor hooks of its own: a one-time check that runs a
+    backward may be first called inside a forward under activation checkpointing, whose hooks
+    would count what the check saves as the layer's, and the recomputed forward (no check then)
+    would not match."""
+    identity = (lambda x: x, lambda x: x)
+    with torch.inference_mode(False), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(*identity):
+        return fn(*args)
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm().clamp_min(1e-30))
 
 
 def _segment_sdpa(q, k, v, cu_seqlens, max_seqlen, scale):

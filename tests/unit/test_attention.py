@@ -164,6 +164,38 @@ def test_long_sequences_alone_short_runs_together(seq_lens, monkeypatch):
     assert calls == expected
 
 
+@pytest.mark.parametrize("isolate", [True, False])
+def test_a_check_inside_a_checkpointed_forward_leaves_recomputation_intact(isolate):
+    """The cuDNN self-check runs a small backward the first time a long sequence is seen, which
+    may be inside a layer under activation checkpointing (a run without a reference pass).
+    Isolated, the checkpoint's backward works; run plainly, what the check saved counts as the
+    layer's and the recomputed forward (no check then) does not match (the control)."""
+    import torch.utils.checkpoint as ckpt
+
+    import minirl.models.varlen as attn
+
+    checked = []
+
+    def check():
+        x = torch.randn(4, requires_grad=True)
+        torch.autograd.grad((x * x).sum(), x)
+        return True
+
+    def layer(h):
+        if not checked:
+            checked.append(attn.isolated(check) if isolate else check())
+        return (h * h).sin()
+
+    h = torch.randn(8, requires_grad=True)
+    out = ckpt.checkpoint(layer, h, use_reentrant=False)
+    if isolate:
+        out.sum().backward()
+        torch.testing.assert_close(h.grad, (2 * h * (h * h).cos()).detach())
+    else:
+        with pytest.raises(Exception, match="checkpoint"):
+            out.sum().backward()
+
+
 @pytest.mark.parametrize("reference_attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_packed_logits_and_grads_equal_unpacked(preset, reference_attn):
