@@ -201,7 +201,11 @@ READS = {
         found.update(pattern.findall(repr(os.environ).encode()))
         """,
     "memory_of_every_process": """
-        for p in [p for p in os.listdir('/proc') if p.isdigit()] + [$me, $holder]:
+        # the known pids first, and stop at the first find: a busy host has hundreds of
+        # processes, and scanning them all outlasted the control's 5 s CPU limit
+        for p in [$me, $holder] + [p for p in os.listdir('/proc') if p.isdigit()]:
+            if found:
+                break
             try:
                 maps = open(f'/proc/{p}/maps').read().splitlines()
                 mem = open(f'/proc/{p}/mem', 'rb')
