@@ -139,12 +139,11 @@ def engine(pm, cfg: Config, actor, tokenizer, dist: DistContext):
     """The rollout engine named by rollout.name, next to the actor (KV cache released when
     rollout.free_cache_engine)."""
     r = cfg.rollout
-    auto = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
     ctx = EngineContext(
         model_config=actor.config,
         actor=actor,
         device=dist.device,
-        dtype=auto if r.dtype == "auto" else getattr(torch, r.dtype),
+        dtype=cfg.engine_dtype(dist.device),
         eos_token_ids=eos_ids(tokenizer, actor.config),
         pad_token_id=pad_id(tokenizer),
         extra={

@@ -44,7 +44,7 @@ class RolloutWorker:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.cfg, self.dist, self.link = cfg, dist, dist.link
-        self.r, self.R = dist.rollout_rank, cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
+        self.r, self.R = dist.rollout_rank, cfg.rollout_world
         self.a = cfg.async_training
         torch.manual_seed(cfg.trainer.seed + 7919 * (self.r + 1))
         actor, self.tokenizer = load_model_for_rank(cfg.model, DistContext(device=dist.device), torch.float32)
@@ -53,7 +53,7 @@ class RolloutWorker:
         self.loader = PromptLoader(records, cfg.data.train_batch_size, cfg.data.shuffle, cfg.data.seed)
         self.engine = request_level(build.engine(pm, cfg, actor, self.tokenizer, dist))
         del actor  # the engine holds its own copy; the trainer's weights replace it below
-        self.dtype = getattr(self.engine, "dtype", torch.bfloat16)
+        self.dtype = cfg.engine_dtype(dist.device)
         self.rewards = build_reward_manager(
             cfg.reward, cfg.custom_reward_function, pm["reward_functions"], cfg.plugins.modules
         )

@@ -224,7 +224,7 @@ class AsyncTrainer(Trainer):
         while self.link.count(f"weights/ready/{key}") < self._rollout_ranks():
             time.sleep(0.002)
         mb = self.cfg.rollout.update_weights_bucket_megabytes
-        sent = self.link.send_weights(weights, self._engine_dtype(), mb, weights_checksum)
+        sent = self.link.send_weights(weights, self.cfg.engine_dtype(self.dist.device), mb, weights_checksum)
         for r in range(self._rollout_ranks()):
             got = self.link.wait_take(f"weights/checksum/{key}/{r}", f"rollout rank {r}'s weight checksum")["checksum"]
             if got is not None and got != sent["checksum"]:
@@ -235,13 +235,8 @@ class AsyncTrainer(Trainer):
         self.step_metrics["timing_s/weight_transfer"] = sent["seconds"]
         self.step_metrics["async/weight_transfer_gb"] = sent["bytes"] / 1e9
 
-    def _engine_dtype(self) -> torch.dtype:
-        r = self.cfg.rollout
-        auto = torch.bfloat16 if self.dist.device.type == "cuda" else torch.float32
-        return auto if r.dtype == "auto" else getattr(torch, r.dtype)
-
     def _rollout_ranks(self) -> int:
-        return self.cfg.rollout.nnodes * self.cfg.rollout.n_gpus_per_node
+        return self.cfg.rollout_world
 
     # ------------------------------------------------------------------------------- the rest
 

@@ -50,6 +50,24 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return {name: dataclasses.asdict(section) for name, section in self.sections.items()}
 
+    # values derived from several keys, defined here once
+
+    @property
+    def rollout_world(self) -> int:
+        """The rollout ranks of an asynchronous job, rollout.nnodes x rollout.n_gpus_per_node (0
+        without async_training: every rank trains and generates)."""
+        r = self.rollout
+        return r.nnodes * r.n_gpus_per_node if self.async_training.enable else 0
+
+    def engine_dtype(self, device) -> Any:
+        """The rollout engines' torch dtype on `device`: rollout.dtype, "auto" being bfloat16 on
+        CUDA and float32 elsewhere."""
+        import torch
+
+        if self.rollout.dtype != "auto":
+            return getattr(torch, self.rollout.dtype)
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+
 
 # ---------------------------------------------------------------------------------------------
 # loading

@@ -43,20 +43,13 @@ def init_from_env(cfg, device_index: int | None = None) -> DistContext:
     return init_rank(cfg, rank, world, local_rank, local_world, "env://", device_index)
 
 
-def rollout_ranks(cfg) -> int:
-    """The ranks of an asynchronous job's rollout group (0: collocated, every rank trains)."""
-    if not cfg.async_training.enable:
-        return 0
-    return cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
-
-
 def init_rank(
     cfg, rank: int, world: int, local_rank: int, local_world: int, init_method: str, device_index: int | None = None
 ) -> DistContext:
-    """Join the job. An asynchronous job's last rollout_ranks(cfg) ranks are rollout ranks: they
+    """Join the job. An asynchronous job's last cfg.rollout_world ranks are rollout ranks: they
     join only the link (minirl.dist.link); the others form the trainer's process group and mesh."""
     device = resolve_device(cfg.trainer.device, local_rank if device_index is None else device_index)
-    timeout_s, rollout = cfg.trainer.collective_timeout_s, rollout_ranks(cfg)
+    timeout_s, rollout = cfg.trainer.collective_timeout_s, cfg.rollout_world
     if rank >= world - rollout:
         return _rollout_rank(device, rank - (world - rollout), rollout, local_world, timeout_s)
     world -= rollout

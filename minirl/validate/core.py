@@ -12,7 +12,7 @@ from minirl.validate import layout, options
 from minirl.validate.critic import critic_problems
 from minirl.validate.files import file_problems
 from minirl.validate.lora import lora_problems
-from minirl.validate.problem import Problem, rollout_world
+from minirl.validate.problem import Problem
 from minirl.validate.values import value_problems
 
 # in this order: a key reports the first rule it breaks, so a value's own range comes before the
@@ -47,7 +47,7 @@ def validate(cfg: Config, pm, files: bool = True) -> None:
 def check_world(cfg: Config, pm, world: int) -> None:
     """The layout rules again, for a launcher that learns the number of workers only when it
     starts (ray with trainer.device = 'auto' takes the GPUs of the cluster, not of this machine)."""
-    _raise(layout.layout_problems(cfg, pm, world - rollout_world(cfg)), cfg)  # the ranks that train
+    _raise(layout.layout_problems(cfg, pm, world - cfg.rollout_world), cfg)  # the ranks that train
 
 
 def find_problems(cfg: Config, pm, files: bool = True) -> list[Problem]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from minirl.config.load import Config
 from minirl.critic import resolved
 from minirl.validate.critic import uses_critic
-from minirl.validate.problem import Problem, rollout_world, value, world_size
+from minirl.validate.problem import Problem, value, world_size
 
 
 def launcher_problems(cfg: Config, pm) -> list[Problem]:
@@ -53,7 +53,7 @@ def device_problems(cfg: Config, pm) -> list[Problem]:
     if torch.cuda.is_available() and t.n_gpus_per_node > count:
         rule, fix = f"this machine has {count} GPU(s)", f"use at most {count}"
         return [Problem("trainer.n_gpus_per_node", t.n_gpus_per_node, rule, fix)]
-    rollout = rollout_world(cfg)
+    rollout = cfg.rollout_world
     if torch.cuda.is_available() and rollout and t.n_gpus_per_node + rollout > count:
         rule = f"rollout GPUs come on top of trainer.n_gpus_per_node = {t.n_gpus_per_node}; this machine has {count}"
         fix = f"use at most {count - t.n_gpus_per_node}, or fewer trainer GPUs"

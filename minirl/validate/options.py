@@ -6,7 +6,7 @@ engine's KV cache. The code that reads these keys takes them as given.
 from __future__ import annotations
 
 from minirl.config.load import Config
-from minirl.validate.problem import Problem, rollout_world, value
+from minirl.validate.problem import Problem, value
 
 
 def steps_problems(cfg: Config, pm) -> list[Problem]:
@@ -112,7 +112,7 @@ def async_problems(cfg: Config, pm) -> list[Problem]:
     a, r, t = cfg.async_training, cfg.rollout, cfg.trainer
     if not a.enable:
         return []
-    rollout, out = rollout_world(cfg), []
+    rollout, out = cfg.rollout_world, []
     if rollout < 1:
         rule = "asynchronous training needs rollout ranks of its own"
         fix = "set it to the rollout GPUs per node (on CPU: the rollout processes among trainer.world_size)"

@@ -40,19 +40,13 @@ def world_size(cfg: Config) -> int:
     from minirl.dist.spmd import under_torchrun
 
     if under_torchrun():
-        return int(os.environ["WORLD_SIZE"]) - rollout_world(cfg)
+        return int(os.environ["WORLD_SIZE"]) - cfg.rollout_world
     device = cfg.trainer.device
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    t, rollout = cfg.trainer, rollout_world(cfg)
+    t, rollout = cfg.trainer, cfg.rollout_world
     # an asynchronous job's rollout ranks do not train: they come on top of the trainer's GPUs,
     # and on CPU (or under torchrun) they are the last of the processes
     return t.n_gpus_per_node * t.nnodes if device == "cuda" else t.world_size - rollout
-
-
-def rollout_world(cfg: Config) -> int:
-    """The rollout ranks of an asynchronous job (0 otherwise)."""
-    a, r = cfg.async_training, cfg.rollout
-    return r.nnodes * r.n_gpus_per_node if a.enable else 0

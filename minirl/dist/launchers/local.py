@@ -22,7 +22,7 @@ def launch_local(cfg, pm, job) -> int:
     t = cfg.trainer
     cuda = resolve_device(t.device).type == "cuda"
     # an asynchronous job's rollout GPUs come on top of the trainer's (on CPU: among world_size)
-    world = t.n_gpus_per_node + spmd.rollout_ranks(cfg) if cuda else t.world_size
+    world = t.n_gpus_per_node + cfg.rollout_world if cuda else t.world_size
     # validation refuses several nodes and more GPUs than this machine has
     assert t.nnodes == 1 and (not cuda or world <= torch.cuda.device_count())
     if world > 1:
