@@ -16,12 +16,10 @@ import torch
 from tqdm import tqdm
 
 from minirl import build
-from minirl.agent.loop import final_turn_ids, reward_view, to_samples
-from minirl.algo import dynamic_sampling
+from minirl.agent.loop import to_samples
 from minirl.algo.guard import NonFiniteGuard
 from minirl.algo.kl_control import apply_kl_in_reward, build_kl_controller
-from minirl.algo.rollout_corr import require_rollout_log_probs, rollout_log_probs_BT
-from minirl.batch import RolloutBatch, trajectory_mask
+from minirl.batch import RolloutBatch
 from minirl.checkpoint import state as ckpt_state
 from minirl.checkpoint import training as ckpt_training
 from minirl.checkpoint.hf import save_hf_checkpoint, save_lora_checkpoint
@@ -41,10 +39,11 @@ from minirl.observe.evaluate import validate
 from minirl.observe.metrics import PhaseTimer, summary_table
 from minirl.observe.runs.read import METRICS_FILE, read_metrics
 from minirl.observe.step_metrics import agent_metrics, data_metrics, engine_metrics, perf_metrics, value_metrics
-from minirl.protocols import AdvantageInputs, Completion, SamplingParams
+from minirl.protocols import AdvantageInputs, SamplingParams
 from minirl.reward.manager import build_reward_manager, place_scores
-from minirl.reward.metrics import reward_metrics
-from minirl.reward.overlong import overlong_penalty
+from minirl.reward.trajectory import training_scores
+from minirl.rollout import dynamic_sampling
+from minirl.rollout.trajectories import model_tokens, rollout_seed, sampling_params, to_batch
 from minirl.update import actor as actor_lib
 
 
@@ -254,7 +253,7 @@ class Trainer:
 
     def rollout(self, records, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float], int]:
         """gen + reward; with algorithm.filter_groups, further prompt batches until the step holds
-        data.train_batch_size informative groups (minirl.algo.dynamic_sampling). The number handed to
+        data.train_batch_size informative groups (minirl.rollout.dynamic_sampling). The number handed to
         generate (its seed and uids) is then the loader's count of batches drawn, unique per batch.
         Also returns this rank's response tokens generated over every batch drawn (what the
         generation time was spent on; the trained batch may hold fewer)."""
@@ -263,7 +262,7 @@ class Trainer:
         def gen_and_score(prompts, number: int):
             with timer.phase("gen"):
                 batch = self.generate(prompts, number)
-            generated.append(sum(t.response_mask.count(1) for t in batch.trajectories))  # the model's tokens
+            generated.append(model_tokens(batch.trajectories))
             with timer.phase("reward"):
                 return batch, self.score(batch)
 
@@ -279,29 +278,14 @@ class Trainer:
         """The step's trajectories: rollout.n samples of every prompt, each through its row's agent
         loop (single_turn by default: one turn, exactly the batch generate()'s tokens)."""
         n = self.cfg.rollout.n
-        params = rollout_params(self.cfg, self.cfg.trainer.seed * 1_000_003 + step * 1009 + self.dist.dp_rank)
+        seed = rollout_seed(self.cfg.trainer.seed, step, self.dist.dp_rank)
+        params = sampling_params(self.cfg.rollout, self.cfg.data.max_response_length, seed)
         first_uid = (step * self.dist.dp_size + self.dist.dp_rank) * len(records)
         expanded, uids = expand_groups(records, n, first_uid)
-        return self.to_batch(expanded, uids, self.run_agents(expanded, uids, params))
-
-    def to_batch(self, expanded, uids: list[int], trajectories: list) -> RolloutBatch:
-        """The RolloutBatch of a step's trajectories (mask with holes, the engine's log-probs)."""
-        r = self.cfg.rollout
-        responses = [t.response_ids for t in trajectories]
-        batch = RolloutBatch(
-            prompts=[t.prompt_ids for t in trajectories],
-            responses=responses,
-            group_B=torch.tensor(uids, dtype=torch.long),
-            mask_BT=trajectory_mask([t.response_mask for t in trajectories], self.dist.device),
-            records=expanded,
-            finish_reasons=[t.finish_reason for t in trajectories],
-            trajectories=trajectories,
+        trajectories = self.run_agents(expanded, uids, params)
+        return to_batch(
+            expanded, uids, trajectories, self.cfg.rollout, self.cfg.actor.tis_imp_ratio_cap, self.dist.device
         )
-        if r.calculate_log_probs:
-            completions = [Completion(t.response_ids, t.logprobs) for t in trajectories]
-            batch.rollout_log_probs_BT = rollout_log_probs_BT(completions, batch.mask_BT, r.name)
-            require_rollout_log_probs(batch.rollout_log_probs_BT, self.cfg.actor.tis_imp_ratio_cap, r.name)
-        return batch
 
     def run_agents(self, records, uids: list[int], params: SamplingParams, prefix: str = "") -> list:
         """One Trajectory per (expanded) record, through the engine's request level; the KV cache
@@ -316,18 +300,14 @@ class Trainer:
         return self.dist.sp_broadcast(trajectories)
 
     def score(self, batch: RolloutBatch) -> dict[str, float]:
-        """Reward of each sample's final turn (verl's solution_str); the trajectory too, for a
-        reward function that takes one. Lengths for the overlong rule count model tokens."""
-        finals = [final_turn_ids(t) for t in batch.trajectories]
-        texts = self.tokenizer.batch_decode(finals, skip_special_tokens=True)
-        result = self.rewards.score(batch.records, texts, [reward_view(t) for t in batch.trajectories])
-        lens = batch.mask_BT.sum(-1).long().tolist()
-        buffer = self.cfg.reward.overlong_buffer
-        penalty_B = overlong_penalty(lens, self.cfg.data.max_response_length, buffer).to(self.dist.device)
-        scores_B = torch.tensor(result.scores, dtype=torch.float32, device=self.dist.device) + penalty_B
-        batch.scores_B = scores_B
-        batch.token_scores_BT = place_scores(scores_B, batch.mask_BT)
-        return reward_metrics(result, penalty_B if buffer.enable else None, self.dist)
+        """The batch's scores (minirl.reward.trajectory), placed on each response's last token."""
+        d = self.cfg.data
+        batch.scores_B, metrics = training_scores(
+            self.rewards, self.tokenizer, batch.records, batch.trajectories, self.cfg.reward.overlong_buffer,
+            d.max_response_length, self.dist,
+        )  # fmt: skip
+        batch.token_scores_BT = place_scores(batch.scores_B, batch.mask_BT)
+        return metrics
 
     def _old_source(self) -> str:
         return "a separate pass"
@@ -446,21 +426,6 @@ class Trainer:
 def _tis_note(cfg: Config) -> str:
     cap = cfg.actor.tis_imp_ratio_cap
     return f"; TIS cap {cap} ({cfg.origin('actor.tis_imp_ratio_cap')})" if cap > 0 else ""
-
-
-def rollout_params(cfg: Config, seed: int) -> SamplingParams:
-    """How a training rollout samples (rollout.*): one sample per request (the n samples of a
-    prompt are requests of their own), the whole response budget each."""
-    r = cfg.rollout
-    return SamplingParams(
-        n=1,
-        temperature=r.temperature if r.do_sample else 0.0,
-        top_k=r.top_k,
-        top_p=r.top_p,
-        max_new_tokens=cfg.data.max_response_length,
-        ignore_eos=r.ignore_eos,
-        seed=seed,
-    )
 
 
 def _logged_val_scores(run_dir: str, upto: int) -> list[tuple[int, float]]:

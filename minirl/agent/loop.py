@@ -260,29 +260,6 @@ def to_samples(records: list, uids: list[int], params: SamplingParams, prefix: s
     return samples
 
 
-def final_turn_ids(t: Trajectory) -> list[int]:
-    """The model's last turn: the tokens after the last tool/user token (the whole response of
-    a single turn). Its text is what `compute_score` gets as solution_str."""
-    mask = t.response_mask
-    last_tool = next((i for i in range(len(mask) - 1, -1, -1) if not mask[i]), -1)
-    return t.response_ids[last_tool + 1 :]
-
-
-def reward_view(t: Trajectory) -> dict | None:
-    """What a reward function that takes `trajectory` sees: the conversation (prompt messages,
-    assistant turns with their parsed tool calls, tool results), the turn counts (num_turns as
-    verl counts it), verl tools' step rewards, or None for a plain single turn."""
-    if not t.messages:
-        return None
-    return {
-        "messages": t.messages,
-        "num_turns": t.num_turns,
-        "assistant_turns": t.assistant_turns,
-        "tool_rewards": [m["reward"] for m in t.messages if m.get("role") == "tool" and "reward" in m],
-        "finish_reason": t.finish_reason,
-    }
-
-
 def token_versions(mask: list[int], model_versions: list[int]) -> list[int]:
     """Per response token, the weight version that sampled it: the model tokens take the turns'
     versions in order, a tool token the version of the model token before it (the first turn's

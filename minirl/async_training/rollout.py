@@ -23,17 +23,17 @@ import time
 import torch
 
 from minirl import build
-from minirl.agent.loop import final_turn_ids, reward_view, to_samples
+from minirl.agent.loop import to_samples
 from minirl.agent.server import EngineServer, request_level
 from minirl.config.load import Config
 from minirl.data.prompts import PromptLoader, load_prompts
 from minirl.dist.context import DistContext
 from minirl.models.loading import load_model_for_rank
+from minirl.observe import evaluate
 from minirl.protocols import SamplingParams
 from minirl.reward.manager import build_reward_manager
-from minirl.reward.metrics import reward_metrics
-from minirl.reward.overlong import overlong_penalty
-from minirl.trainer import rollout_params
+from minirl.reward.trajectory import training_scores
+from minirl.rollout.trajectories import rollout_seed, sampling_params
 
 POLL_S = 0.005
 
@@ -146,19 +146,17 @@ class RolloutWorker:
         self.link.put(f"batch/{index}/{self.r}", payload)
 
     def _params(self, index: int) -> SamplingParams:
-        return rollout_params(self.cfg, self.cfg.trainer.seed * 1_000_003 + (index + 1) * 1009 + self.r)
+        seed = rollout_seed(self.cfg.trainer.seed, index + 1, self.r)
+        return sampling_params(self.cfg.rollout, self.cfg.data.max_response_length, seed)
 
     def _score(self, records, trajectories) -> tuple[list[float], dict[str, float]]:
-        """The trainer's score phase, here: reward of the final turn plus the overlong penalty."""
-        texts = self.tokenizer.batch_decode([final_turn_ids(t) for t in trajectories], skip_special_tokens=True)
-        result = self.rewards.score(records, texts, [reward_view(t) for t in trajectories])
-        lens = [t.response_mask.count(1) for t in trajectories]
-        buffer = self.cfg.reward.overlong_buffer
-        penalty_B = overlong_penalty(lens, self.cfg.data.max_response_length, buffer)
-        scores = (torch.tensor(result.scores, dtype=torch.float32) + penalty_B).tolist()
-        return scores, reward_metrics(
-            result, penalty_B if buffer.enable else None, DistContext(device=torch.device("cpu"))
+        """The trainer's score phase, here (this part's metrics; the trainer merges the parts')."""
+        here = DistContext(device=torch.device("cpu"))
+        max_len, overlong = self.cfg.data.max_response_length, self.cfg.reward.overlong_buffer
+        scores_B, metrics = training_scores(
+            self.rewards, self.tokenizer, records, trajectories, overlong, max_len, here
         )
+        return scores_B.tolist(), metrics
 
     # ---------------------------------------------------------------------------------- weights
 
@@ -206,16 +204,12 @@ class RolloutWorker:
         while self.inflight or self.engine.has_work():
             await self._wait_a_little()
         version = self.link.take("val/request")
-        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.cfg.data.max_response_length)
         records = self.val.records
+        params = evaluate.greedy_params(self.cfg.data.max_response_length)
         samples = to_samples(records, list(range(len(records))), params, prefix="val-")
         trajectories = await self.agents.run_batch(self.server, samples, [r.agent_name for r in records])
-        texts = self.tokenizer.batch_decode([final_turn_ids(t) for t in trajectories], skip_special_tokens=True)
-        scores = self.rewards.score(records, texts, [reward_view(t) for t in trajectories]).scores
-        out = {"val/score/mean": sum(scores) / max(len(scores), 1)}
-        for src in self.val.sources if len(self.val.sources) > 1 else []:
-            mine = [s for s, r in zip(scores, records) if r.data_source == src]
-            out[f"val/{src}/score/mean"] = sum(mine) / max(len(mine), 1)
+        here = DistContext(device=self.dist.device)
+        out = evaluate.val_metrics(trajectories, self.rewards, self.tokenizer, self.val, here)
         self.link.put(f"val/result/{version}", out)
 
 

@@ -21,11 +21,12 @@ import time
 import torch
 import torch.distributed as tdist
 
-from minirl.algo.dynamic_sampling import merge_reward_metrics
 from minirl.models import assembly
 from minirl.models.checksum import weights_checksum
 from minirl.observe.metrics import PhaseTimer
 from minirl.reward.manager import place_scores
+from minirl.reward.metrics import merge_reward_metrics
+from minirl.rollout.trajectories import model_tokens, to_batch
 from minirl.trainer import Trainer
 
 
@@ -87,12 +88,13 @@ class AsyncTrainer(Trainer):
         expanded = [g["record"] for g in mine for _ in range(n)]
         uids = [g["uid"] for g in mine for _ in range(n)]
         trajectories = [t for g in mine for t in g["trajectories"]]
-        batch = self.to_batch(expanded, uids, trajectories)
+        r, cap = self.cfg.rollout, self.cfg.actor.tis_imp_ratio_cap
+        batch = to_batch(expanded, uids, trajectories, r, cap, self.dist.device)
         scores = [s for g in mine for s in g["scores"]]
         batch.scores_B = torch.tensor(scores, dtype=torch.float32, device=self.dist.device)
         batch.token_scores_BT = place_scores(batch.scores_B, batch.mask_BT)
         self.step_metrics = self._stale_metrics(groups, info)
-        generated = sum(t.response_mask.count(1) for t in trajectories)
+        generated = model_tokens(trajectories)
         return batch, info["reward_metrics"], generated
 
     def _take_groups(self) -> tuple[list[dict], dict]:

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from minirl.agent.loop import final_turn_ids, reward_view
 from minirl.data.prompts import PromptRecord, load_prompts
 from minirl.dist.context import DistContext
 from minirl.protocols import SamplingParams
+from minirl.reward.trajectory import rule_scores
 
 
 @dataclass
@@ -29,14 +29,21 @@ def load_val_set(data_cfg, tokenizer, dist: DistContext, tools_for=None) -> ValS
     return ValSet(records[dist.dp_rank :: dist.dp_size], sources)
 
 
+def greedy_params(max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
+
+
 def validate(rollout, rewards, tokenizer, val: ValSet, max_new_tokens: int, dist: DistContext) -> dict[str, float]:
     """val/score/mean over all ranks, plus val/<data_source>/score/mean when there are several.
     rollout(records, params) -> one Trajectory per record (each row's agent loop, greedy)."""
-    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
-    trajectories = rollout(val.records, params) if val.records else []
-    texts = tokenizer.batch_decode([final_turn_ids(t) for t in trajectories], skip_special_tokens=True)
-    views = [reward_view(t) for t in trajectories]
-    scores = rewards.score(val.records, texts, views).scores if val.records else []
+    trajectories = rollout(val.records, greedy_params(max_new_tokens)) if val.records else []
+    return val_metrics(trajectories, rewards, tokenizer, val, dist)
+
+
+def val_metrics(trajectories: list, rewards, tokenizer, val: ValSet, dist: DistContext) -> dict[str, float]:
+    """validate's metrics of the trajectories of val.records (an asynchronous job's rollout rank
+    generates them itself)."""
+    scores = rule_scores(rewards, tokenizer, val.records, trajectories).scores if val.records else []
     pairs = [(sum(scores), len(scores))]
     for src in val.sources:
         mine = [s for s, r in zip(scores, val.records) if r.data_source == src]

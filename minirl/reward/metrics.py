@@ -31,3 +31,18 @@ def reward_metrics(result: RewardResult, penalty_B: torch.Tensor | None, dist) -
 def _all_keys(keys: list[str], dist) -> list[str]:
     """The union of the ranks' extra keys, so every rank reduces the same tensor."""
     return sorted({k for ks in dist.all_gather_objects(keys) for k in ks})
+
+
+def merge_reward_metrics(per_batch: list[dict[str, float]]) -> dict[str, float]:
+    """One value per key over the step's generation batches: a .../mean is averaged, a .../max or
+    .../min kept as the extreme, anything else (counts such as reward/errors) summed."""
+    out: dict[str, float] = {}
+    for key in per_batch[0]:
+        values = [m[key] for m in per_batch if key in m]
+        if key.endswith("/mean"):
+            out[key] = sum(values) / len(values)
+        elif key.endswith(("/max", "/min")):
+            out[key] = max(values) if key.endswith("/max") else min(values)
+        else:
+            out[key] = sum(values)
+    return out

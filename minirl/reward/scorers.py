@@ -28,7 +28,7 @@ class Row:
     text: str
     ground_truth: Any
     extra_info: Any
-    trajectory: Any = None  # multi-turn: minirl.agent.loop.reward_view; None: single turn
+    trajectory: Any = None  # multi-turn: minirl.reward.trajectory.reward_view; None: single turn
 
 
 @dataclass

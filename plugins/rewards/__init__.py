@@ -63,7 +63,7 @@ def lookup_reward(
     rung the answer position drifted over non-digit tokens for a hundred steps). The reward that
     counts is 1 for the right digit: guessing without the call earns 0.1 on average, calling and
     then guessing a digit 0.28, calling and copying the reply 1.0.
-    trajectory: what minirl.agent.loop.reward_view gives (None for a single-turn rollout)."""
+    trajectory: what minirl.reward.trajectory.reward_view gives (None for a single-turn rollout)."""
     truth = str(ground_truth)
     if not truth:
         raise ValueError("lookup: the ground truth is empty; every response would match it")

@@ -17,12 +17,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from minirl.algo.dynamic_sampling import fill_batch, informative_groups
+from minirl.algo.dynamic_sampling import informative_groups
 from minirl.config.schema import FilterGroupsConfig
 from minirl.data.prompts import PromptLoader
 from minirl.dist import spmd
 from minirl.dist.context import DistContext
 from minirl.dist.launchers import spawn
+from minirl.rollout.dynamic_sampling import fill_batch
 from tests.unit.test_dynamic_sampling import N, fake_engine, records
 
 pytestmark = pytest.mark.distributed

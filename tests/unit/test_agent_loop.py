@@ -18,13 +18,14 @@ import pytest
 import torch
 
 from minirl.agent.chat import ChatTokens
-from minirl.agent.loop import AgentRollout, checked, final_turn_ids, reward_view, to_samples
+from minirl.agent.loop import AgentRollout, checked, to_samples
 from minirl.config.schema import MultiTurnConfig, RolloutConfig
 from minirl.data.prompts import PromptRecord
 from minirl.errors import UserError
 from minirl.models.tokenizers import byte_tokenizer
 from minirl.plugins import PluginManager
 from minirl.protocols import SamplingParams, Trajectory, TurnOutput
+from minirl.reward.trajectory import final_turn_ids, reward_view
 from minirl_plugins.engines.native import build_native_engine
 from tests.tiny_models import PROMPTS, engine_context, tiny_config, tiny_hf_model
 

@@ -13,12 +13,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirl.algo.dynamic_sampling import choose_groups, fill_batch, informative_groups, merge_reward_metrics
+from minirl.algo.dynamic_sampling import choose_groups, informative_groups
 from minirl.batch import RolloutBatch, concat, response_mask
 from minirl.config.schema import FilterGroupsConfig
 from minirl.data.prompts import PromptLoader, PromptRecord, expand_groups
 from minirl.dist.context import DistContext
 from minirl.reward.manager import place_scores
+from minirl.reward.metrics import merge_reward_metrics
+from minirl.rollout.dynamic_sampling import fill_batch
 
 CPU = torch.device("cpu")
 N = 4

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minirl.agent.chat import ChatTokens
-from minirl.agent.loop import AgentRollout, reward_view, to_samples
+from minirl.agent.loop import AgentRollout, to_samples
 from minirl.agent.parser import parse_hermes
 from minirl.agent.tools import ToolError, ToolSet
 from minirl.config.schema import DataConfig, ModelConfig, MultiTurnConfig, RolloutConfig
@@ -38,6 +38,7 @@ from minirl.models.tokenizers import (
 from minirl.plugins import PluginManager
 from minirl.protocols import SamplingParams, TurnOutput
 from minirl.reward.scorers import Row, Scorers
+from minirl.reward.trajectory import reward_view
 from minirl_plugins.rewards import lookup_reward
 from minirl_plugins.tools.lookup import Lookup
 from tests.scripts import import_script

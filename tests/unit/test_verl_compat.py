@@ -20,7 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirl.agent.loop import AgentRollout, reward_view, to_samples
+from minirl.agent.loop import AgentRollout, to_samples
 from minirl.agent.parser import parse_hermes
 from minirl.agent.tools import ToolSet, truncate_response
 from minirl.agent.verl_tools import AgentData
@@ -33,6 +33,7 @@ from minirl.observe.step_metrics import agent_metrics
 from minirl.plugins import PluginManager
 from minirl.protocols import SamplingParams, Trajectory, TurnOutput
 from minirl.reward.manager import _with_turns
+from minirl.reward.trajectory import reward_view
 from tests.unit.test_agent_loop import ScriptedEngine
 
 FAST = settings(max_examples=80, deadline=None)
