@@ -5,11 +5,11 @@ these once, in order, before its loop (minirl/trainer.py); each takes only the s
 
 from __future__ import annotations
 
-import copy
 import os
 
 import torch
 
+from minirl import adapter
 from minirl.agent.loop import AgentRollout
 from minirl.batch import MicroBatching
 from minirl.config.load import Config, to_toml
@@ -17,7 +17,7 @@ from minirl.critic import Critic, critic_only, needs_values, resolved
 from minirl.critic.model import build_value_model
 from minirl.data.prompts import PromptLoader, load_prompts
 from minirl.dist.context import DistContext
-from minirl.models import assembly, lora
+from minirl.models import assembly
 from minirl.models.loading import load_model_for_rank
 from minirl.observe.evaluate import ValSet, load_val_set
 from minirl.protocols import EngineContext
@@ -26,23 +26,11 @@ from minirl.update.loop import Update
 
 
 def models(pm, cfg: Config, dist: DistContext):
-    """(tokenizer, actor, reference or None): the policy loaded once; the reference is a frozen
-    copy taken before the actor is sharded and wrapped. With LoRA (model.lora_rank) the adapters
-    go in before the assembly and the reference is the actor itself: its log-probs are taken with
-    the adapters disabled (minirl.models.lora.adapters_disabled), no second model in memory."""
-    dtype = getattr(torch, cfg.model.dtype)
-    model, tokenizer = load_model_for_rank(cfg.model, dist, dtype)  # ranks > 0: meta for a checkpoint
-    needs_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward  # a KL needs the frozen reference
-    if lora.enabled(cfg.model):
-        lora.apply_lora(model, cfg.model, cfg.model.path or cfg.model.preset)
-        actor = assembly.assemble_actor(pm, model, cfg, dist)
-        return tokenizer, actor, actor if needs_ref else None
-    ref = None
-    if needs_ref:
-        ref = copy.deepcopy(model).eval().requires_grad_(False)
-        ref = assembly.assemble_reference(pm, ref, cfg.ref, dist, cfg.model)
-    actor = assembly.assemble_actor(pm, model, cfg, dist)
-    return tokenizer, actor, ref
+    """(tokenizer, model adapter): the policy loaded once and assembled into the actor by its
+    adapter (minirl.adapter: full fine-tuning or LoRA), with a reference when a KL needs one."""
+    model, tokenizer = load_model_for_rank(cfg.model, dist, getattr(torch, cfg.model.dtype))  # ranks > 0: meta
+    needs_reference = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    return tokenizer, adapter.assemble(pm, model, cfg, dist, needs_reference)
 
 
 def critic(pm, cfg: Config, dist: DistContext, total_steps: int, estimator, say) -> Critic | None:
@@ -159,9 +147,9 @@ def engine(pm, cfg: Config, actor, tokenizer, dist: DistContext):
     return built
 
 
-def losses(pm, actor_cfg, ref) -> actor_lib.Losses:
+def losses(pm, actor_cfg, reference) -> actor_lib.Losses:
     kl = pm["kl_estimators"].get(actor_cfg.kl_loss_type) if actor_cfg.use_kl_loss else None
-    return actor_lib.Losses(pm["policy_losses"].get(actor_cfg.policy_loss), kl, ref)
+    return actor_lib.Losses(pm["policy_losses"].get(actor_cfg.policy_loss), kl, reference)
 
 
 def loggers(pm, cfg: Config, run_dir: str, start_step: int, dist: DistContext) -> list:

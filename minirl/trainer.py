@@ -22,7 +22,6 @@ from minirl.algo.kl_control import apply_kl_in_reward, build_kl_controller
 from minirl.batch import RolloutBatch
 from minirl.checkpoint import state as ckpt_state
 from minirl.checkpoint import training as ckpt_training
-from minirl.checkpoint.hf import save_hf_checkpoint, save_lora_checkpoint
 from minirl.checkpoint.resume import plan_run
 from minirl.checkpoint.training import TrainingState
 from minirl.config.load import Config
@@ -34,7 +33,7 @@ from minirl.dist.context import DistContext
 from minirl.dist.signals import StopRequest
 from minirl.errors import Stopped
 from minirl.forward.packed import logprob_head, per_token_pass
-from minirl.models import assembly, lora
+from minirl.models import assembly
 from minirl.observe.evaluate import validate
 from minirl.observe.metrics import PhaseTimer, summary_table
 from minirl.observe.runs.read import METRICS_FILE, read_metrics
@@ -53,7 +52,8 @@ class Trainer:
     def __init__(self, cfg: Config, pm, dist: DistContext):
         self.cfg, self.pm, self.dist = cfg, pm, dist
         torch.manual_seed(cfg.trainer.seed + dist.dp_rank)  # sp ranks share a batch: same draws
-        self.tokenizer, self.actor, self.ref = build.models(pm, cfg, dist)
+        self.tokenizer, self.adapter = build.models(pm, cfg, dist)  # full fine-tuning or LoRA
+        self.actor = self.adapter.actor
         self.agents = build.agent_rollout(pm, cfg, self.tokenizer)  # before the data: prompts show the tools
         self.loader = build.train_loader(cfg.data, self.tokenizer, dist, self.agents.tool_schemas)
         self.agents.check_rows(self.loader.records)
@@ -71,7 +71,7 @@ class Trainer:
             self._print(f"reward: {crf.name}() from {crf.path} (custom_reward_function) scores every data_source")
         # the old log-probs come from the update's own forward (minirl.update.actor.on_policy)
         self.on_policy = self.is_on_policy()
-        losses = build.losses(pm, cfg.actor, self.ref)
+        losses = build.losses(pm, cfg.actor, self.adapter.reference)
         self.actor_update = build.actor_update(cfg, self.actor, self.optimizer, losses, dist, self.on_policy)
         self.old_micro, self.ref_micro = build.log_prob_micro(cfg.rollout), build.log_prob_micro(cfg.ref)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
@@ -101,8 +101,8 @@ class Trainer:
 
     def _training_state(self) -> TrainingState:
         """What a checkpoint saves and a resume restores (minirl.checkpoint.training)."""
-        parts = ckpt_state.Checkpointable(model=self.actor, optimizer=self.optimizer)
-        parts.trainable_only = lora.has_adapters(self.actor)  # LoRA: the adapters and their optimizer state
+        trainable_only = self.adapter.saves_trainable_only
+        parts = ckpt_state.Checkpointable(model=self.actor, optimizer=self.optimizer, trainable_only=trainable_only)
         schedulers = {"actor": self.scheduler}
         if self.critic is not None:
             parts.others["critic"] = (self.critic.model, self.critic.optimizer)
@@ -222,9 +222,9 @@ class Trainer:
             if not self.on_policy:
                 with timer.phase("old_log_prob"):
                     batch.old_log_probs_BT = self.old_log_probs(batch)
-            if self.ref is not None:
-                with timer.phase("ref"), lora.adapters_disabled(self.ref):  # LoRA: the actor's base
-                    batch.ref_log_probs_BT = self.log_probs(self.ref, self.ref_micro, batch)
+            if self.adapter.reference is not None:
+                with timer.phase("ref"), self.adapter.reference() as ref:
+                    batch.ref_log_probs_BT = self.log_probs(ref, self.ref_micro, batch)
             if self.critic is not None:
                 with timer.phase("values"):
                     batch.values_BT = critic_lib.compute_values(self.critic, batch, self.dist)
@@ -244,7 +244,8 @@ class Trainer:
         if self.cfg.rollout.multi_turn.enable:
             metrics.update(agent_metrics(batch.trajectories, self.dist))
         metrics.update(engine_metrics(self.engine, self.dist))
-        metrics.update(perf_metrics(batch, timer.seconds, self.actor, self.cfg, self.dist, generated))
+        trained = self.adapter.trained_parameters()
+        metrics.update(perf_metrics(batch, timer.seconds, self.actor, self.cfg, self.dist, generated, trained))
         return metrics
 
     # -----------------------------------------------------------------------------------------
@@ -367,18 +368,12 @@ class Trainer:
         return metrics
 
     def save_hf(self, path: str) -> None:
-        """The actor as a Hugging Face directory; with LoRA a peft adapter directory (and the
-        merged model in path/merged when model.lora_save_merged)."""
-        if lora.has_adapters(self.actor):
-            save_lora_checkpoint(self.actor, self.tokenizer, path, self.dist, self.cfg.model.lora_save_merged)
-        else:
-            save_hf_checkpoint(self.actor, self.tokenizer, path, self.dist)
+        """The actor as a Hugging Face directory (LoRA: a peft adapter directory; minirl.adapter)."""
+        self.adapter.save_hf(self.tokenizer, path, self.dist)
 
     def sync_weights(self) -> None:
-        """The engine loads the actor's weights; with LoRA only the targeted matrices, merged
-        (W + B A * alpha / r): the frozen rest is what the engine loaded when it was built."""
-        adapted_only = lora.has_adapters(self.actor)
-        self.engine.load_weights(assembly.full_weights(self.actor, adapted_only=adapted_only))
+        """The engine loads the actor's weights (LoRA: the targeted matrices, merged)."""
+        self.engine.load_weights(self.adapter.engine_weights(changed_only=True))
 
     # -----------------------------------------------------------------------------------------
     # output

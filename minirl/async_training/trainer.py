@@ -21,7 +21,6 @@ import time
 import torch
 import torch.distributed as tdist
 
-from minirl.models import assembly
 from minirl.models.checksum import weights_checksum
 from minirl.observe.metrics import PhaseTimer
 from minirl.reward.manager import place_scores
@@ -214,7 +213,7 @@ class AsyncTrainer(Trainer):
     def _broadcast(self, key: str) -> None:
         """The actor's full weights (every trainer rank gathers its shards) from the trainer rank 0
         to every rollout rank, in the engines' dtype; then each engine's checksum must match."""
-        weights = assembly.full_weights(self.actor)
+        weights = self.adapter.engine_weights()
         if not self.dist.is_main:
             for _ in weights:  # the gathers are collectives of the trainer ranks
                 pass

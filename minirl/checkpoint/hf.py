@@ -1,5 +1,5 @@
-"""Saving the actor as a Hugging Face directory (config.json, model.safetensors, tokenizer), or
-a LoRA actor as a peft adapter directory (and, on request, the merged model).
+"""Saving the actor as a Hugging Face directory (config.json, model.safetensors, tokenizer); a
+LoRA actor's export is the model adapter's (minirl.adapter.lora).
 
 The result loads back with `model.path = <dir>` or with transformers' from_pretrained. A
 sharded actor is gathered one parameter at a time onto rank 0's CPU (never the whole model on a
@@ -14,7 +14,6 @@ import torch
 
 from minirl.dist.context import DistContext
 from minirl.models.assembly import full_weights
-from minirl.models.lora import save_adapter
 
 
 def save_hf_checkpoint(actor: torch.nn.Module, tokenizer, path: str, dist: DistContext) -> str | None:
@@ -34,15 +33,3 @@ def save_hf_checkpoint(actor: torch.nn.Module, tokenizer, path: str, dist: DistC
     actor.config.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
-
-
-def save_lora_checkpoint(actor: torch.nn.Module, tokenizer, path: str, dist: DistContext, merged: bool) -> str | None:
-    """A LoRA actor: `path` is a peft adapter directory (adapter_config.json,
-    adapter_model.safetensors) with the tokenizer; merged (model.lora_save_merged): also
-    `path/merged`, the full model with the adapters merged, as save_hf_checkpoint writes it."""
-    save_adapter(actor, path, dist.is_main)
-    if dist.is_main:
-        tokenizer.save_pretrained(path)
-    if merged:
-        save_hf_checkpoint(actor, tokenizer, os.path.join(path, "merged"), dist)
-    return path if dist.is_main else None

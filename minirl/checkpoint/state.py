@@ -46,8 +46,8 @@ class Checkpointable:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     others: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = field(default_factory=dict)
-    # LoRA: the actor's frozen base is rebuilt from model.path / model.preset, so only the
-    # parameters that train (the adapters) and their optimizer state are saved
+    # the actor's parameters that train and their optimizer state only: the model adapter says
+    # (minirl.adapter; LoRA rebuilds its frozen base from model.path / model.preset)
     trainable_only: bool = False
 
     def _pairs(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:

@@ -7,15 +7,16 @@ Plugins do the work through the assembly hooks; this module only calls them in o
 
 from __future__ import annotations
 
+import copy
 from typing import Iterator
 
 import torch
 
 from minirl.dist.context import DistContext
 from minirl.models import lora
-from minirl.models.compile import compile_layers
-from minirl.models.fused_mlp import fuse_mlps
-from minirl.models.names import full_tensor, hf_name  # hf_name re-exported: the engines' import
+from minirl.models.compile import compile_layers, uncompile_layers
+from minirl.models.fused_mlp import fuse_mlps, unfuse_mlps
+from minirl.models.names import hf_name  # re-exported: the engines' import
 
 
 def assemble_actor(pm, model: torch.nn.Module, cfg, dist: DistContext) -> torch.nn.Module:
@@ -73,13 +74,20 @@ def reshard(model: torch.nn.Module) -> None:
 
 def full_weights(model: torch.nn.Module, adapted_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, full tensor) one parameter at a time, never the whole model at once: a
-    sharded parameter (DTensor) is gathered just for the moment its copy is made. A model with
-    LoRA adapters gives its merged weights (W + B A * alpha / r under W's name, no adapter
-    tensors), so every consumer (the engines, the checksum, the HF export) sees a plain model;
-    adapted_only: only those merged matrices (what changes in a LoRA update)."""
-    if lora.has_adapters(model):
-        yield from ((hf_name(n), t) for n, t in lora.merged_weights(model, adapted_only))
-        return
-    assert not adapted_only, "adapted_only without LoRA adapters"
-    for name, param in model.named_parameters():
-        yield hf_name(name), full_tensor(param)
+    sharded parameter (DTensor) is gathered just for the moment its copy is made. A LoRA layer
+    comes merged (W + B A * alpha / r under W's name, no adapter tensors), so every consumer (the
+    engines, the checksum, the HF export) sees a plain model; adapted_only: only those merged
+    matrices (what a LoRA update changes)."""
+    for name, tensor in lora.merged_weights(model, adapted_only):
+        yield hf_name(name), tensor
+
+
+def plain_copy(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of the actor as Hugging Face's generate runs it, on `device` in `dtype`: LoRA layers
+    merged into plain Linears, decoder layers uncompiled, MLPs unfused (an engine that copies
+    the module instead of loading weights by name)."""
+    plain = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
+    lora.unload(plain)
+    uncompile_layers(plain)
+    unfuse_mlps(plain)
+    return plain

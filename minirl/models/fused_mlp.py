@@ -90,8 +90,8 @@ def _linear(projection):
 
 
 def _adapting(projection) -> bool:
-    """A LoRA layer whose adapters are on (minirl.models.lora): its output is not x Wᵀ alone."""
-    return hasattr(projection, "lora_A") and not projection._disable_adapters
+    """A peft adapter layer (LoRA) with its adapters on: its output is not x Wᵀ alone."""
+    return not getattr(projection, "disable_adapters", True)
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:

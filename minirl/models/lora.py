@@ -142,8 +142,9 @@ def merged_weights(model: torch.nn.Module, adapted_only: bool = False) -> Iterat
     """(name, full tensor) in the model's parameter order with the adapters merged: a targeted
     matrix becomes W + B A * alpha / r under its plain name (`.base_layer` removed), the adapters
     themselves are left out. adapted_only: the targeted matrices only. Names keep the model's
-    wrapper prefixes (minirl.models.assembly.hf_name removes them). Every rank of a sharded
-    model must iterate: the gathers are collectives."""
+    wrapper prefixes (minirl.models.assembly.hf_name removes them). A model without adapters
+    gives its parameters as they are. Every rank of a sharded model must iterate: the gathers are
+    collectives."""
     layers = lora_layers(model)
     for name, param in model.named_parameters():
         if is_adapter_param(name):

@@ -11,7 +11,6 @@ from contextlib import contextmanager
 import torch
 
 from minirl.dist import fault
-from minirl.models import lora
 
 # dense bf16 FLOP/s per device, for MFU when trainer.peak_flops is 0
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "H20": 148e12, "L40S": 362e12}
@@ -87,13 +86,6 @@ def flops_params(model: torch.nn.Module) -> int:
     head = model.get_output_embeddings().weight
     tied = head is embed
     return total - embed.numel() + (head.numel() if tied else 0)
-
-
-def lora_params(model: torch.nn.Module) -> int | None:
-    """The adapters' parameter count of a LoRA actor (what gets weight gradients), else None."""
-    if not lora.has_adapters(model):
-        return None
-    return sum(p.numel() for name, p in model.named_parameters() if lora.is_adapter_param(name))
 
 
 # a phase that a configuration legitimately skips is shown as skipped, with why

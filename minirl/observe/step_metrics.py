@@ -15,7 +15,7 @@ import torch
 from minirl.batch import RolloutBatch
 from minirl.critic.value_loss import explained_variance
 from minirl.dist.context import DistContext
-from minirl.observe.metrics import flops_params, lora_params, peak_flops, train_flops
+from minirl.observe.metrics import flops_params, peak_flops, train_flops
 
 
 def reduced_stats(prefix: str, x: torch.Tensor, dist: DistContext) -> dict[str, float]:
@@ -81,12 +81,19 @@ def equal_score_groups(batch: RolloutBatch) -> torch.Tensor:
 
 
 def perf_metrics(
-    batch: RolloutBatch, seconds: dict[str, float], actor, cfg, dist: DistContext, generated: float | None = None
+    batch: RolloutBatch,
+    seconds: dict[str, float],
+    actor,
+    cfg,
+    dist: DistContext,
+    generated: float | None = None,
+    trained: int | None = None,
 ) -> dict[str, float]:
     """Throughputs (which tokens each counts is in its name/table) and the actor's MFU.
 
     generated: this rank's response tokens generated in the step, over every prompt batch drawn
     (dynamic sampling drops some); None = the trained batch's. Generation throughput counts them.
+    trained: the parameters that get weight gradients (LoRA: the adapters'); None = all of them.
     Response tokens are model tokens (the mask's sum); total tokens are what the forwards run
     over (prompts and every response token, tool tokens included): the same for single-turn.
     """
@@ -110,7 +117,6 @@ def perf_metrics(
             out[f"perf/{phase}_throughput_per_gpu"] = total / (seconds[phase] * world)
     peak = peak_flops(dist.device, cfg.trainer.peak_flops)
     if peak > 0 and "update_actor" in seconds:  # skipped during trainer.critic_warmup
-        trained = lora_params(actor)  # None: full fine-tuning
         n, lens = flops_params(actor), batch.seq_lens()
         flops = cfg.actor.ppo_epochs * train_flops(actor.config, n, lens, backward=True, n_trained=trained)
         flops = float(dist.all_reduce(torch.tensor(flops, dtype=torch.float64, device=dist.device)))

@@ -19,7 +19,6 @@ from minirl.algo.stats import DeviceSums
 from minirl.batch import RolloutBatch, scatter_rows
 from minirl.dist.context import DistContext
 from minirl.forward.packed import hidden_head, packed_forward, response_logprobs
-from minirl.models import lora
 from minirl.update.loop import Update, run_update
 
 
@@ -52,7 +51,7 @@ class Losses:
 
     policy_loss: Any
     kl_estimator: Any = None  # None when actor.use_kl_loss is false
-    ref_model: Any = None  # only for an estimator with needs_logits (the exact full KL)
+    reference: Any = None  # `with reference() as ref` (minirl.adapter.Reference): for the exact full KL
 
 
 @dataclass
@@ -152,8 +151,8 @@ def _full_kl(job: ActorUpdate, mb: RolloutBatch, dist, chunk: int = 1024) -> tor
     Positions go through both output projections in chunks, each under activation
     checkpointing, so only [chunk, V] logits of each model exist at a time.
     """
-    model, ref, temperature = job.update.model, job.losses.ref_model, job.temperature
-    with torch.no_grad(), lora.adapters_disabled(ref):  # LoRA: the reference is the actor's base
+    model, temperature = job.update.model, job.temperature
+    with torch.no_grad(), job.losses.reference() as ref:
         (ref_h,) = packed_forward(ref, mb.prompts, mb.responses, dist.device, hidden_head)
     (h,) = packed_forward(model, mb.prompts, mb.responses, dist.device, hidden_head)
     head, ref_head = model.get_output_embeddings(), ref.get_output_embeddings()

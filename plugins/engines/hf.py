@@ -8,7 +8,6 @@ conversation again; no KV is kept between turns).
 
 from __future__ import annotations
 
-import copy
 from typing import Iterable
 
 import torch
@@ -16,9 +15,7 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from minirl import hookimpl
-from minirl.models import lora
-from minirl.models.compile import uncompile_layers
-from minirl.models.fused_mlp import unfuse_mlps
+from minirl.models.assembly import plain_copy
 from minirl.protocols import Completion, EngineContext, SamplingParams
 
 
@@ -28,11 +25,8 @@ class HFEngine:
     def __init__(self, rollout_cfg, ctx: EngineContext):
         if ctx.actor is None:
             raise ValueError("rollout.name = 'hf' needs the actor module to copy")
-        self.model = copy.deepcopy(ctx.actor).to(device=ctx.device, dtype=ctx.dtype).eval()
-        lora.unload(self.model)  # LoRA adapters merged into plain Linears: the trainer sends merged weights
-        uncompile_layers(self.model)  # generate's KV-cache forwards run eagerly (model.compile_layers)
-        unfuse_mlps(self.model)  # and with Hugging Face's MLP (model.fused_mlp)
-        self.model.requires_grad_(False)
+        # adapters merged (the trainer sends merged weights), eager layers and Hugging Face's MLP
+        self.model = plain_copy(ctx.actor, ctx.device, ctx.dtype).requires_grad_(False)
         # generate() pads; the packed-sequence attention is for training forwards.
         self.model.set_attn_implementation("sdpa")
         self.device = ctx.device

@@ -93,8 +93,8 @@ def test_a_run_compiles_the_actor_and_reference_layers_only_when_asked():
         cfg = load_config(
             None, ["trainer.device='cpu'", "actor.use_kl_loss=true", f"model.compile_layers={str(enabled).lower()}"]
         )
-        _, actor, ref = build.models(pm, cfg, dist)
-        for model in (actor, ref):
+        _, adapter = build.models(pm, cfg, dist)
+        for model in (adapter.actor, adapter.reference.model):
             compiled = [hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in model.get_decoder().layers]
             assert compiled == [enabled] * len(compiled)
 

@@ -117,8 +117,8 @@ def test_a_run_fuses_the_actor_and_reference_mlps_only_when_asked(monkeypatch):
     pm, dist = PluginManager(entry_points=False), DistContext(device=torch.device("cpu"))
     for enabled in (True, False):
         overrides = ["trainer.device='cpu'", "actor.use_kl_loss=true", f"model.fused_mlp={str(enabled).lower()}"]
-        _, actor, ref = build.models(pm, load_config(None, overrides), dist)
-        for model in (actor, ref):
+        _, adapter = build.models(pm, load_config(None, overrides), dist)
+        for model in (adapter.actor, adapter.reference.model):
             assert ["forward" in vars(m) for m in _mlps(model)] == [enabled] * len(_mlps(model))
 
 

@@ -243,11 +243,12 @@ ADAPTER_A = "model.layers.0.self_attn.q_proj.lora_A.default.weight"
 def test_lora_update_flops_count_weight_gradients_of_the_adapters_only():
     """MFU of a LoRA update: forward 2·N, input gradients 2·N, weight gradients 2·n_adapters per
     token (N counts the frozen base and the adapters), attention three times its forward."""
-    from minirl.observe.metrics import flops_params, lora_params, train_flops
+    from minirl.adapter import FullFineTuning, LoRAFineTuning
+    from minirl.observe.metrics import flops_params, train_flops
 
     base, model = lora_model()
-    assert lora_params(base) is None
-    n, n_lora = flops_params(model), lora_params(model)
+    assert FullFineTuning(base, None).trained_parameters() is None
+    n, n_lora = flops_params(model), LoRAFineTuning(model, None, False).trained_parameters()
     # 2 layers x r = 4 x (in + out) of q, k, v, o, gate, up, down (hidden 64, kv 32, intermediate 128)
     assert n_lora == 2 * 4 * (128 + 96 + 96 + 128 + 192 + 192 + 192)
     assert n == flops_params(base) + n_lora

@@ -1,0 +1,53 @@
+"""Full fine-tuning: every parameter trains, and the reference is a frozen copy of the starting
+model, assembled on its own."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Callable, ContextManager, Iterator
+
+import torch
+
+from minirl.checkpoint.hf import save_hf_checkpoint
+from minirl.models import assembly
+
+
+class Reference:
+    """The frozen reference policy: `with reference() as model:` runs it (a model of its own, or
+    the actor under a mode that makes it the reference: LoRA's adapters off)."""
+
+    def __init__(
+        self, model: torch.nn.Module, mode: Callable[[torch.nn.Module], ContextManager] = contextlib.nullcontext
+    ):
+        self.model, self.mode = model, mode
+
+    def __call__(self) -> ContextManager[torch.nn.Module]:
+        return self.mode(self.model)
+
+
+class FullFineTuning:
+    saves_trainable_only = False  # a checkpoint holds every parameter and its optimizer state
+
+    def __init__(self, actor: torch.nn.Module, reference: Reference | None):
+        self.actor, self.reference = actor, reference
+
+    @classmethod
+    def assemble(cls, pm, model: torch.nn.Module, cfg, dist, needs_reference: bool) -> FullFineTuning:
+        """The reference is copied before the actor is sharded and wrapped."""
+        reference = None
+        if needs_reference:
+            frozen = copy.deepcopy(model).eval().requires_grad_(False)
+            reference = Reference(assembly.assemble_reference(pm, frozen, cfg.ref, dist, cfg.model))
+        return cls(assembly.assemble_actor(pm, model, cfg, dist), reference)
+
+    def engine_weights(self, changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """What an engine loads, by Hugging Face name (after an update every parameter changed)."""
+        return assembly.full_weights(self.actor)
+
+    def trained_parameters(self) -> int | None:
+        """The parameters that get weight gradients, for the MFU (None: all of them)."""
+        return None
+
+    def save_hf(self, tokenizer, path: str, dist) -> None:
+        save_hf_checkpoint(self.actor, tokenizer, path, dist)

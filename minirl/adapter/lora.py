@@ -1,0 +1,47 @@
+"""LoRA: only the adapters train (minirl.models.lora injects them); the reference is the actor
+itself with its adapters off, the engines get the merged weights, a checkpoint holds the adapters
+and their optimizer state, and the export is peft's adapter directory (docs/architecture.md,
+"LoRA adapters")."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import torch
+
+from minirl.adapter.full import Reference
+from minirl.checkpoint.hf import save_hf_checkpoint
+from minirl.models import assembly, lora
+
+
+class LoRAFineTuning:
+    saves_trainable_only = True  # the frozen base is rebuilt from model.path / model.preset
+
+    def __init__(self, actor: torch.nn.Module, reference: Reference | None, save_merged: bool):
+        self.actor, self.reference, self.save_merged = actor, reference, save_merged
+
+    @classmethod
+    def assemble(cls, pm, model: torch.nn.Module, cfg, dist, needs_reference: bool) -> LoRAFineTuning:
+        """The adapters go in before the assembly; the reference costs no second model."""
+        lora.apply_lora(model, cfg.model, cfg.model.path or cfg.model.preset)
+        actor = assembly.assemble_actor(pm, model, cfg, dist)
+        reference = Reference(actor, lora.adapters_disabled) if needs_reference else None
+        return cls(actor, reference, cfg.model.lora_save_merged)
+
+    def engine_weights(self, changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """The merged weights (W + B A * alpha / r); changed_only: the targeted matrices alone (the
+        frozen rest is what the engine loaded when it was built)."""
+        return assembly.full_weights(self.actor, adapted_only=changed_only)
+
+    def trained_parameters(self) -> int | None:
+        return sum(p.numel() for name, p in self.actor.named_parameters() if lora.is_adapter_param(name))
+
+    def save_hf(self, tokenizer, path: str, dist) -> None:
+        """A peft adapter directory with the tokenizer; with model.lora_save_merged also `path/merged`,
+        the full model with the adapters merged."""
+        lora.save_adapter(self.actor, path, dist.is_main)
+        if dist.is_main:
+            tokenizer.save_pretrained(path)
+        if self.save_merged:
+            save_hf_checkpoint(self.actor, tokenizer, os.path.join(path, "merged"), dist)
