@@ -17,7 +17,7 @@ def fit(cfg, pm, dist: DistContext) -> None:
     """The job every rank runs (module level, so spawned workers can unpickle it): the training
     loop, or in an asynchronous job a rollout rank's loop or the asynchronous trainer's."""
     if dist.role == "rollout":
-        from minirl.async_training.rollout import RolloutWorker
+        from minirl.async_training.worker import RolloutWorker
 
         RolloutWorker(cfg, pm, dist).run()
     elif dist.role == "trainer":

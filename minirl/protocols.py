@@ -315,7 +315,6 @@ class Trajectory:
     logprobs: list[float] | None = field(default_factory=list)  # None: the engine returned none
     finish_reason: str = "stop"
     assistant_turns: int = 1
-    versions: list[int] | None = None  # per response token: the weight version that sampled it (async)
     messages: list[dict] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     user_turns: int = 0

@@ -53,7 +53,6 @@ class AgentContext:
     def __init__(self, server: EngineServer, chat: ChatTokens, tools: ToolSet, multi_turn_cfg: Any):
         self.server, self.chat, self.tools, self.cfg = server, chat, tools, multi_turn_cfg
         self.parse = PARSERS[multi_turn_cfg.format]
-        self.versions: dict[str, list[int]] | None = None  # request id -> per model token (async only)
 
     async def generate(
         self, sample: Sample, prompt_ids: list[int], max_new_tokens: int, stop_token_ids: tuple[int, ...] = ()
@@ -69,12 +68,7 @@ class AgentContext:
             )
         stops = tuple(sample.params.stop_token_ids) + tuple(stop_token_ids)
         params = replace(sample.params, max_new_tokens=min(max_new_tokens, budget - used), stop_token_ids=stops)
-        version = getattr(self.server.engine, "weight_version", 0)
-        out = await self.server.generate(sample.request_id, prompt_ids, params)
-        if self.versions is not None:  # an engine without per-token versions: the version at submit
-            stamped = out.versions if out.versions is not None else [version] * len(out.token_ids)
-            self.versions.setdefault(sample.request_id, []).extend(stamped)
-        return out
+        return await self.server.generate(sample.request_id, prompt_ids, params)
 
     async def call_tools(
         self, sample: Sample, calls: list[ToolCall], messages: list[dict] | None = None
@@ -165,22 +159,21 @@ class AgentRollout:
             await asyncio.gather(serving, return_exceptions=True)
             self.last_steps = server.steps
 
-    async def run_batch(self, server: EngineServer, samples: list[Sample], agent_names: list[str], versions=False):
+    async def run_batch(self, server: EngineServer, samples: list[Sample], agent_names: list[str]):
         """One batch's trajectories on a server that the caller runs and shares between batches
-        (asynchronous training); versions: record each token's weight version (Trajectory.versions)."""
+        (asynchronous training)."""
         loops = [self._loop(name, sample) for name, sample in zip(agent_names, samples)]
         try:
-            return await self._run_loops(server, loops, samples, versions)
+            return await self._run_loops(server, loops, samples)
         except BaseException:
             for s in samples:
                 server.engine.abort(s.request_id)
             raise
 
-    async def _run_loops(self, server: EngineServer, loops, samples: list[Sample], versions=False) -> list[Trajectory]:
+    async def _run_loops(self, server: EngineServer, loops, samples: list[Sample]) -> list[Trajectory]:
         server.busy += len(samples)
         server.wake.set()
         ctx = AgentContext(server, self.chat, self.tools, self.cfg.multi_turn)
-        ctx.versions = {} if versions else None
         tasks = [asyncio.ensure_future(self._one(server, ctx, loop, s)) for loop, s in zip(loops, samples)]
         try:
             return list(await asyncio.gather(*tasks))
@@ -203,10 +196,7 @@ class AgentRollout:
             raise UserError(f"agent loop {name!r} failed on {sample.source} ({type(exc).__name__}: {exc})") from exc
         finally:
             server.loop_finished()
-        trajectory = checked(trajectory, sample, name)
-        if ctx.versions is not None:
-            trajectory.versions = token_versions(trajectory.response_mask, ctx.versions.pop(sample.request_id, []))
-        return trajectory
+        return checked(trajectory, sample, name)
 
 
 def checked(t: Trajectory, sample: Sample, loop: str) -> Trajectory:
@@ -258,19 +248,3 @@ def to_samples(records: list, uids: list[int], params: SamplingParams, prefix: s
             )
         )
     return samples
-
-
-def token_versions(mask: list[int], model_versions: list[int]) -> list[int]:
-    """Per response token, the weight version that sampled it: the model tokens take the turns'
-    versions in order, a tool token the version of the model token before it (the first turn's
-    first, at the start). A loop that did not keep every sampled token: all take the oldest."""
-    if not model_versions:
-        return [0] * len(mask)
-    if sum(mask) != len(model_versions):
-        return [min(model_versions)] * len(mask)
-    out, it, last = [], iter(model_versions), model_versions[0]
-    for m in mask:
-        if m:
-            last = next(it)
-        out.append(last)
-    return out

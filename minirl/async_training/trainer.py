@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-from minirl.models.checksum import weights_checksum
+from minirl.async_training.channel import Channel, Start
 from minirl.observe.metrics import PhaseTimer
 from minirl.reward.manager import place_scores
 from minirl.reward.metrics import merge_reward_metrics
@@ -31,7 +31,7 @@ from minirl.trainer import Trainer
 
 class AsyncTrainer(Trainer):
     def __init__(self, cfg, pm, dist):
-        self.link, self.a = dist.link, cfg.async_training
+        self.channel, self.a = Channel(dist.link), cfg.async_training
         self.started, self.since_sync, self.version, self.next_index = False, 0, 0, 0
         self.step_metrics: dict[str, float] = {}
         self._idle_before: dict[int, float] = {}  # rollout rank -> its idle seconds at the last step
@@ -84,12 +84,12 @@ class AsyncTrainer(Trainer):
         n, dp, rank = self.cfg.rollout.n, self.dist.dp_size, self.dist.dp_rank
         per = len(groups) // dp
         mine = groups[rank * per : (rank + 1) * per]
-        expanded = [g["record"] for g in mine for _ in range(n)]
-        uids = [g["uid"] for g in mine for _ in range(n)]
-        trajectories = [t for g in mine for t in g["trajectories"]]
+        expanded = [g.record for g in mine for _ in range(n)]
+        uids = [g.uid for g in mine for _ in range(n)]
+        trajectories = [t for g in mine for t in g.trajectories]
         r, cap = self.cfg.rollout, self.cfg.actor.tis_imp_ratio_cap
         batch = to_batch(expanded, uids, trajectories, r, cap, self.dist.device)
-        scores = [s for g in mine for s in g["scores"]]
+        scores = [s for g in mine for s in g.scores]
         batch.scores_B = torch.tensor(scores, dtype=torch.float32, device=self.dist.device)
         batch.token_scores_BT = place_scores(batch.scores_B, batch.mask_BT)
         self.step_metrics = self._stale_metrics(groups, info)
@@ -106,7 +106,7 @@ class AsyncTrainer(Trainer):
                 payload = self._join_parts(self.next_index)
                 self.next_index += 1
                 payloads.append(payload)
-                fresh = [g for g in payload["groups"] if self._lag(g, payload) <= self.a.staleness_threshold]
+                fresh = [g for g in payload["groups"] if self._lag(g) <= self.a.staleness_threshold]
                 keep = len(fresh) - len(fresh) % self.dist.dp_size  # every rank trains the same number of groups
                 dropped += (len(payload["groups"]) - keep) * self.cfg.rollout.n
                 if keep:
@@ -125,36 +125,29 @@ class AsyncTrainer(Trainer):
 
     def _join_parts(self, index: int) -> dict:
         """Batch `index`: the groups of its R parts (one per rollout rank), in batch order."""
-        parts = [
-            self.link.wait_take(f"batch/{index}/{r}", f"rollout rank {r}'s part of batch {index}", timeout_s=None)
-            for r in range(self._rollout_ranks())
-        ]
-        for p in parts:
-            for g in p["groups"]:
-                g["version_start"] = p["version_start"]  # the version its rank held when it started
+        parts = [self.channel.take_part(index, r) for r in range(self._rollout_ranks())]
         return {
             "index": index,
-            "groups": sorted((g for p in parts for g in p["groups"]), key=lambda g: g["uid"]),
-            "reward_metrics": merge_reward_metrics([p["reward_metrics"] for p in parts if p["reward_metrics"]]),
-            "rollout_idle_s": {p["rank"]: p["rollout_idle_s"] for p in parts},
+            "groups": sorted((g for p in parts for g in p.groups), key=lambda g: g.uid),
+            "reward_metrics": merge_reward_metrics([p.reward_metrics for p in parts if p.reward_metrics]),
+            "rollout_idle_s": {p.rank: p.idle_s for p in parts},
         }
 
-    def _lag(self, group: dict, payload: dict) -> int:
+    def _lag(self, group) -> int:
         """Versions the group's oldest token is behind the weights about to be trained."""
-        oldest = min(min(t.versions) if t.versions else group["version_start"] for t in group["trajectories"])
+        oldest = min(min(v) if v else group.version_start for v in group.versions)
         return self.version - oldest
 
     def _queue_depth(self) -> int:
         """Rollout batches finished and waiting for the trainer."""
         ahead = (self.a.staleness_threshold + 2) * self.a.trigger_parameter_sync_step
-        keys = [f"batch/{i}/0" for i in range(self.next_index, self.next_index + ahead)]
-        return sum(self.link.store.check([k]) for k in keys)
+        return sum(self.channel.part_waiting(i, 0) for i in range(self.next_index, self.next_index + ahead))
 
     def _stale_metrics(self, groups: list[dict], info: dict) -> dict[str, float]:
         lags, partial = [], 0
         for g in groups:
-            for t in g["trajectories"]:
-                versions = t.versions or [self.version]
+            for v in g.versions:
+                versions = v or [self.version]
                 lags.append(self.version - min(versions))
                 partial += max(versions) != min(versions)
         count = max(len(lags), 1)
@@ -193,8 +186,7 @@ class AsyncTrainer(Trainer):
         """Tell the rollout ranks where to start (the next batch, the weight version), then give
         them the weights (a resumed run's, restored)."""
         if self.dist.is_main:
-            self.link.count("version", self.version)
-            self.link.put("async/start", {"index": self.next_index, "version": self.version})
+            self.channel.start(Start(self.next_index, self.version))
         self._broadcast("initial")
         self.started = True
 
@@ -219,15 +211,15 @@ class AsyncTrainer(Trainer):
                 pass
             return
         if key != "initial":
-            self.link.publish_version()
+            self.channel.publish_version()
         # every rollout rank says it is ready first: one without partial rollouts finishes its
         # requests before it listens, which may take longer than a collective's timeout
-        while self.link.count(f"weights/ready/{key}") < self._rollout_ranks():
+        while self.channel.ready(key) < self._rollout_ranks():
             time.sleep(0.002)
         mb = self.cfg.rollout.update_weights_bucket_megabytes
-        sent = self.link.send_weights(weights, self.cfg.engine_dtype(self.dist.device), mb, weights_checksum)
+        sent = self.channel.send_weights(weights, self.cfg.engine_dtype(self.dist.device), mb)
         for r in range(self._rollout_ranks()):
-            got = self.link.wait_take(f"weights/checksum/{key}/{r}", f"rollout rank {r}'s weight checksum")["checksum"]
+            got = self.channel.take_checksum(key, r)
             if got is not None and got != sent["checksum"]:
                 raise RuntimeError(
                     f"rollout rank {r} holds weights with checksum {got} after sync {key}, the trainer sent "
@@ -245,8 +237,8 @@ class AsyncTrainer(Trainer):
         """Rollout rank 0 runs greedy validation at the current weights; the trainer waits."""
         box: list = [None]
         if self.dist.is_main:
-            self.link.put("val/request", self.version)
-            box[0] = self.link.wait_take(f"val/result/{self.version}", "the rollout's validation", timeout_s=None)
+            self.channel.ask_validation(self.version)
+            box[0] = self.channel.take_validation(self.version)
         if self.dist.world_size > 1:
             tdist.broadcast_object_list(box, src=0)
         return box[0]
@@ -254,9 +246,9 @@ class AsyncTrainer(Trainer):
     def stop_rollouts(self) -> None:
         """The rollout ranks stop and leave the link; the trainer rank 0 (which serves it) waits
         for them, so that none loses its store mid-call."""
-        if not self.dist.is_main or not self.link:
+        if not self.dist.is_main or not self.channel.link:
             return
-        self.link.count("async/stop", 1)
+        self.channel.stop()
         deadline = time.monotonic() + self.cfg.trainer.collective_timeout_s
-        while self.link.count("async/stopped") < self._rollout_ranks() and time.monotonic() < deadline:
+        while self.channel.stopped() < self._rollout_ranks() and time.monotonic() < deadline:
             time.sleep(0.01)

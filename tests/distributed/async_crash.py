@@ -9,8 +9,8 @@ import os
 import signal
 import sys
 
-from minirl.async_training.rollout import RolloutWorker
 from minirl.async_training.trainer import AsyncTrainer
+from minirl.async_training.worker import RolloutWorker
 
 WHERE = os.environ.get("MINIRL_TEST_ASYNC", "")
 

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minirl.update.actor as actor_lib
-from minirl.agent.loop import token_versions
-from minirl.async_training.rollout import batch_limit
+from minirl.async_training.stamps import token_versions
+from minirl.async_training.worker import batch_limit
 from minirl.config.schema import ActorConfig
 from minirl.dist.link import Link, buckets
 from minirl.models.checksum import weights_checksum
