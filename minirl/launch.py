@@ -15,16 +15,17 @@ def launch(cfg, pm) -> int:
 
 def fit(cfg, pm, dist: DistContext) -> None:
     """The job every rank runs (module level, so spawned workers can unpickle it): the training
-    loop, or in an asynchronous job a rollout rank's loop or the asynchronous trainer's."""
+    loop, with its rollouts on its own ranks or, in an asynchronous job, on the rollout ranks,
+    which run their own loop."""
     if dist.role == "rollout":
         from minirl.async_training.worker import RolloutWorker
 
         RolloutWorker(cfg, pm, dist).run()
-    elif dist.role == "trainer":
-        from minirl.async_training.trainer import AsyncTrainer
+        return
+    from minirl.trainer import Trainer
 
-        AsyncTrainer(cfg, pm, dist).fit()
+    if dist.role == "trainer":
+        from minirl.async_training import remote as rollouts
     else:
-        from minirl.trainer import Trainer
-
-        Trainer(cfg, pm, dist).fit()
+        from minirl.rollout.collocated import collocated as rollouts
+    Trainer(cfg, pm, dist, rollouts).fit()

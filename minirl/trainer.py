@@ -1,10 +1,9 @@
-"""The training loop: one step is rollout → reward → old log-probs → ref log-probs → values
-→ advantages → critic update → actor update → weight sync, each phase timed;
-values and the critic update run only for an estimator of values (gae, minirl.critic).
+"""The training loop: one step for every mode. What differs is chosen once, when the trainer is
+built: the batch source and the weight sync (collocated, or an asynchronous job's rollout ranks:
+minirl.rollout.source) and the model adapter (full fine-tuning or LoRA: minirl.adapter).
 
 The same code runs on one process and on every rank of an SPMD job: each rank takes whole
 prompt groups, and every batch-wide statistic goes through DistContext.all_reduce.
-Legend: B sequences, T response positions.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import torch
 from tqdm import tqdm
 
 from minirl import build
-from minirl.agent.loop import to_samples
 from minirl.algo.guard import NonFiniteGuard
 from minirl.algo.kl_control import apply_kl_in_reward, build_kl_controller
 from minirl.batch import RolloutBatch
@@ -28,28 +26,25 @@ from minirl.config.load import Config
 from minirl.critic import critic_line
 from minirl.critic import update as critic_lib
 from minirl.data.identity import file_identity
-from minirl.data.prompts import expand_groups
 from minirl.dist.context import DistContext
 from minirl.dist.signals import StopRequest
 from minirl.errors import Stopped
 from minirl.forward.packed import logprob_head, per_token_pass
 from minirl.models import assembly
-from minirl.observe.evaluate import validate
 from minirl.observe.metrics import PhaseTimer, summary_table
-from minirl.observe.runs.read import METRICS_FILE, read_metrics
-from minirl.observe.step_metrics import agent_metrics, data_metrics, engine_metrics, perf_metrics, value_metrics
-from minirl.protocols import AdvantageInputs, SamplingParams
-from minirl.reward.manager import build_reward_manager, place_scores
-from minirl.reward.trajectory import training_scores
-from minirl.rollout import dynamic_sampling
-from minirl.rollout.trajectories import model_tokens, rollout_seed, sampling_params, to_batch
+from minirl.observe.runs.read import logged_val_scores
+from minirl.observe.step_metrics import agent_metrics, data_metrics, perf_metrics, value_metrics
+from minirl.protocols import AdvantageInputs
+from minirl.rollout.collocated import collocated
+from minirl.rollout.source import Parts, Rollouts
 from minirl.update import actor as actor_lib
 
 
 class Trainer:
-    """Builds every component from the config (minirl.build), then runs `fit()`."""
+    """Builds every component from the config (minirl.build), then runs `fit()`. `rollouts` makes
+    the batch source and the weight sync (minirl.async_training.remote for an asynchronous job)."""
 
-    def __init__(self, cfg: Config, pm, dist: DistContext):
+    def __init__(self, cfg: Config, pm, dist: DistContext, rollouts: Rollouts = collocated):
         self.cfg, self.pm, self.dist = cfg, pm, dist
         torch.manual_seed(cfg.trainer.seed + dist.dp_rank)  # sp ranks share a batch: same draws
         self.tokenizer, self.adapter = build.models(pm, cfg, dist)  # full fine-tuning or LoRA
@@ -62,21 +57,18 @@ class Trainer:
         self.estimator = pm["advantage_estimators"].get(cfg.algorithm.adv_estimator)
         # before the engine, whose KV cache takes a share of the memory left free (None: no gae)
         self.critic = build.critic(pm, cfg, dist, self.total_steps, self.estimator, self._print)
-        self.engine = self.build_engine()
-        self.rewards = build_reward_manager(
-            cfg.reward, cfg.custom_reward_function, pm["reward_functions"], cfg.plugins.modules
-        )
+        parts = Parts(pm, cfg, dist, self.adapter, self.tokenizer, self.agents, self.loader)
+        self.source, self.sync = rollouts(parts)
         if cfg.custom_reward_function.path:
             crf = cfg.custom_reward_function
             self._print(f"reward: {crf.name}() from {crf.path} (custom_reward_function) scores every data_source")
         # the old log-probs come from the update's own forward (minirl.update.actor.on_policy)
-        self.on_policy = self.is_on_policy()
+        on_policy = actor_lib.on_policy(cfg.actor, cfg.data.train_batch_size, cfg.algorithm.use_kl_in_reward)
+        self.on_policy = self.source.sampled_by_current_weights and on_policy
         losses = build.losses(pm, cfg.actor, self.adapter.reference)
         self.actor_update = build.actor_update(cfg, self.actor, self.optimizer, losses, dist, self.on_policy)
         self.old_micro, self.ref_micro = build.log_prob_micro(cfg.rollout), build.log_prob_micro(cfg.ref)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl) if cfg.algorithm.use_kl_in_reward else None
-        self.val = build.val_set(cfg.trainer, cfg.data, self.tokenizer, dist, self.agents.tool_schemas)
-        self.agents.check_rows(self.val.records if self.val else [])
         self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_steps, verbose=dist.is_main)
         self.history: list[dict[str, float]] = []
         self.state = self._training_state()
@@ -84,20 +76,7 @@ class Trainer:
         self.start_step = self._resume()  # last: restores the random streams too
         self.loggers = build.loggers(pm, cfg, self.run_dir, self.start_step, dist)
         # (step, greedy validation score), with those a resumed run logged before its checkpoint
-        self.val_scores: list[tuple[int, float]] = _logged_val_scores(self.run_dir, self.start_step)
-
-    def build_engine(self):
-        """The rollout engine on this rank (an asynchronous trainer has none)."""
-        return build.engine(self.pm, self.cfg, self.actor, self.tokenizer, self.dist)
-
-    def is_on_policy(self) -> bool:
-        """Whether the update's own forward gives the old log-probs (minirl.update.actor.on_policy)."""
-        cfg = self.cfg
-        return actor_lib.on_policy(cfg.actor, cfg.data.train_batch_size, cfg.algorithm.use_kl_in_reward)
-
-    def next_prompts(self):
-        """The next step's prompts (an asynchronous trainer takes its batches from the rollout ranks)."""
-        return self.loader.next_batch()
+        self.val_scores: list[tuple[int, float]] = logged_val_scores(self.run_dir, self.start_step)
 
     def _training_state(self) -> TrainingState:
         """What a checkpoint saves and a resume restores (minirl.checkpoint.training)."""
@@ -108,7 +87,7 @@ class Trainer:
             parts.others["critic"] = (self.critic.model, self.critic.optimizer)
             schedulers["critic"] = self.critic.scheduler
         files = [file_identity(f) for f in self.cfg.data.train_files]
-        return TrainingState(parts, schedulers, self.loader, self.guard, self.kl_ctrl, data_files=files)
+        return TrainingState(parts, schedulers, self.loader, self.guard, self.kl_ctrl, self.source, files)
 
     # -----------------------------------------------------------------------------------------
     # the loop
@@ -116,10 +95,11 @@ class Trainer:
 
     def fit(self) -> list[dict[str, float]]:
         try:
+            self.sync.start(resumed=self.start_step > 0)
             return self._fit()
-        finally:  # normal end, an exception, or Stopped: the reward workers never outlive the run
-            self.checkpoints.close()  # nor does a checkpoint write in flight
-            self.rewards.close()
+        finally:  # normal end, an exception, or Stopped: nothing the run started outlives it
+            self.checkpoints.close()  # a checkpoint write in flight
+            self.source.close()  # the reward workers, or the rollout ranks
             self.agents.close()
 
     def _fit(self) -> list[dict[str, float]]:
@@ -134,7 +114,7 @@ class Trainer:
                 "'disable' to start another run"
             )
         if t.val_before_train and self.start_step == 0:
-            self._log(self.validate(), step=0)
+            self._log(self.source.validate(), step=0)
         bar = tqdm(
             total=self.total_steps,
             initial=self.start_step,
@@ -143,9 +123,9 @@ class Trainer:
         )
         with StopRequest() as stop:
             for step in range(self.start_step + 1, self.total_steps + 1):  # a resume continues the data
-                metrics = self.train_step(self.next_prompts(), step)
-                if self.val is not None and self._is_due(t.test_freq, step):
-                    metrics.update(self.validate())
+                metrics = self.train_step(step)
+                if self._is_due(t.test_freq, step):
+                    metrics.update(self.source.validate())
                 self._log(metrics, step)
                 self.guard.observe(metrics, step)  # after the log: the bad step is on record
                 signum = stop.agreed(self.dist.device)
@@ -189,9 +169,7 @@ class Trainer:
         self._print(self.plan.notice)
         if self.plan.resume_from is None:
             return 0
-        step = ckpt_training.resume(self.plan.resume_from, self.state, self.cfg, self.dist, self._print)
-        self.sync_weights()  # the engine's first generation uses the restored weights
-        return step
+        return ckpt_training.resume(self.plan.resume_from, self.state, self.cfg, self.dist, self._print)
 
     def _stopped(self, signum: int, step: int, bar) -> Stopped:
         self.checkpoints.wait()
@@ -207,18 +185,11 @@ class Trainer:
             f"stopped by {name} after step {step}: checkpoint {path} written; to resume, {how}", 128 + signum
         )
 
-    def validate(self) -> dict[str, float]:
-        """Greedy generation on the validation prompts (KV cache resumed and released around it)."""
-
-        def rollout(records, params):
-            return self.run_agents(records, list(range(len(records))), params, prefix="val-")
-
-        return validate(rollout, self.rewards, self.tokenizer, self.val, self.cfg.data.max_response_length, self.dist)
-
-    def train_step(self, records, step: int) -> dict[str, float]:
+    def train_step(self, step: int) -> dict[str, float]:
         timer = PhaseTimer(self.dist.device, step)
         with timer.phase("step"):
-            batch, reward_metrics, generated = self.rollout(records, step, timer)
+            rollout = self.source.next(step, timer)  # phases gen and reward
+            batch = rollout.batch
             if not self.on_policy:
                 with timer.phase("old_log_prob"):
                     batch.old_log_probs_BT = self.old_log_probs(batch)
@@ -238,84 +209,30 @@ class Trainer:
                 with timer.phase("update_actor"):
                     actor_metrics = self.update(batch)
             with timer.phase("update_weights"):
-                self.sync_weights()
-        metrics = {**reward_metrics, **adv_metrics, **critic_metrics, **actor_metrics, **timer.metrics()}
-        metrics.update(data_metrics(batch, self.dist))
+                sync_metrics = self.sync.after_update()
+        metrics = {**rollout.metrics, **adv_metrics, **critic_metrics, **actor_metrics, **timer.metrics()}
+        return {**metrics, **self._batch_metrics(rollout, timer), **sync_metrics}
+
+    def _batch_metrics(self, rollout, timer: PhaseTimer) -> dict[str, float]:
+        """What the step's batch was: data, agents, the source's own account, throughputs and MFU."""
+        batch, dist = rollout.batch, self.dist
+        metrics = data_metrics(batch, dist)
         if self.cfg.rollout.multi_turn.enable:
-            metrics.update(agent_metrics(batch.trajectories, self.dist))
-        metrics.update(engine_metrics(self.engine, self.dist))
+            metrics.update(agent_metrics(batch.trajectories, dist))
+        metrics.update(rollout.source_metrics)
         trained = self.adapter.trained_parameters()
-        metrics.update(perf_metrics(batch, timer.seconds, self.actor, self.cfg, self.dist, generated, trained))
+        metrics.update(perf_metrics(batch, timer.seconds, self.actor, self.cfg, dist, rollout.generated, trained))
         return metrics
 
     # -----------------------------------------------------------------------------------------
     # phases
     # -----------------------------------------------------------------------------------------
 
-    def rollout(self, records, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float], int]:
-        """gen + reward; with algorithm.filter_groups, further prompt batches until the step holds
-        data.train_batch_size informative groups (minirl.rollout.dynamic_sampling). The number handed to
-        generate (its seed and uids) is then the loader's count of batches drawn, unique per batch.
-        Also returns this rank's response tokens generated over every batch drawn (what the
-        generation time was spent on; the trained batch may hold fewer)."""
-        generated = []
-
-        def gen_and_score(prompts, number: int):
-            with timer.phase("gen"):
-                batch = self.generate(prompts, number)
-            generated.append(model_tokens(batch.trajectories))
-            with timer.phase("reward"):
-                return batch, self.score(batch)
-
-        fg = self.cfg.algorithm.filter_groups
-        if not fg.enable:
-            return *gen_and_score(records, step), sum(generated)
-        batch, metrics = dynamic_sampling.fill_batch(
-            gen_and_score, records, self.loader, fg, self.cfg.data.train_batch_size, self.cfg.rollout.n, self.dist
-        )
-        return batch, metrics, sum(generated)
-
-    def generate(self, records, step: int) -> RolloutBatch:
-        """The step's trajectories: rollout.n samples of every prompt, each through its row's agent
-        loop (single_turn by default: one turn, exactly the batch generate()'s tokens)."""
-        n = self.cfg.rollout.n
-        seed = rollout_seed(self.cfg.trainer.seed, step, self.dist.dp_rank)
-        params = sampling_params(self.cfg.rollout, self.cfg.data.max_response_length, seed)
-        first_uid = (step * self.dist.dp_size + self.dist.dp_rank) * len(records)
-        expanded, uids = expand_groups(records, n, first_uid)
-        trajectories = self.run_agents(expanded, uids, params)
-        return to_batch(
-            expanded, uids, trajectories, self.cfg.rollout, self.cfg.actor.tis_imp_ratio_cap, self.dist.device
-        )
-
-    def run_agents(self, records, uids: list[int], params: SamplingParams, prefix: str = "") -> list:
-        """One Trajectory per (expanded) record, through the engine's request level; the KV cache
-        is resumed and released around it (rollout.free_cache_engine)."""
-        free = self.cfg.rollout.free_cache_engine
-        if free:
-            self.engine.resume_memory()
-        samples = to_samples(records, uids, params, prefix)
-        trajectories = self.agents.run(self.engine, samples, [rec.agent_name for rec in records])
-        if free:
-            self.engine.release_memory()
-        return self.dist.sp_broadcast(trajectories)
-
-    def score(self, batch: RolloutBatch) -> dict[str, float]:
-        """The batch's scores (minirl.reward.trajectory), placed on each response's last token."""
-        d = self.cfg.data
-        batch.scores_B, metrics = training_scores(
-            self.rewards, self.tokenizer, batch.records, batch.trajectories, self.cfg.reward.overlong_buffer,
-            d.max_response_length, self.dist,
-        )  # fmt: skip
-        batch.token_scores_BT = place_scores(batch.scores_B, batch.mask_BT)
-        return metrics
-
-    def _old_source(self) -> str:
-        return "a separate pass"
-
     def old_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
-        """The policy that generated the batch: recomputed by the trainer (an asynchronous trainer
-        may take the rollout engine's instead)."""
+        """The policy that sampled the batch: its own log-probs when the source brought them (an
+        asynchronous job's behaviour policy), else recomputed."""
+        if batch.old_log_probs_BT is not None:
+            return batch.old_log_probs_BT
         return self.log_probs(self.actor, self.old_micro, batch)
 
     def log_probs(self, model, micro, batch: RolloutBatch) -> torch.Tensor:
@@ -371,10 +288,6 @@ class Trainer:
         """The actor as a Hugging Face directory (LoRA: a peft adapter directory; minirl.adapter)."""
         self.adapter.save_hf(self.tokenizer, path, self.dist)
 
-    def sync_weights(self) -> None:
-        """The engine loads the actor's weights (LoRA: the targeted matrices, merged)."""
-        self.engine.load_weights(self.adapter.engine_weights(changed_only=True))
-
     # -----------------------------------------------------------------------------------------
     # output
     # -----------------------------------------------------------------------------------------
@@ -407,7 +320,8 @@ class Trainer:
         """The one line that spells out the effective batch."""
         d, a, dist = self.cfg.data, self.cfg.actor, self.dist
         minis = d.train_batch_size // a.ppo_mini_batch_size
-        old = "from the update's forward (on-policy: no prev-log-prob pass)" if self.on_policy else self._old_source()
+        old = "from the update's forward (on-policy: no prev-log-prob pass)"
+        old = old if self.on_policy else self.source.old_log_probs_note
         return (
             f"batch: {d.train_batch_size} prompts x n={self.cfg.rollout.n} = {d.train_batch_size * self.cfg.rollout.n} "
             f"sequences/step; {minis} mini-batch(es) of {a.ppo_mini_batch_size} prompts x {a.ppo_epochs} epoch(s) = "
@@ -421,16 +335,6 @@ class Trainer:
 def _tis_note(cfg: Config) -> str:
     cap = cfg.actor.tis_imp_ratio_cap
     return f"; TIS cap {cap} ({cfg.origin('actor.tis_imp_ratio_cap')})" if cap > 0 else ""
-
-
-def _logged_val_scores(run_dir: str, upto: int) -> list[tuple[int, float]]:
-    """The validation scores a resumed run logged before its checkpoint (metrics.jsonl), so that
-    the end-of-run line shows the whole run."""
-    path = os.path.join(run_dir, METRICS_FILE)
-    if upto == 0 or not os.path.isfile(path):  # a fresh run, or trainer.logger without 'jsonl'
-        return []
-    scores = [(r["step"], r.get("val/score/mean")) for r in read_metrics(path) if r["step"] <= upto]
-    return [(step, score) for step, score in scores if score is not None]
 
 
 def _filter_groups_note(fg) -> str:

@@ -23,14 +23,15 @@ class TrainingState:
     """Everything the next step depends on besides the config: the models and optimizers (DCP
     shards), LR schedulers by name, the prompt loader (its data position: `drawn` batches, more
     than one a step with dynamic sampling), the non-finite step guard, the adaptive KL controller
-    (or None) and other components' JSON-able state."""
+    (or None) and the batch source's position (an asynchronous job's next batch and weight
+    version; saved as "extra")."""
 
     parts: ckpt_state.Checkpointable
     schedulers: dict[str, Any]
     loader: Any
     guard: Any
     kl_ctrl: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)  # JSON-able state of other components
+    source: Any = None  # state_dict() / load_state_dict() of JSON-able values
     data_files: list[dict] = field(default_factory=list)  # minirl.data.identity of data.train_files
 
     def to_json(self, step: int, seed: int, world_size: int) -> dict:
@@ -49,7 +50,7 @@ class TrainingState:
             "schedulers": {name: s.state_dict() for name, s in self.schedulers.items()},
             "kl_coef": None if self.kl_ctrl is None else self.kl_ctrl.value,
             "nonfinite_guard": self.guard.state_dict(),
-            "extra": self.extra,
+            "extra": self.source.state_dict() if self.source is not None else {},
             "seed": seed,
             "world_size": world_size,
         }
@@ -67,7 +68,8 @@ class TrainingState:
         self.guard.load_state_dict(saved.get("nonfinite_guard", self.guard.state_dict()))
         data = saved["data"]  # checkpoints before dynamic sampling have no batches_drawn
         self.loader.drawn = data.get("batches_drawn", data["epoch"] * data["steps_per_epoch"] + data["batch_in_epoch"])
-        self.extra.update(saved.get("extra", {}))
+        if self.source is not None:
+            self.source.load_state_dict(saved.get("extra", {}))
 
 
 def writer(trainer_cfg, dist: DistContext, on_saved: Callable[[int, str], None]) -> CheckpointWriter:

@@ -26,9 +26,54 @@ import torch
 from minirl.algo.dynamic_sampling import Key, choose_groups, informative_groups
 from minirl.batch import RolloutBatch, concat
 from minirl.dist.context import DistContext
+from minirl.observe.step_metrics import engine_metrics
 from minirl.reward.metrics import merge_reward_metrics
+from minirl.rollout.source import Rollout
+from minirl.rollout.trajectories import model_tokens
 
 log = logging.getLogger(__name__)
+
+
+class FilterGroups:
+    """A collocated source (minirl.rollout.collocated.Collocated) whose step holds only
+    informative groups. A generation batch's number (its seed and uids) is the loader's count of
+    batches drawn, unique per batch."""
+
+    sampled_by_current_weights = True
+
+    def __init__(self, inner, loader, cfg, dist: DistContext):
+        self.inner, self.loader, self.dist = inner, loader, dist
+        self.filter_cfg, self.train_batch_size, self.n = (
+            cfg.algorithm.filter_groups,
+            cfg.data.train_batch_size,
+            cfg.rollout.n,
+        )
+        self.old_log_probs_note = inner.old_log_probs_note
+
+    def next(self, step: int, timer) -> Rollout:
+        generated = []  # every batch drawn: what the generation time was spent on
+
+        def gen_and_score(records, number: int):
+            batch, metrics = self.inner.generate_and_score(records, number, timer)
+            generated.append(model_tokens(batch.trajectories))
+            return batch, metrics
+
+        first = self.loader.next_batch()
+        fg, size = self.filter_cfg, self.train_batch_size
+        batch, metrics = fill_batch(gen_and_score, first, self.loader, fg, size, self.n, self.dist)
+        return Rollout(batch, metrics, sum(generated), engine_metrics(self.inner.engine, self.dist))
+
+    def validate(self) -> dict[str, float]:
+        return self.inner.validate()
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 @dataclass

@@ -9,8 +9,8 @@ import os
 import signal
 import sys
 
-from minirl.async_training.trainer import AsyncTrainer
 from minirl.async_training.worker import RolloutWorker
+from minirl.trainer import Trainer
 
 WHERE = os.environ.get("MINIRL_TEST_ASYNC", "")
 
@@ -29,8 +29,8 @@ def _patched_batch(batch):
 
 
 def _patched_step(train_step):
-    def patched(self, records, step):
-        metrics = train_step(self, records, step)
+    def patched(self, step):
+        metrics = train_step(self, step)
         if WHERE == f"trainer:{step}:{os.environ.get('RANK')}":
             _kill()
         return metrics
@@ -39,7 +39,7 @@ def _patched_step(train_step):
 
 
 RolloutWorker._batch = _patched_batch(RolloutWorker._batch)
-AsyncTrainer.train_step = _patched_step(AsyncTrainer.train_step)
+Trainer.train_step = _patched_step(Trainer.train_step)
 
 if __name__ == "__main__":
     from minirl.cli import main

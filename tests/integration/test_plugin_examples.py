@@ -43,7 +43,7 @@ def test_engine_and_reward_examples_train_a_step(tmp_path, data_dir, monkeypatch
         ],
     )
     (metrics,) = trainer.fit()
-    assert type(trainer.engine).__name__ == "LoopEngine"
+    assert type(trainer.source.engine).__name__ == "LoopEngine"
     assert metrics["reward/errors"] == 0
     assert metrics["rollout_corr/log_ratio_mean"] == pytest.approx(0.0, abs=1e-5)
 

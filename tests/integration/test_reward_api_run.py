@@ -60,7 +60,7 @@ def test_custom_reward_in_workers_with_overlong_penalty(tmp_path, data_dir, rewa
         assert m["score/mean"] == pytest.approx(0.5 + m["reward/overlong_penalty/mean"], abs=1e-6)
         assert m["reward/overlong_penalty/mean"] == pytest.approx(-0.5 * m["reward/overlong_penalty/frac"])
     assert any(m["reward/overlong_penalty/frac"] > 0 for m in history)  # the copy task answers in 2 tokens
-    assert trainer.rewards.pool.workers == []
+    assert trainer.source.rewards.pool.workers == []
 
 
 def test_validation_scores_carry_no_overlong_penalty(tmp_path, data_dir, reward_file):
@@ -90,14 +90,14 @@ def test_pool_is_closed_when_the_run_fails(tmp_path, data_dir, reward_file, monk
     started = []
 
     def broken(batch):
-        started.extend(w.process for w in trainer.rewards.pool.workers)
+        started.extend(w.process for w in trainer.source.rewards.pool.workers)
         raise RuntimeError("boom")
 
     monkeypatch.setattr(trainer, "advantages", broken)
     with pytest.raises(RuntimeError, match="boom"):
         trainer.fit()
     assert started and not any(p.is_alive() for p in started)
-    assert trainer.rewards.pool.workers == []
+    assert trainer.source.rewards.pool.workers == []
 
 
 def test_pool_is_closed_when_the_run_is_stopped(tmp_path, data_dir, reward_file, monkeypatch):
@@ -108,7 +108,7 @@ def test_pool_is_closed_when_the_run_is_stopped(tmp_path, data_dir, reward_file,
     started, advantages = [], trainer.advantages
 
     def signalled(batch):
-        started.extend(w.process for w in trainer.rewards.pool.workers)
+        started.extend(w.process for w in trainer.source.rewards.pool.workers)
         os.kill(os.getpid(), signal.SIGTERM)
         return advantages(batch)
 

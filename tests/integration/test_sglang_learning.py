@@ -29,17 +29,18 @@ def fake_sglang(monkeypatch):
 
 
 def _check_every_sync(trainer, checks: list) -> None:
-    """Wrap trainer.sync_weights: after each call, compare the engine's weights with the actor's."""
-    sync = trainer.sync_weights
+    """Wrap the weight sync: after each update, compare the engine's weights with the actor's."""
+    sync = trainer.sync.after_update
 
     def checked():
-        sync()
-        engine_model = trainer.engine.engine.scheduler.model
+        metrics = sync()
+        engine_model = trainer.source.engine.engine.scheduler.model
         dtype = next(engine_model.parameters()).dtype
         actor = weights_checksum(assembly.full_weights(trainer.actor), dtype)
         checks.append(actor == weights_checksum(engine_model.named_parameters(), dtype))
+        return metrics
 
-    trainer.sync_weights = checked
+    trainer.sync.after_update = checked
 
 
 @pytest.mark.parametrize("version", SGLANG_PROFILES)
@@ -53,7 +54,7 @@ def test_engine_weights_equal_the_actors_after_every_step(tmp_path, data_dir, fa
     history = trainer.fit()
     assert len(history) == 3 and checks == [True] * 3
     assert all(m["rollout_corr/prob_diff_max"] < 1e-3 for m in history)  # SGLang's log-probs are kept
-    assert type(trainer.engine).__name__ == "SGLangEngine"
+    assert type(trainer.source.engine).__name__ == "SGLangEngine"
 
 
 @pytest.mark.slow

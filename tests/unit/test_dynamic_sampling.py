@@ -36,8 +36,8 @@ def half_solved(rec: PromptRecord, i: int) -> float:
 
 
 def fake_engine(score_of=half_solved, rank: int = 0, dp: int = 1, calls: list | None = None):
-    """gen_and_score(prompts, number) as Trainer.rollout builds it: responses of 2-4 tokens that
-    depend on the prompt, the sample and the batch number; uids as Trainer.generate makes them."""
+    """gen_and_score(prompts, number) as FilterGroups builds it: responses of 2-4 tokens that
+    depend on the prompt, the sample and the batch number; uids as Collocated.generate makes them."""
 
     def gen_and_score(prompts, number):
         expanded, uids = expand_groups(prompts, N, (number * dp + rank) * len(prompts))

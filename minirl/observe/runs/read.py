@@ -133,3 +133,13 @@ def config_differences(runs: list[Run]) -> list[tuple[str, list[Any]]]:
         if len({repr(r.config.get(key)) for r in with_config}) > 1:
             out.append((key, values))
     return out
+
+
+def logged_val_scores(run_dir: str, upto: int) -> list[tuple[int, float]]:
+    """(step, val/score/mean) of what a resumed run logged up to its checkpoint's step, so that
+    the end-of-run line shows the whole run; [] for a fresh run or one without the jsonl logger."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    if upto == 0 or not os.path.isfile(path):
+        return []
+    scores = [(r["step"], r.get("val/score/mean")) for r in read_metrics(path) if r["step"] <= upto]
+    return [(step, score) for step, score in scores if score is not None]
