@@ -205,7 +205,7 @@ class KLCtrlConfig:
 
 @dataclass(frozen=True)
 class FilterGroupsConfig:
-    """DAPO's dynamic sampling (minirl.algo.dynamic_sampling)."""
+    """DAPO's dynamic sampling (minirl.rollout.dynamic_sampling)."""
 
     enable: bool = False  # drop groups whose metric is the same for all n samples; refill from more prompts
     metric: str = "score"  # score | seq_reward | seq_final_reward (minirl.algo.dynamic_sampling.SEQUENCE_METRICS)
