@@ -34,7 +34,8 @@ class RolloutBatch:
     rollout_log_probs_BT   gen (rollout.calculate_log_probs)     update_actor (TIS, rollout_corr/*)
     scores_B               reward                                dynamic sampling, data metrics
     token_scores_BT        reward (score on last model token)    adv, dynamic sampling, guard
-    old_log_probs_BT       old_log_prob (not on-policy)          adv (KL in reward), update_actor, guard
+    old_log_probs_BT       old_log_prob (not on-policy), or the  adv (KL in reward), update_actor, guard
+                           asynchronous source (bypass mode)
     ref_log_probs_BT       ref (a KL loss or KL in the reward)   adv (KL in reward), update_actor, guard
     values_BT              values (an estimator of values)       adv, update_critic, value metrics
     rewards_BT             adv (token scores − β·KL)             data metrics, guard

@@ -1,23 +1,10 @@
 """Tool-call parsing: the model's turn text -> (its text without the calls, the calls in order),
 and a call's arguments checked against the tool's JSON schema (check_arguments).
 
-`rollout.multi_turn.format` names a parser in PARSERS. Only `hermes` exists today: the Qwen and
-Hermes chat templates teach the model to write
-
-    <tool_call>
-    {"name": "calculator", "arguments": {"expression": "2+3"}}
-    </tool_call>
-
-Choices that differ from verl's parser on purpose:
-- A malformed block (bad JSON, no "name", "arguments" not an object, no closing tag) comes back as
-  a ToolCall with `error` set instead of being dropped: the agent loop answers it with an error
-  message, so the model learns the format instead of its turn silently ending.
-- Calls inside <think>...</think> are reasoning, not actions, and are ignored (verl#6424). The text
-  is read tag by tag: inside a call only a </tool_call> outside the call's JSON strings closes it,
-  so a `</think>` or `</tool_call>` in an argument (code that prints one) is the call's text. A turn
-  that starts inside a thought (R1-Distill's generation prompt opens <think>) is parsed with
-  thinking=True; without it, a `</think>` outside every call with no <think> before it still says
-  that the text before it was a thought the prompt opened.
+`rollout.multi_turn.format` names a parser in PARSERS; only `hermes` exists today
+(`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as the Qwen and Hermes templates
+teach). Where it departs from verl's parser on purpose (a malformed block comes back as an error
+the model sees; calls inside <think>...</think> are not run, read tag by tag): docs/agents.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """One engine, many agent loops: the engine steps while the loops wait for it or for their tools.
 
-Every loop is an asyncio task on one event loop. A loop is *busy* while it runs its own code,
-and idle while it awaits the engine (EngineServer.generate) or a tool (EngineServer.idle). The
-server steps the engine only when no loop is busy: every request a loop is about to submit is
-then in the engine's queue, so a batch of single-turn loops submits exactly what generate()
-would, in the same order, and samples the same tokens. While some loops wait for a slow tool,
-the others' requests keep decoding: the engine steps whenever nobody is busy, whatever the tools
-are doing, and tools run in threads or processes, not on the event loop.
-
-Ordered mode (rollout.multi_turn.deterministic) trades that overlap for reproducibility: when
-tools finish depends on threads and timers, and so would the engine step a continuation joins
-and its row in the batch (which draws the sampler's random numbers). In ordered mode the engine
-does not step while a tool call is running, and the loops waiting for tools resume together, in
-the order they called, once all of their calls are back: every step then sees the same requests
-in the same order, run after run.
+Every loop is an asyncio task; the server steps the engine only when no loop is busy running its
+own code, so a batch of single-turn loops submits exactly what generate() would, in its order.
+Ordered mode (rollout.multi_turn.deterministic) also holds the engine while tools run and resumes
+their loops in call order, for reproducible multi-turn runs (docs/architecture.md, "Rollout").
 """
 
 from __future__ import annotations

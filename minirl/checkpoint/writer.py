@@ -1,23 +1,13 @@
-"""Who writes a run's checkpoints, and when: at once, or in the background (trainer.async_save).
-
-In the background, training stops only while the state is copied to host memory
-(minirl.checkpoint.staging); the write, its checksums, the fsyncs, the manifest and the rename
-run on a thread while the next steps train:
+"""Who writes a run's checkpoints, and when: at once, or in the background (trainer.async_save):
+training stops only while the state is copied to host memory, and a thread writes it while the
+next steps train (docs/architecture.md, "Checkpoints and resume").
 
   save    waits for the previous write (raising its error), copies the state, starts the write
   poll    after every step: collects a write that has finished on every rank (the ranks agree
           first, so all of them raise a failed write's error after the same step)
   wait    at the end of the run and on a stop by signal: blocks until the write is done
   close   at the end of the run, after a failure elsewhere too: waits like `wait`, but prints a
-          failed write's error instead of raising it (the run's first error is the one reported);
-          frees the host copies
-
-A write in flight is no checkpoint yet: a kill before its rename leaves `.tmp_ckpt_<step>`
-(removed at the next start), and the run resumes from the newest complete checkpoint, the one
-before. Retention (trainer.max_ckpt_to_keep) counts complete checkpoints only, after the rename.
-The write's collectives (DCP's plan and results, the agreement on a failure, the checksums
-gathered for the manifest) run on a gloo process group of its own, so they never interleave
-with the training's collectives on the default group.
+          failed write's error instead of raising it (the run's first error is the one reported)
 """
 
 from __future__ import annotations

@@ -1,33 +1,11 @@
 """Fused log-softmax + entropy over a logits chunk in Triton: no float32 [n, V] tensor ever exists.
 
-The plain path (`logprob._chunk_stats`) upcasts a chunk's logits to float32 and makes about ten
-vocabulary-sized passes over it in the forward, its recomputation and autograd's element-wise
-backward. Here the lm_head GEMM stays in cuBLAS and writes the logits chunk z [n, V] in its dtype
-(bf16 under autocast); one kernel streams each row once and one kernel writes grad_z once.
-
-Math, per row (s = z / T, p = softmax(s), y the label; everything accumulated in float32):
-    lse     = log Σ_j exp(s_j)
-    logp    = s_y − lse
-    H       = lse − Σ_j p_j s_j                      (= −Σ p log p, no log of a probability)
-Forward: one streaming pass with an online max m. For each block of columns with block max b,
-m' = max(m, b), r = exp(m − m'), and the two running sums of shifted terms are rescaled:
-    d  = Σ exp(s − m)               -> d' = r·d + Σ_block exp(s − m')
-    A  = Σ exp(s − m)·(s − m)       -> A' = r·(A + (m − m')·d) + Σ_block exp(s − m')·(s − m')
-(exp(s − m') = r·exp(s − m) and s − m' = (s − m) + (m − m')). At the end lse = m + log d,
-Σ p s = m + A/d, so H = log d − A/d: a difference of O(1) terms, free of the O(|s|) m.
-Saved per row for backward: m and ld = log d (8 bytes).
-Backward: with g_l = ∂L/∂logp and g_H = ∂L/∂H,
-    ∂logp/∂s_j = δ_jy − p_j
-    ∂H/∂s_j    = p_j − ∂(Σ_k p_k s_k)/∂s_j = p_j − (p_j + Σ_k s_k p_k (δ_kj − p_j)) = −p_j (s_j − E_p[s])
-so, with ∂s/∂z = 1/T,
-    grad_z_j = (1/T)·[g_l (δ_jy − p_j) − g_H p_j (s_j − E_p[s])]
-computed from z and the saved row statistics: p_j = exp((s_j − m) − ld), s_j − E_p[s] =
-(s_j − m) − (ld − H) since E_p[s] = lse − H = m + ld − H. grad_z is written in z's dtype (as
-autograd's backward of the plain path's `.float()` casts it), and the head's gradients then come
-from cuBLAS through autograd (grad_h = grad_z W, grad_W += grad_zᵀ h).
-
-A label outside [0, V) gives a NaN log-prob instead of reading out of bounds; logits / T must be
-finite and above −1e30 (the running max's start, see the forward kernel).
+The lm_head GEMM stays in cuBLAS and writes the logits chunk z [n, V] in its dtype; one kernel
+streams each row once (an online max, two rescaled running sums), one kernel writes grad_z once,
+where the plain path (`logprob._chunk_stats`) makes about ten float32 vocabulary-sized passes.
+The math of both kernels is in docs/architecture.md ("The fused log-prob head"). A label outside
+[0, V) gives a NaN log-prob instead of reading out of bounds; logits / T must be finite and above
+−1e30 (the running max's start).
 """
 
 from __future__ import annotations

@@ -6,14 +6,9 @@ its class, its decoder and its other modules, so minirl's assembly (activation c
 compiled layers, FSDP2, Ulysses) sees the same tree with three more leaves per targeted matrix.
 Only the adapters require gradients, so the optimizer holds state for them alone.
 
-What the rest of minirl asks of this module:
-- `adapters_disabled(model)`: the base model, for the reference log-probs (no second copy);
-- `merged_weights(model)`: (Hugging Face name, W + B A * alpha / r) for the rollout engines, the
-  checksum and the merged export; `adapted_only` yields just the targeted matrices (the frozen
-  rest never changes after the engine's first load);
-- `adapter_state` / `save_adapter` / `load_adapter`: peft's adapter directory
-  (adapter_config.json + adapter_model.safetensors) in and out.
-peft is imported only here and only when LoRA is on (the optional extra minirl[lora]).
+Here: injection, the adapters switched off (the reference), the merged weights (what an engine
+computes with) and peft's adapter directory in and out; the model adapter (minirl.adapter.lora)
+decides when each is used. peft is imported only here, when LoRA is on (the extra minirl[lora]).
 """
 
 from __future__ import annotations

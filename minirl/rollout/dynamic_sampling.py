@@ -1,18 +1,8 @@
-"""Dynamic sampling (DAPO, Yu et al. 2025, §3.2; verl's algorithm.filter_groups; docs/plugins.md
-has the keys, the metrics and the data position): groups without signal are dropped
-(minirl.algo.dynamic_sampling says which) and further prompt batches are generated until the step
-holds data.train_batch_size informative groups.
-
-How this departs from verl's DAPO trainer:
-1. At algorithm.filter_groups.max_num_gen_batches (verl raises) the step trains on the
-   informative groups it has: a short step, filter_groups/cap_hit = 1, and a warning.
-2. The keep set is the first train_batch_size informative groups in global prompt order
-   (generation batch, rank, group), as one process would choose; ranks then hand surplus
-   groups to ranks short of them, so every rank holds the same number of groups (the mini-/
-   micro-batching and the global normalisation assume it).
-3. A short step is rounded up to a positive multiple of the data-parallel size with its first
-   uninformative groups (zero GRPO advantage), so the ranks stay balanced.
-4. Groups of one sample (rollout.n = 1) are refused by validation (verl keeps them).
+"""Dynamic sampling (DAPO, Yu et al. 2025, §3.2; verl's algorithm.filter_groups): groups without
+signal are dropped (minirl.algo.dynamic_sampling says which) and further prompt batches are
+generated until the step holds data.train_batch_size informative groups, the first ones in global
+prompt order, balanced over the ranks. docs/plugins.md has the keys, the metrics, the data
+position and where this departs from verl (a capped short step instead of an error).
 Legend: B sequences, G groups of this rank's generation batch, R data-parallel ranks.
 """
 
