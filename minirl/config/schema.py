@@ -24,7 +24,7 @@ class ModelConfig:
     compile_layers: bool = False  # torch.compile each decoder layer (actor and reference): fuses the element-wise work
     fused_mlp: bool = False  # SiLU·mul in the gate/up GEMM's epilogue in gradient-free forwards (Hopper GPUs)
     seed: int = 0  # seed of the random weights of a preset (and of fresh LoRA adapters)
-    # LoRA (minirl[lora], peft; docs/lora.md): train low-rank adapters, the base weights frozen
+    # LoRA (minirl[lora], peft; docs/architecture.md): train low-rank adapters, the base weights frozen
     lora_rank: int = 0  # 0: off (full fine-tuning); r of the adapters
     lora_alpha: int = 16  # the adapters' output is scaled by lora_alpha / lora_rank
     target_modules: Union[str, list[str]] = "all-linear"  # all-linear, a list of module names, or a regex

@@ -33,11 +33,8 @@ class FilterGroups:
 
     def __init__(self, inner, loader, cfg, dist: DistContext):
         self.inner, self.loader, self.dist = inner, loader, dist
-        self.filter_cfg, self.train_batch_size, self.n = (
-            cfg.algorithm.filter_groups,
-            cfg.data.train_batch_size,
-            cfg.rollout.n,
-        )
+        self.filter_cfg, self.n = cfg.algorithm.filter_groups, cfg.rollout.n
+        self.train_batch_size = cfg.data.train_batch_size
         self.old_log_probs_note = inner.old_log_probs_note
 
     def next(self, step: int, timer) -> Rollout:
