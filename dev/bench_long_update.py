@@ -60,7 +60,8 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device(args.device)
     # bf16 parameters, as FSDP2 gathers them for the forward (param_dtype): the activations are bf16
-    model = random_model(preset_config(args.preset), device, torch.bfloat16 if device.type == "cuda" else torch.float32, 0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = random_model(preset_config(args.preset), device, dtype, 0)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     compile_layers(model, device.type == "cuda")
