@@ -3,8 +3,9 @@
     python3 dev/bench_lora_sync.py [--preset qwen2-1.5b] [--rank 64] [--rows 256] [--steps 1024]
 
 At the preset's shape with every linear layer targeted (`all-linear`), in bf16:
-1. merge: what `Trainer.sync_weights` does per targeted matrix, W + B A * alpha / r summed in
-   float32 and rounded once (minirl.models.lora.merged), then the copy into the engine's weight;
+1. merge: what the weight sync does per targeted matrix (minirl.adapter, `engine_weights`),
+   W + B A * alpha / r summed in float32 and rounded once (minirl.models.lora.merged), then the
+   copy into the engine's weight;
 2. apply: the two extra GEMMs a decode step would run per targeted matrix, (x Aᵀ) Bᵀ for `rows`
    sequences, beside the base GEMM x Wᵀ (timed as the difference), times `steps` decode steps
    of one rollout.
