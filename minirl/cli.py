@@ -85,7 +85,7 @@ def resolve(args: argparse.Namespace):
     profile = args.profile or default_profile(args.config)
     pm = plugin_manager(args.config, args.overrides, profile)
     sections = dict(pm["config_sections"].items)
-    cfg = load_config(args.config, args.overrides, profile, extra_sections=sections)
+    cfg = load_config(args.config, args.overrides, profile, extra_sections=sections, strict=False)
     return pm, cfg
 
 
