@@ -74,7 +74,7 @@ def report(problems: list[Problem], cfg: Config) -> str:
     at its default, so a rule about that default would only repeat the first line)."""
     unloaded = {e.key for e in cfg.load_errors}
     lines = [e.line for e in cfg.load_errors] + [
-        f"{p.key} = {p.value!r} ({_origin(cfg, p.key)}): {p.rule}; {p.fix}"
+        f"{p.key} = {p.value!r} ({_origin(cfg, p.key)}): {p.rule}" + (f"; {p.fix}" if p.fix else "")
         for p in problems
         if p.key.split("[")[0] not in unloaded
     ]

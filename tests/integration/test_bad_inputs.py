@@ -1018,6 +1018,23 @@ def test_tool_file_entry_errors_name_the_entry(capsys, tmp_path, base):
     fails(capsys, argv, "tools.yaml", "calculatr", "calculator")
 
 
+def test_tool_file_missing_or_malformed_says_so_once(capsys, tmp_path, base):
+    """A missing tool file: the key once, "no such file" and how to make one (not "fix the file");
+    a malformed one: the line and column where YAML stopped, "fix the file" once."""
+    argv = base + ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tmp_path}/t.yaml"]
+    message = fails(capsys, argv, "no such file", "examples/tools/tool_config.yaml")
+    assert message.count("tool_config_path") == 1 and "fix the file" not in message
+    (tmp_path / "t.yaml").write_text("tools:\n  - class_name: calculator\n    config: {type: native\n")
+    message = fails(capsys, argv, "not valid YAML at line 4, column 1", "fix the file")
+    assert message.count("tool_config_path") == 1 and message.count("fix the file") == 1
+
+
+def test_unknown_data_source_names_both_ways_to_score_it(capsys, tmp_path, base):
+    """An unknown data_source: a plugin hook or, without writing a plugin, custom_reward_function.path."""
+    path = write_rows(tmp_path / "d.parquet", [good_row(i, data_source="my_task") for i in range(50)])
+    fails(capsys, base + [files_override(path)], "custom_reward_function.path", "minirl_reward_functions hook")
+
+
 def test_agent_name_not_a_string_names_the_row(capsys, tmp_path, base):
     path = write_rows(tmp_path / "d.parquet", [good_row(i, agent_name=7) for i in range(8)])
     fails(capsys, base + [files_override(path)], "d.parquet:0", "field 'agent_name' must be a string")
