@@ -47,7 +47,10 @@ class LoRAFineTuning:
             merged = f" (the merged model in {hf}/merged)" if self.save_merged else ""
             out = f"every {trainer_cfg.save_hf_freq} steps a peft adapter directory {hf}{merged}"
         else:
-            out = "no adapter directory during the run (trainer.save_hf_freq = 0; python -m minirl export writes one)"
+            out = (
+                "no adapter directory during the run (trainer.save_hf_freq = 0; after it, python -m minirl export "
+                "--checkpoint CKPT --out DIR --keep-adapter writes the merged model and the adapter)"
+            )
         return (
             f"LoRA: only the adapters train: rank {c.r}, alpha {c.lora_alpha}, on {len(layers)} linear layers "
             f"({targets}), {trained:,} trainable parameters of {total:,} "

@@ -46,7 +46,7 @@ def test_the_run_chooses_its_cpu_threads_and_says_so(tmp_path, data_dir, omp, sa
     last = proc.stdout.strip().splitlines()[-1]
     run_dir = tmp_path / "bench"
     assert last.startswith(f"run directory: {run_dir} (metrics.jsonl, config.toml, newest checkpoint ckpt_1:")
-    assert f"python -m minirl export {run_dir / 'ckpt_1'}" in last
+    assert f"python -m minirl export --checkpoint {run_dir / 'ckpt_1'} --out DIR" in last
 
 
 def test_multi_turn_step_lines_show_turns_and_tool_calls(tmp_path, capsys):

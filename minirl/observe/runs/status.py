@@ -53,7 +53,8 @@ class RunStatus:
         line = f"run directory: {self.run_dir} ({', '.join(files)}"
         if not self.checkpoint:
             return line + ")"
-        ckpt, export = os.path.basename(self.checkpoint), f"python -m minirl export {self.checkpoint}"
+        ckpt = os.path.basename(self.checkpoint)
+        export = f"python -m minirl export --checkpoint {self.checkpoint} --out DIR"
         return f"{line}, newest checkpoint {ckpt}: {export} makes it a Hugging Face directory)"
 
 
