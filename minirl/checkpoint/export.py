@@ -109,8 +109,14 @@ def _fresh_dir(out: str) -> str:
     out = os.path.abspath(os.path.expanduser(out))
     if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
         raise UserError(f"--out {out}: already exists and is not an empty directory; name a new directory")
+    try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+    except OSError as exc:
+        raise UserError(
+            f"--out {out}: cannot create {os.path.dirname(out)} ({exc.strerror}); choose another place"
+        ) from None
     if not os.access(os.path.dirname(out), os.W_OK):
-        raise UserError(f"--out {out}: cannot write in {os.path.dirname(out)} (missing or read-only); create it first")
+        raise UserError(f"--out {out}: cannot write in {os.path.dirname(out)} (read-only); choose another place")
     stale = f"{out}.tmp-{os.getpid()}"
     shutil.rmtree(stale, ignore_errors=True)
     return out
