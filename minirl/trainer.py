@@ -103,6 +103,9 @@ class Trainer:
             return self._fit()
         except Stopped:
             raise
+        except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, without a checkpoint of this step
+            self.status.update("stopped", self.start_step + len(self.history), signal="a second SIGINT")
+            raise
         except BaseException as exc:  # what compare says of this run
             self.status.update("crashed", self.start_step + len(self.history), error=describe(exc))
             raise

@@ -161,6 +161,7 @@ def _dead_pid() -> int:
             "stopped by SIGINT; resumable from runs/b/ckpt_2",
         ),
         ({"state": "crashed", "error": "RuntimeError: boom", "checkpoint": None}, "crashed: RuntimeError: boom"),
+        ({"state": "stopped", "signal": "a second SIGINT", "checkpoint": None}, "no checkpoint to resume from"),
         ({"state": "running", "pid": "self", "checkpoint": "runs/b/ckpt_1"}, "still running (process"),
         ({"state": "running", "pid": "dead", "checkpoint": "runs/b/ckpt_1"}, "is gone"),
         ({"state": "running", "pid": 1, "host": "elsewhere"}, "running on elsewhere (process 1), or killed there"),

@@ -75,7 +75,9 @@ def describe(status: dict[str, Any] | None) -> str:
     if state == "finished":
         return "finished"
     if state == "stopped":
-        return f"stopped by {status.get('signal', 'a signal')}; resumable from {status.get('checkpoint')}"
+        ckpt = status.get("checkpoint")
+        resume = f"resumable from {ckpt}" if ckpt else "no checkpoint to resume from"
+        return f"stopped by {status.get('signal', 'a signal')}; {resume}"
     last = f"; the newest checkpoint: {status['checkpoint']}" if status.get("checkpoint") else ""
     if state == "crashed":
         return f"crashed: {status.get('error', 'an error')}{last}"
