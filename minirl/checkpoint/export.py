@@ -22,7 +22,7 @@ from minirl.checkpoint import state as ckpt_state
 from minirl.checkpoint import store
 from minirl.checkpoint.hf import save_hf_checkpoint
 from minirl.config.load import Config, load_config
-from minirl.dist.context import DistContext
+from minirl.dist.context import DistContext, resolve_device
 from minirl.errors import UserError
 from minirl.models import lora
 from minirl.models.loading import load_model
@@ -85,11 +85,20 @@ def load_checkpoint_model(ckpt: str, device: torch.device, overrides: list[str] 
     if damaged:
         raise UserError(f"checkpoint {ckpt} is damaged ({damaged[0]}); use an older ckpt_<step> of the run")
     cfg = checkpoint_config(ckpt, overrides)
-    model, tokenizer = load_model(cfg.model, device, cfg.model.dtype)
+    model, tokenizer = load_model(cfg.model, _base_device(cfg, device), cfg.model.dtype)
     if lora.enabled(cfg.model):
         lora.apply_lora(model, cfg.model, cfg.model.path or cfg.model.preset)
     ckpt_state.load_model_weights(ckpt, model, trainable_only=lora.enabled(cfg.model))
-    return model.eval().requires_grad_(False), tokenizer, cfg
+    return model.to(device).eval().requires_grad_(False), tokenizer, cfg
+
+
+def _base_device(cfg: Config, device: torch.device) -> torch.device:
+    """Where to build the model: a LoRA checkpoint of a random preset holds only the adapters, and
+    its frozen base must be drawn where the run drew it (CPU and CUDA draw different numbers from
+    one seed)."""
+    if cfg.model.path or not lora.enabled(cfg.model):
+        return device
+    return resolve_device(cfg.trainer.device)
 
 
 def checkpoint_config(ckpt: str, overrides: list[str] = ()) -> Config:
