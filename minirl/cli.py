@@ -14,6 +14,8 @@ import sys
 
 from minirl.checkpoint.check import HELP as CHECK_HELP
 from minirl.checkpoint.check import check_command
+from minirl.checkpoint.export import HELP as EXPORT_HELP
+from minirl.checkpoint.export import export_command
 from minirl.config.load import load_config, plugin_modules, profiles_in, to_toml
 from minirl.errors import UserError
 from minirl.observe.runs.commands import COMMANDS
@@ -23,8 +25,11 @@ USAGE = """python -m minirl --config FILE [--profile P] [--print-config] [sectio
        python -m minirl plugins [--config FILE] [section.key=value ...]
        python -m minirl compare RUN_A RUN_B [...] [--names a,b] [--steps 2:] [--format text|markdown|csv]
        python -m minirl report RUN [RUN ...] [--out DIR]
-       python -m minirl check-checkpoint DIR"""
+       python -m minirl check-checkpoint DIR
+       python -m minirl export --checkpoint RUN/ckpt_N --out DIR [--keep-adapter]
+       python -m minirl eval --model CKPT_OR_HF_DIR --data FILE.parquet --out results.jsonl [--n K] [--greedy]"""
 
+EVAL_HELP = "generate on a parquet file with a checkpoint or HF directory: score per data_source, pass@k"
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
@@ -38,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         "  (none)     run a job: --config FILE [--profile P] [section.key=value ...]\n"
         "  plugins    list every plugin and registered component (with --config: its [plugins] modules too)\n"
         + "".join(f"  {name:10s} {help_line}\n" for name, (_, help_line) in COMMANDS.items())
-        + f"  check-checkpoint DIR\n             {CHECK_HELP}\n",
+        + f"  check-checkpoint DIR\n             {CHECK_HELP}\n"
+        + f"  export     {EXPORT_HELP}\n"
+        + f"  eval       {EVAL_HELP}\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="a TOML config file (see bench.toml)")
@@ -85,7 +92,7 @@ def resolve(args: argparse.Namespace):
     profile = args.profile or default_profile(args.config)
     pm = plugin_manager(args.config, args.overrides, profile)
     sections = dict(pm["config_sections"].items)
-    cfg = load_config(args.config, args.overrides, profile, extra_sections=sections)
+    cfg = load_config(args.config, args.overrides, profile, extra_sections=sections, strict=False)
     return pm, cfg
 
 
@@ -101,6 +108,12 @@ def run(argv: list[str]) -> int:
         return list_plugins(argv[1:])
     if argv[:1] == ["check-checkpoint"]:
         return check_command(argv[1:])
+    if argv[:1] == ["export"]:
+        return export_command(argv[1:])
+    if argv[:1] == ["eval"]:
+        from minirl.evaluation.command import eval_command
+
+        return eval_command(argv[1:])
     if argv[:1] and argv[0] in COMMANDS:
         return COMMANDS[argv[0]][0](argv[1:])
     args = build_parser().parse_intermixed_args(argv)

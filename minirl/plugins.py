@@ -200,10 +200,14 @@ class PluginManager:
         return self.registries[kind]
 
     def describe(self) -> str:
-        """What `python -m minirl plugins` prints: every plugin, then every component by kind."""
+        """What `python -m minirl plugins` prints: every plugin, then every component by kind
+        (a kind nothing registered, such as config_sections without a plugin's own section, is
+        left out rather than printed as an empty heading)."""
         lines = ["plugins:"]
         lines += [f"  {name}" for name, _ in self.pm.list_name_plugin()]
         for kind, registry in self.registries.items():
+            if not registry.items:
+                continue
             lines.append(f"{kind}:")
             for name in sorted(registry.items):
                 lines.append(f"  {name:32s} {registry.providers[name]}")

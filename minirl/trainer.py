@@ -26,13 +26,15 @@ from minirl.config.load import Config
 from minirl.critic import critic_line
 from minirl.critic import update as critic_lib
 from minirl.data.identity import file_identity
+from minirl.dist import spmd
 from minirl.dist.context import DistContext
 from minirl.dist.signals import StopRequest
-from minirl.errors import Stopped
+from minirl.errors import Stopped, describe
 from minirl.forward.packed import logprob_head, per_token_pass
 from minirl.models import assembly
 from minirl.observe.metrics import PhaseTimer, summary_table
 from minirl.observe.runs.read import logged_val_scores
+from minirl.observe.runs.status import RunStatus
 from minirl.observe.step_metrics import agent_metrics, data_metrics, perf_metrics, value_metrics
 from minirl.protocols import AdvantageInputs
 from minirl.rollout.collocated import collocated
@@ -75,6 +77,7 @@ class Trainer:
         self.checkpoints = ckpt_training.writer(cfg.trainer, dist, self._checkpoint_saved)
         self.start_step = self._resume()  # last: restores the random streams too
         self.loggers = build.loggers(pm, cfg, self.run_dir, self.start_step, dist)
+        self.status = RunStatus(self.run_dir, dist.is_main, self.plan.resume_from)  # status.json
         # (step, greedy validation score), with those a resumed run logged before its checkpoint
         self.val_scores: list[tuple[int, float]] = logged_val_scores(self.run_dir, self.start_step)
 
@@ -94,9 +97,18 @@ class Trainer:
     # -----------------------------------------------------------------------------------------
 
     def fit(self) -> list[dict[str, float]]:
+        self.status.update("running", self.start_step)
         try:
             self.sync.start(resumed=self.start_step > 0)
             return self._fit()
+        except Stopped:
+            raise
+        except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, without a checkpoint of this step
+            self.status.update("stopped", self.start_step + len(self.history), signal="a second SIGINT")
+            raise
+        except BaseException as exc:  # what compare says of this run
+            self.status.update("crashed", self.start_step + len(self.history), error=describe(exc))
+            raise
         finally:  # normal end, an exception, or Stopped: nothing the run started outlives it
             self.checkpoints.close()  # a checkpoint write in flight
             self.source.close()  # the reward workers, or the rollout ranks
@@ -105,6 +117,8 @@ class Trainer:
     def _fit(self) -> list[dict[str, float]]:
         t = self.cfg.trainer
         self._print(self._batch_line())
+        if self.adapter.describe(t, self.run_dir):
+            self._print(self.adapter.describe(t, self.run_dir))
         if self.critic is not None:
             self._print(critic_line(self.cfg, self.critic))
         if self.start_step >= self.total_steps:
@@ -134,6 +148,7 @@ class Trainer:
                     raise self._stopped(signum, step, bar)
                 bar.update(1)
         self.checkpoints.wait()  # the last checkpoint complete before the run ends
+        self.status.update("finished", self.total_steps)
         return self._finish(bar)
 
     def _is_due(self, freq: int, step: int) -> bool:
@@ -154,6 +169,7 @@ class Trainer:
         return ckpt_training.save(self.state, step, self.cfg, self.run_dir, self.checkpoints)
 
     def _checkpoint_saved(self, step: int, path: str) -> None:
+        self.status.saved(step, path)
         if self.dist.is_main:
             self.pm.hook.minirl_on_checkpoint_saved(step=step, path=path)
 
@@ -173,8 +189,9 @@ class Trainer:
 
     def _stopped(self, signum: int, step: int, bar) -> Stopped:
         self.checkpoints.wait()
-        self._finish(bar)
         path = os.path.join(self.run_dir, f"ckpt_{step}")
+        self.status.update("stopped", step, signal=signal.Signals(signum).name)
+        self._finish(bar)
         how = (
             "run the same command again (trainer.resume_mode = 'auto' resumes from it)"
             if self.cfg.trainer.resume_mode == "auto"
@@ -190,9 +207,9 @@ class Trainer:
         with timer.phase("step"):
             rollout = self.source.next(step, timer)  # phases gen and reward
             batch = rollout.batch
-            if not self.on_policy:
+            if not self.on_policy and batch.old_log_probs_BT is None:  # else: the source's (behaviour policy)
                 with timer.phase("old_log_prob"):
-                    batch.old_log_probs_BT = self.old_log_probs(batch)
+                    batch.old_log_probs_BT = self.log_probs(self.actor, self.old_micro, batch)
             if self.adapter.reference is not None:
                 with timer.phase("ref"), self.adapter.reference() as ref:
                     batch.ref_log_probs_BT = self.log_probs(ref, self.ref_micro, batch)
@@ -227,13 +244,6 @@ class Trainer:
     # -----------------------------------------------------------------------------------------
     # phases
     # -----------------------------------------------------------------------------------------
-
-    def old_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
-        """The policy that sampled the batch: its own log-probs when the source brought them (an
-        asynchronous job's behaviour policy), else recomputed."""
-        if batch.old_log_probs_BT is not None:
-            return batch.old_log_probs_BT
-        return self.log_probs(self.actor, self.old_micro, batch)
 
     def log_probs(self, model, micro, batch: RolloutBatch) -> torch.Tensor:
         """Per-token log-probs [B, T] of the responses under `model` (old or reference policy)."""
@@ -306,30 +316,41 @@ class Trainer:
         for logger in self.loggers:
             logger.close()
         if self.history:
-            self._print("\n" + summary_table(self.history, first_step=self.start_step + 1))
+            skipped = {"old_log_prob": self._old_log_probs_note()}  # shown where no step ran the pass
+            self._print("\n" + summary_table(self.history, first_step=self.start_step + 1, skipped=skipped))
         if self.val_scores:
             scores = " -> ".join(f"{score:.3f} (step {step})" for step, score in self.val_scores)
             self._print(f"validation score (greedy, data.val_files): {scores}")
+        files = (["metrics.jsonl"] if "jsonl" in self.cfg.trainer.logger else []) + ["config.toml"]
+        self._print(self.status.end_line(files))
         return self.history
 
     def _print(self, text: str) -> None:
         if self.dist.is_main:
             print(text, flush=True)
 
+    def _old_log_probs_note(self) -> str:
+        if self.on_policy:
+            return "from the update's forward (on-policy: no prev-log-prob pass)"
+        return self.source.old_log_probs_note
+
     def _batch_line(self) -> str:
         """The one line that spells out the effective batch."""
         d, a, dist = self.cfg.data, self.cfg.actor, self.dist
         minis = d.train_batch_size // a.ppo_mini_batch_size
-        old = "from the update's forward (on-policy: no prev-log-prob pass)"
-        old = old if self.on_policy else self.source.old_log_probs_note
+        old = self._old_log_probs_note()
         return (
             f"batch: {d.train_batch_size} prompts x n={self.cfg.rollout.n} = {d.train_batch_size * self.cfg.rollout.n} "
             f"sequences/step; {minis} mini-batch(es) of {a.ppo_mini_batch_size} prompts x {a.ppo_epochs} epoch(s) = "
             f"{minis * a.ppo_epochs} optimizer steps/step; micro-batches: {self.actor_update.update.micro.describe()}; "
-            f"old log-probs: {old}; world {dist.world_size} (dp {dist.dp_size}, sp {dist.sp_size}); "
+            f"old log-probs: {old}; world {dist.world_size} (dp {dist.dp_size}, sp {dist.sp_size}){_threads(dist)}; "
             f"{self.loader.steps_per_epoch} steps/epoch, {self.total_steps} steps"
             f"{_filter_groups_note(self.cfg.algorithm.filter_groups)}{_tis_note(self.cfg)}"
         )
+
+
+def _threads(dist: DistContext) -> str:
+    return f", {spmd.threads_note()}" if dist.device.type == "cpu" else ""
 
 
 def _tis_note(cfg: Config) -> str:

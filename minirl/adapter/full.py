@@ -49,5 +49,9 @@ class FullFineTuning:
         """The parameters that get weight gradients, for the MFU (None: all of them)."""
         return None
 
+    def describe(self, trainer_cfg, run_dir: str) -> str | None:
+        """The start-up line of a LoRA run; full fine-tuning, the usual case, has none."""
+        return None
+
     def save_hf(self, tokenizer, path: str, dist) -> None:
         save_hf_checkpoint(self.actor, tokenizer, path, dist)

@@ -37,6 +37,26 @@ class LoRAFineTuning:
     def trained_parameters(self) -> int | None:
         return sum(p.numel() for name, p in self.actor.named_parameters() if lora.is_adapter_param(name))
 
+    def describe(self, trainer_cfg, run_dir: str) -> str:
+        """The start-up line: what trains, and where the adapters go."""
+        c, layers = self.actor.lora_config, lora.lora_layers(self.actor)
+        targets = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in layers}))
+        trained, total = self.trained_parameters(), sum(p.numel() for p in self.actor.parameters())
+        hf = os.path.join(run_dir, "hf_step_<N>")
+        if trainer_cfg.save_hf_freq > 0:
+            merged = f" (the merged model in {hf}/merged)" if self.save_merged else ""
+            out = f"every {trainer_cfg.save_hf_freq} steps a peft adapter directory {hf}{merged}"
+        else:
+            out = (
+                "no adapter directory during the run (trainer.save_hf_freq = 0; after it, python -m minirl export "
+                "--checkpoint CKPT --out DIR --keep-adapter writes the merged model and the adapter)"
+            )
+        return (
+            f"LoRA: only the adapters train: rank {c.r}, alpha {c.lora_alpha}, on {len(layers)} linear layers "
+            f"({targets}), {trained:,} trainable parameters of {total:,} "
+            f"({100 * trained / total:.2g}%); checkpoints hold the adapters and their optimizer state; {out}"
+        )
+
     def save_hf(self, tokenizer, path: str, dist) -> None:
         """A peft adapter directory with the tokenizer; with model.lora_save_merged also `path/merged`,
         the full model with the adapters merged."""

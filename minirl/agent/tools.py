@@ -304,19 +304,30 @@ def _load_entries(path: str, registry: Any) -> list[ToolEntry]:
     return entries
 
 
+class ToolFileError(UserError):
+    """The tool file itself is missing or unreadable: rule and fix become one line of the
+    validation report, which names the key and the value itself."""
+
+    def __init__(self, path: str, rule: str, fix: str):
+        super().__init__(f"{CONFIG_KEY} = {path!r}: {rule}; {fix}")
+        self.rule, self.fix = rule, fix
+
+
 def _read_tool_file(path: str) -> list:
     """The `tools` list of the file (JSON for a .json file, else YAML)."""
-    file = Path(path)
+    file = Path(path).expanduser()
     if not file.is_file():
-        raise UserError(
-            f"{CONFIG_KEY} = {path!r}: no such file; give a YAML or JSON file with "
-            "`tools: [{class_name, config, tool_schema}]`, or leave the key empty for no tools"
+        rule = "is a directory, not a file" if file.is_dir() else f"no such file (looked for {file.resolve()})"
+        fix = (
+            "write one in verl's shape, `tools: [{class_name, config, tool_schema}]` (examples/tools/tool_config.yaml "
+            "is one), point the key at it, or leave the key empty for no tools"
         )
+        raise ToolFileError(path, rule, fix)
     try:
         text = file.read_text()
         data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
     except (OSError, ValueError, yaml.YAMLError) as exc:
-        raise UserError(f"{CONFIG_KEY} = {path!r}: cannot read it ({describe(exc)}); fix the file") from exc
+        raise ToolFileError(path, _unreadable(exc), "fix the file there") from exc
     tools = data.get("tools") if isinstance(data, dict) else None
     if not isinstance(tools, list):
         got = "a mapping without a `tools` list" if isinstance(data, dict) else json_type(data)
@@ -325,6 +336,17 @@ def _read_tool_file(path: str) -> list:
             "one `- class_name: ...` entry per tool"
         )
     return tools
+
+
+def _unreadable(exc: Exception) -> str:
+    """Why the file does not parse, with the line and column where the parser stopped."""
+    if isinstance(exc, json.JSONDecodeError):
+        return f"not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+    mark = getattr(exc, "problem_mark", None)
+    if isinstance(exc, yaml.YAMLError) and mark is not None:
+        problem = getattr(exc, "problem", None) or describe(exc)
+        return f"not valid YAML at line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return f"cannot read it ({describe(exc)})"
 
 
 def _build_entry(raw: Any, registry: Any, where: str) -> ToolEntry:

@@ -26,7 +26,13 @@ import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from minirl.checkpoint import checksum, rng, store
 from minirl.dist import fault
@@ -325,3 +331,21 @@ def _dcp_load(parts: Checkpointable, path: str) -> None:
             "from an older checkpoint"
         ) from None
     parts.load_state_dicts(state)
+
+
+def load_model_weights(path: str, model: torch.nn.Module, trainable_only: bool) -> None:
+    """The actor's weights of checkpoint `path` into `model` (one process, no optimizer state):
+    `python -m minirl export` and `eval`. trainable_only: the checkpoint holds the parameters that
+    train only (LoRA's adapters; the rest is the base model, built from model.path / model.preset)."""
+    store.verify(path)
+    options = StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
+    state = {"model": get_model_state_dict(model, options=options)}
+    try:
+        with _quiet_dcp_load():
+            dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
+    except (Exception, CheckpointException) as exc:
+        raise UserError(
+            f"checkpoint {path}: reading the model shards (.metadata, __*.distcp) failed ({_last_line(exc)}); "
+            "the files are damaged, or its config.toml names another model than the one it was trained on"
+        ) from None
+    set_model_state_dict(model, state["model"], options=options)

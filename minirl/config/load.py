@@ -29,6 +29,15 @@ class ConfigError(UserError):
 
 
 @dataclass(frozen=True)
+class LoadError:
+    """A key that did not load (unknown, or of the wrong type): `key` (dotted, as written) and
+    the line that says where it came from, what is wrong and the fix."""
+
+    key: str
+    line: str
+
+
+@dataclass(frozen=True)
 class Config:
     """The resolved configuration: ``cfg.actor``, ``cfg.rollout``, … and plugin sections."""
 
@@ -36,6 +45,9 @@ class Config:
     profile: str | None = None
     source: str = "(defaults)"
     origins: dict[str, str] = dataclasses.field(default_factory=dict)  # "actor.optim.lr" -> its layer
+    # what load_config(strict=False) left out, one line each (an unknown key, a wrong type): the
+    # validation pass reports them with the invalid values, in one error (minirl.validate.core)
+    load_errors: tuple[LoadError, ...] = ()
 
     def origin(self, key: str) -> str:
         """Where `key` (dotted) got its value: a file, a profile table, the command line, or default."""
@@ -79,8 +91,12 @@ def load_config(
     overrides: list[str] = (),
     profile: str | None = None,
     extra_sections: dict[str, type] | None = None,
+    strict: bool = True,
 ) -> Config:
-    """Read `path` (or nothing), apply its profile table and the overrides, validate every key."""
+    """Read `path` (or nothing), apply its profile table and the overrides, check every key.
+    A key that does not load (unknown, wrong type) is left out and listed; strict raises one
+    ConfigError naming all of them, else they are kept in cfg.load_errors for the validation
+    pass to report along with the invalid values."""
     schema = {**CORE_SECTIONS, **(extra_sections or {})}
     file_data = _read_toml(path) if path else {}
     profiles = file_data.pop("profiles", {})
@@ -95,13 +111,23 @@ def load_config(
     layers.append(("command line", parse_overrides(overrides)))
     merged: dict[str, Any] = {}
     origins: dict[str, str] = {}
+    errors: list[LoadError] = []
     for source, data in layers:
-        _check_layer(data, schema, source)
+        data = _checked_layer(data, schema, source, errors)
         _deep_merge(merged, data)
         origins.update(dict.fromkeys(flatten(data), source))  # TOML has no null: every key is kept
+    if strict and errors:
+        raise ConfigError(error_lines([e.line for e in errors], "config keys that do not load"))
     sections = {name: _build(cls, merged.get(name, {}), name, "merged config") for name, cls in schema.items()}
     _derive_defaults(sections, origins)
-    return Config(sections=sections, profile=profile, source=path or "(defaults)", origins=origins)
+    return Config(sections, profile, path or "(defaults)", origins, tuple(errors))
+
+
+def error_lines(lines: list[str], what: str) -> str:
+    """One line, or a count and one indented line per problem."""
+    if len(lines) == 1:
+        return lines[0]
+    return f"{len(lines)} {what}:\n  " + "\n  ".join(lines)
 
 
 FP8_TIS_CAP = 2.0  # actor.tis_imp_ratio_cap when an fp8 KV cache turns it on (verl's usual cap)
@@ -192,7 +218,10 @@ def plugin_modules(path: str | None, overrides: typing.Iterable[str], profile: s
     modules, source = [], "default"
     for where, data in layers:
         table = data.get("plugins", {})
-        _check_layer({"plugins": table}, {"plugins": CORE_SECTIONS["plugins"]}, where)
+        errors: list[LoadError] = []
+        _checked_layer({"plugins": table}, {"plugins": CORE_SECTIONS["plugins"]}, where, errors)
+        if errors:
+            raise ConfigError(error_lines([e.line for e in errors], "config keys that do not load"))
         if "modules" in table:
             modules, source = table["modules"], where
     return modules, source
@@ -211,13 +240,35 @@ def _deep_merge(dst: dict, src: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_layer(data: dict, schema: dict[str, type], source: str) -> None:
+def _checked_layer(data: dict, schema: dict[str, type], source: str, errors: list[LoadError]) -> dict:
+    """The layer's tables with every key that does not load left out and added to `errors`."""
+    kept = {}
     for name, value in data.items():
         if name not in schema:
-            raise ConfigError(f"{source}: unknown section [{name}]{_suggest(name, schema)}")
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: [{name}] must be a table, got {_tname(value)}")
-        _build(schema[name], value, name, source)
+            errors.append(LoadError(name, f"{source}: unknown section [{name}]{_suggest(name, schema)}"))
+        elif not isinstance(value, dict):
+            errors.append(LoadError(name, f"{source}: [{name}] must be a table, got {_tname(value)}"))
+        else:
+            kept[name] = _checked_table(schema[name], value, name, source, errors)
+    return kept
+
+
+def _checked_table(cls: type, data: dict, where: str, source: str, errors: list[LoadError]) -> dict:
+    fields, hints, kept = {f.name: f for f in dataclasses.fields(cls)}, typing.get_type_hints(cls), {}
+    for key, value in data.items():
+        full = f"{where}.{key}"
+        if key not in fields:
+            errors.append(LoadError(full, f"{source}: unknown key {full}{_suggest_key(cls, key, where)}"))
+        elif dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
+            kept[key] = _checked_table(hints[key], value, full, source, errors)
+        else:
+            try:
+                _coerce(value, hints[key], full, source)
+            except ConfigError as exc:
+                errors.append(LoadError(full, str(exc)))
+            else:
+                kept[key] = value
+    return kept
 
 
 def _build(cls: type, data: dict, where: str, source: str) -> Any:

@@ -39,21 +39,20 @@ def init_from_env(cfg, device_index: int | None = None) -> DistContext:
     `device_index` says otherwise (Ray shows each rank only its own GPU, as cuda:0)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return init_rank(cfg, rank, world, local_rank, local_world, "env://", device_index)
+    return init_rank(cfg, rank, world, local_rank, "env://", device_index)
 
 
 def init_rank(
-    cfg, rank: int, world: int, local_rank: int, local_world: int, init_method: str, device_index: int | None = None
+    cfg, rank: int, world: int, local_rank: int, init_method: str, device_index: int | None = None
 ) -> DistContext:
     """Join the job. An asynchronous job's last cfg.rollout_world ranks are rollout ranks: they
     join only the link (minirl.dist.link); the others form the trainer's process group and mesh."""
     device = resolve_device(cfg.trainer.device, local_rank if device_index is None else device_index)
     timeout_s, rollout = cfg.trainer.collective_timeout_s, cfg.rollout_world
     if rank >= world - rollout:
-        return _rollout_rank(device, rank - (world - rollout), rollout, local_world, timeout_s)
+        return _rollout_rank(device, rank - (world - rollout), rollout, timeout_s)
     world -= rollout
-    init_process_group(device, timeout_s, local_world, init_method, rank, world)
+    init_process_group(device, timeout_s, init_method, rank, world)
     sp = cfg.actor.ulysses_sequence_parallel_size
     mesh = build_mesh(device.type, world, sp)
     ctx = DistContext(device=device, rank=rank, world_size=world, local_rank=local_rank, mesh=mesh, sp_size=sp)
@@ -63,11 +62,11 @@ def init_rank(
     return ctx
 
 
-def _rollout_rank(device: torch.device, index: int, rollout: int, local_world: int, timeout_s: float) -> DistContext:
+def _rollout_rank(device: torch.device, index: int, rollout: int, timeout_s: float) -> DistContext:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        set_cpu_threads()
     link = Link.connect(index + 1, rollout, device, timeout_s)
     return DistContext(device=device, role="rollout", link=link, rollout_rank=index)
 
@@ -75,7 +74,6 @@ def _rollout_rank(device: torch.device, index: int, rollout: int, local_world: i
 def init_process_group(
     device: torch.device,
     timeout_s: float,
-    local_world: int = 1,
     init_method: str = "env://",
     rank: int = -1,
     world: int = -1,
@@ -90,8 +88,7 @@ def init_process_group(
         # norms of CPU shards) and small host-side reductions
         tdist.init_process_group("cuda:nccl,cpu:gloo", device_id=device, **kwargs)
     else:
-        # 2 processes on 2 cores: one intra-op thread each, or they fight over the cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        set_cpu_threads()
         tdist.init_process_group("gloo", **kwargs)
 
 
@@ -99,8 +96,32 @@ def single_process(cfg) -> DistContext:
     """One process: no process group on CPU; a one-rank group and mesh on CUDA (see module doc)."""
     device = resolve_device(cfg.trainer.device)
     if device.type != "cuda":
+        set_cpu_threads()
         return DistContext(device=device)
-    return init_rank(cfg, 0, 1, 0, 1, f"tcp://127.0.0.1:{free_port()}")
+    return init_rank(cfg, 0, 1, 0, f"tcp://127.0.0.1:{free_port()}")
+
+
+def set_cpu_threads() -> None:
+    """One intra-op thread per CPU process, unless OMP_NUM_THREADS says otherwise (torch read it
+    when it was imported). torch's default, a thread per core, makes every op wait for its
+    slowest thread: on a 2-core machine with other work running, the cpu profile took 14-22 s a
+    step with the default and 3 s with one thread; the tiny CPU models gain little from more
+    threads on an idle machine, and other work (a second run among it) may start at any time."""
+    if not user_threads():
+        torch.set_num_threads(1)
+
+
+def user_threads() -> bool:
+    return bool(os.environ.get("OMP_NUM_THREADS", "").strip())
+
+
+def threads_note() -> str:
+    """The start-up line's account of the intra-op threads (CPU)."""
+    n, why = (
+        torch.get_num_threads(),
+        "OMP_NUM_THREADS" if user_threads() else "the default on CPU; OMP_NUM_THREADS=N sets it",
+    )
+    return f"{n} intra-op thread{'s' if n > 1 else ''} per process ({why})"
 
 
 def shutdown() -> None:

@@ -88,10 +88,6 @@ def flops_params(model: torch.nn.Module) -> int:
     return total - embed.numel() + (head.numel() if tied else 0)
 
 
-# a phase that a configuration legitimately skips is shown as skipped, with why
-_ON_POLICY = "on-policy: the update's own forward gives the old log-probs"
-SKIPPED_NOTES = {"timing_s/old_log_prob": _ON_POLICY, "perf/old_log_prob_throughput_per_gpu": _ON_POLICY}
-
 TABLE_ROWS = (
     ("response length", "response_length/mean", "tokens", "mean model tokens per response (EOS in, tool tokens out)"),
     ("generation time", "timing_s/gen", "s", ""),
@@ -111,17 +107,20 @@ TABLE_ROWS = (
 )
 
 
-def summary_table(history: list[dict[str, float]], first_step: int = 1) -> str:
+def summary_table(history: list[dict[str, float]], first_step: int = 1, skipped: dict[str, str] | None = None) -> str:
     """The end-of-run table: each metric's mean over steps (the first step this process ran is
-    warm-up); history[0] is step `first_step` (later than 1 after a resume)."""
+    warm-up); history[0] is step `first_step` (later than 1 after a resume). skipped: phase ->
+    why this run has no such pass (old_log_prob: on-policy, or the rollout's log-probs); its
+    rows say "skipped" and why where no step ran it."""
     rows = history[1:] if len(history) > 1 else history
+    why = {k: v for p, v in (skipped or {}).items() for k in (f"timing_s/{p}", f"perf/{p}_throughput_per_gpu")}
     lines = [f"{'metric':26s} {'value':>12s}  {'unit':10s} counts", "-" * 78]
     for label, key, unit, counts in TABLE_ROWS:
         values = [r[key] for r in rows if key in r]
         if values:
             lines.append(f"{label:26s} {sum(values) / len(values):12.4g}  {unit:10s} {counts}")
-        elif key in SKIPPED_NOTES and rows:
-            lines.append(f"{label:26s} {'skipped':>12s}  {'':10s} {SKIPPED_NOTES[key]}")
+        elif key in why and rows:
+            lines.append(f"{label:26s} {'skipped':>12s}  {'':10s} {why[key]}")
     last = first_step + len(history) - 1
     steps = f"mean over steps {first_step + history.index(rows[0])}..{last}" if rows else "no steps"
     warm = f"; step {first_step} excluded as warm-up" if len(rows) < len(history) else ""

@@ -158,10 +158,12 @@ def agent_metrics(trajectories: list, dist: DistContext) -> dict[str, float]:
     appended message turns), agent/assistant_turns mean|max|min (model turns per sample) and each
     count the loops report (Trajectory.metrics; tool_agent: tool_calls, tool_<status>,
     tool_latency_s) summed over the step's samples on all ranks (keys ending in _max_s: the
-    largest); agent/tool_latency_s/mean is the mean seconds per tool call."""
+    largest; tool_calls is 0 in a step without any); agent/tool_latency_s/mean is the mean seconds
+    per tool call."""
     out = reduced_stats("num_turns", torch.tensor([float(t.num_turns) for t in trajectories]), dist)
     model_turns = torch.tensor([float(t.assistant_turns) for t in trajectories])
     out.update(reduced_stats("agent/assistant_turns", model_turns, dist))
+    out["agent/tool_calls"] = 0.0  # a step without any call says so (the console shows it)
     keys = sorted(
         {k for ks in dist.all_gather_objects(sorted({k for t in trajectories for k in t.metrics})) for k in ks}
     )

@@ -55,7 +55,7 @@ class RewardManager:
         self.chunks = chunks  # calls per batch (a batch manager splits the responses over the workers)
         self._warned: set[tuple[str, str]] = set()  # per manager, so each run logs each source once
 
-    def _check_sources(self, records: Sequence[Any]) -> None:
+    def check_sources(self, records: Sequence[Any]) -> None:
         """Look up every data_source before scoring, so a typo fails before any work is done."""
         if self.scorers.custom is not None:
             return
@@ -65,8 +65,9 @@ class RewardManager:
                 names = sorted(items if isinstance(items, dict) else self.registry)
                 raise UserError(
                     f"{rec.source}: data_source {rec.data_source!r} has no reward function; "
-                    f"registered: {', '.join(names) or '(none)'}. Fix the data_source column or "
-                    f"register a function for it with the minirl_reward_functions hook"
+                    f"registered: {', '.join(names) or '(none)'}. Fix the data_source column, point "
+                    "custom_reward_function.path at a Python file with verl's compute_score (it scores every "
+                    "data_source), or register a function for it with the minirl_reward_functions hook"
                 )
 
     def score(
@@ -76,7 +77,7 @@ class RewardManager:
         trajectories[i]: what a reward function that takes `trajectory` sees of a multi-turn
         sample (None for a single turn)."""
         assert len(records) == len(responses_text), f"{len(records)} records but {len(responses_text)} responses"
-        self._check_sources(records)
+        self.check_sources(records)
         trajectories = trajectories or [None] * len(records)
         rows = [
             Row(r.data_source, text, r.ground_truth, _with_turns(r.extra_info, traj), traj)

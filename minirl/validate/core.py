@@ -3,11 +3,13 @@
 `validate(cfg, pm)` collects every invalid value from the rule modules beside this one (RULES,
 then the files) and raises one ConfigError with a line per problem: the key, its value, where
 the value came from (file, profile, command line or default), the rule it breaks and the fix.
+The keys that did not load at all (unknown, of the wrong type: cfg.load_errors) come first in
+the same error.
 """
 
 from __future__ import annotations
 
-from minirl.config.load import Config, ConfigError
+from minirl.config.load import Config, ConfigError, error_lines
 from minirl.validate import layout, options
 from minirl.validate.critic import critic_problems
 from minirl.validate.files import file_problems
@@ -63,15 +65,20 @@ def find_problems(cfg: Config, pm, files: bool = True) -> list[Problem]:
 
 
 def _raise(problems: list[Problem], cfg: Config) -> None:
-    if problems:
+    if problems or cfg.load_errors:
         raise ConfigError(report(problems, cfg))
 
 
 def report(problems: list[Problem], cfg: Config) -> str:
-    lines = [f"{p.key} = {p.value!r} ({_origin(cfg, p.key)}): {p.rule}; {p.fix}" for p in problems]
-    if len(lines) == 1:
-        return lines[0]
-    return f"{len(lines)} invalid config values:\n  " + "\n  ".join(lines)
+    """A line per key that did not load, then per invalid value (a key that did not load stands
+    at its default, so a rule about that default would only repeat the first line)."""
+    unloaded = {e.key for e in cfg.load_errors}
+    lines = [e.line for e in cfg.load_errors] + [
+        f"{p.key} = {p.value!r} ({_origin(cfg, p.key)}): {p.rule}" + (f"; {p.fix}" if p.fix else "")
+        for p in problems
+        if p.key.split("[")[0] not in unloaded
+    ]
+    return error_lines(lines, "invalid config values")
 
 
 def _origin(cfg: Config, key: str) -> str:

@@ -40,12 +40,15 @@ def _tools(cfg, pm) -> list[Problem]:
     mt = cfg.rollout.multi_turn
     if not (mt.enable and mt.tool_config_path):
         return []
-    from minirl.agent.tools import ToolSet
+    from minirl.agent.tools import ToolFileError, ToolSet
 
+    key = "rollout.multi_turn.tool_config_path"
     try:
         ToolSet.from_config(mt, pm["tools"]).close()
-    except UserError as exc:
-        return [Problem("rollout.multi_turn.tool_config_path", mt.tool_config_path, str(exc), "fix the file")]
+    except ToolFileError as exc:
+        return [Problem(key, mt.tool_config_path, exc.rule, exc.fix)]
+    except UserError as exc:  # an entry of the file: the message names it and its fix
+        return [Problem(key, mt.tool_config_path, f"in the file, {exc}", "")]
     return []
 
 
@@ -185,9 +188,13 @@ def _unrewarded(sources: list[Any], path: str, key: str, rewards) -> list[Proble
             continue  # a non-string data_source is the loader's error, with its row
         seen.add(src)
         if src not in rewards:
-            fix = f"registered: {', '.join(sorted(rewards.items))}; fix the column, or register a function with "
+            fix = (
+                f"registered: {', '.join(sorted(rewards.items))}; fix the column, point custom_reward_function.path "
+                "at a Python file with verl's compute_score (it scores every data_source), or register a function "
+                "with the minirl_reward_functions hook"
+            )
             rule = f"data_source {src!r} (row {row}) has no reward function"
-            out.append(Problem(key, path, rule, fix + "the minirl_reward_functions hook"))
+            out.append(Problem(key, path, rule, fix))
     return out
 
 

@@ -36,18 +36,7 @@ def lora_problems(cfg: Config, pm) -> list[Problem]:
     if m.lora_rank < 0:
         out.append(Problem("model.lora_rank", m.lora_rank, "must be >= 0 (0: LoRA off)", "use e.g. 64, or 0"))
     elif not on(m):
-        given = [k for k in LORA_KEYS if f"model.{k}" in cfg.origins]
-        if given:
-            rule = f"LoRA is off (rank 0) but model.{given[0]} is set"
-            out.append(
-                Problem(
-                    "model.lora_rank",
-                    m.lora_rank,
-                    rule,
-                    f"set model.lora_rank > 0 (e.g. 64), or remove model.{given[0]}",
-                )
-            )
-        return out
+        return _set_while_off(cfg)
     if m.lora_alpha <= 0:
         rule = "must be > 0 (the adapters are scaled by lora_alpha / lora_rank)"
         out.append(Problem("model.lora_alpha", m.lora_alpha, rule, "use e.g. 2 x lora_rank, or lora_rank"))
@@ -63,6 +52,19 @@ def lora_problems(cfg: Config, pm) -> list[Problem]:
         out.append(
             Problem("model.target_modules", [], "names no module", f"use {ALL_LINEAR!r} or e.g. ['q_proj', 'v_proj']")
         )
+    return out
+
+
+def _set_while_off(cfg: Config) -> list[Problem]:
+    """Each LoRA key given a value other than its default while LoRA is off: it would have no
+    effect. A key written at its default (what --print-config writes) is no mistake."""
+    m, default = cfg.model, type(cfg.model)()
+    out = []
+    for key in LORA_KEYS:
+        if f"model.{key}" in cfg.origins and getattr(m, key) != getattr(default, key):
+            rule = "has no effect: LoRA is off (model.lora_rank = 0)"
+            fix = f"set model.lora_rank > 0 (e.g. 64) to train adapters, or remove model.{key}"
+            out.append(Problem(f"model.{key}", getattr(m, key), rule, fix))
     return out
 
 

@@ -20,6 +20,10 @@ CONSOLE_KEYS = (
     ("actor/kl_loss", "kl_loss"),
     ("actor/entropy", "entropy"),
     ("actor/grad_norm", "grad_norm"),
+    # multi-turn rollouts only: model turns per sample, tool calls of the step and those that worked
+    ("agent/assistant_turns/mean", "turns"),
+    ("agent/tool_calls", "tool_calls"),
+    ("agent/tool_ok", "tool_ok"),
     ("critic/vf_loss", "vf_loss"),
     ("critic/vf_explained_var", "vf_ev"),
     ("timing_s/step", "step_s"),

@@ -53,6 +53,11 @@ def test_async_job_trains_one_step_off_policy(tmp_path, data_dir):
         assert m["timing_s/weight_transfer"] > 0 and m["async/weight_transfer_gb"] > 0
         assert m["perf/total_response_tokens"] > 0 and m["actor/grad_norm"] >= 0
     assert max(m["async/staleness/max"] for m in steps) == 1  # the rollout did run ahead
+    # the old log-probs are the rollout's: no pass ran, so no time and no throughput (once a
+    # near-zero time gave 2.4e8 tok/s), and the end table says skipped and why
+    assert not any("timing_s/old_log_prob" in m or "perf/old_log_prob_throughput_per_gpu" in m for m in steps)
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("prev logprob throughput"))
+    assert "skipped" in row and "behaviour policy" in row
 
 
 def test_staleness_zero_is_on_policy(tmp_path, data_dir):

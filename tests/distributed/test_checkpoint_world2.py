@@ -3,7 +3,7 @@ tiny actor with its AdamW state): every rank copies its own shards (DTensors) to
 writes them on its thread; rank 0 writes the manifest only once every rank has finished, even
 when rank 1 is slower; the ranks agree on when a write is done; the host buffers are reused; a
 fresh actor loads the checkpoint back to the saved weights exactly, though training changed
-them after the save."""
+them after the save; `python -m minirl export` turns it into those weights on one process."""
 
 from __future__ import annotations
 
@@ -58,6 +58,9 @@ def _worker(rank: int, out_path: str, run_dir: str) -> None:
     writer = CheckpointWriter(dist, True, 120, lambda step, path: saved.append(step))
     _slow_rank_1(rank)
     before = _full(parts)
+    if rank == 0:  # what `python -m minirl export` of ckpt_1 must write (test below)
+        names = [assembly.hf_name(n) for n, _ in parts.model.named_parameters()]
+        torch.save(dict(zip(names, before)), os.path.join(run_dir, "ckpt_1_weights.pt"))
     state = {"step": 1, "data": {}, "schedulers": {}, "kl_coef": None, "seed": 1, "world_size": 2}
     path = writer.save(run_dir, 1, parts, state, "", 0)
     results["no_checkpoint_yet"] = not os.path.exists(path)  # rank 1 is still asleep
@@ -122,3 +125,16 @@ def test_buffers_reused_and_the_saved_weights_load_back(results):
     got, run_dir = results
     assert got["reused"] and got["loaded_the_saved_weights"]
     assert store.complete_checkpoints(str(run_dir))[-1][0] == 2
+
+
+def test_export_gathers_both_ranks_shards(results, tmp_path):
+    """`python -m minirl export` of the world-2 checkpoint, on one process: a Hugging Face
+    directory holding exactly the weights the two ranks' shards held at the save."""
+    from safetensors.torch import load_file
+
+    from minirl.cli import main
+
+    _, run_dir = results
+    assert main(["export", "--checkpoint", str(run_dir / "ckpt_1"), "--out", str(tmp_path / "hf")]) == 0
+    exported, want = load_file(tmp_path / "hf" / "model.safetensors"), torch.load(run_dir / "ckpt_1_weights.pt")
+    assert set(exported) == set(want) and all(torch.equal(exported[k], want[k]) for k in want)

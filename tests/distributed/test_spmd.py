@@ -150,7 +150,7 @@ def test_one_rank_group_runs_the_sharded_path(monkeypatch):
     """One GPU runs as a one-rank group with a mesh (so FSDP2's mixed precision applies as on
     eight); here the same on CPU/gloo, in this process: FSDP2 at world 1 trains like no FSDP."""
     cfg = _cfg("data.train_batch_size=1", "actor.ppo_mini_batch_size=1", "actor.optim.eps=1e-4")
-    dist = spmd.init_rank(cfg, 0, 1, 0, 1, f"tcp://127.0.0.1:{spmd.free_port()}")
+    dist = spmd.init_rank(cfg, 0, 1, 0, f"tcp://127.0.0.1:{spmd.free_port()}")
     try:
         assert dist.mesh is not None and (dist.dp_size, dist.sp_size) == (1, 1)
         pm = PluginManager(entry_points=False)

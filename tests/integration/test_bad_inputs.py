@@ -334,7 +334,7 @@ CONFIG_CASES = {
     "async_staleness_negative": (["async_training.staleness_threshold=-1"], "staleness_threshold = -1"),
     "async_trigger_zero": (["async_training.trigger_parameter_sync_step=0"], "trigger_parameter_sync_step = 0"),
     # LoRA (model.lora_*): the values, then the modules they name (the model built on the meta device)
-    "lora_alpha_without_rank": (["model.lora_alpha=32"], "model.lora_rank = 0", "model.lora_alpha is set"),
+    "lora_alpha_without_rank": (["model.lora_alpha=32"], "model.lora_alpha = 32", "LoRA is off", "lora_rank > 0"),
     "lora_rank_negative": (["model.lora_rank=-8"], "model.lora_rank = -8", ">= 0"),
     "lora_alpha_zero": (["model.lora_rank=8", "model.lora_alpha=0"], "model.lora_alpha = 0", "> 0"),
     "lora_dropout_one": (["model.lora_rank=8", "model.lora_dropout=1.0"], "model.lora_dropout = 1.0", "[0, 1)"),
@@ -395,6 +395,26 @@ def test_every_invalid_value_is_reported_at_once(capsys, base):
     bad = ["rollout.n=0", "actor.optim.lr=nan", "trainer.device=tpu", "actor.ppo_epochs=0"]
     msg = fails(capsys, base + bad, "4 invalid config values", "rollout.n", "actor.optim.lr", lines=5)
     assert "trainer.device" in msg and "actor.ppo_epochs" in msg
+
+
+def test_unknown_keys_and_invalid_values_in_one_error(capsys, base):
+    """Unknown keys, a wrong type and invalid values of one command line (or file) come in one
+    error, one line each, not one per attempt; the key of the wrong type is not reported a
+    second time at the default that stood in for it."""
+    bad = ["actor.zzzzzz=2", "trainer.experiment_nam=x", "rollout.n=0", "actor.ppo_epochs=two", "model.lora_alpha=8"]
+    msg = fails(capsys, base + bad, "5 invalid config values", "unknown key actor.zzzzzz", lines=6)
+    for needle in ("experiment_name", "rollout.n = 0", "actor.ppo_epochs must be int", "model.lora_alpha = 8"):
+        assert needle in msg
+    assert msg.count("ppo_epochs") == 1
+
+
+def test_lora_keys_at_their_defaults_pass_with_lora_off(capsys, base):
+    """--print-config writes every LoRA key at its default; running that file must not refuse
+    them (only a value that would change something while lora_rank = 0 is a mistake)."""
+    defaults = ["model.lora_alpha=16", 'model.target_modules="all-linear"', "model.exclude_modules=[]"]
+    assert main(base + defaults + ["model.lora_dropout=0.0", "model.lora_save_merged=false", "--print-config"]) == 0
+    two = ["model.lora_alpha=32", "model.lora_dropout=0.1"]
+    fails(capsys, base + two, "model.lora_alpha = 32", "model.lora_dropout = 0.1", lines=3)
 
 
 def test_source_names_the_file_and_profile(capsys, tmp_path, base):
@@ -996,6 +1016,23 @@ def test_tool_file_entry_errors_name_the_entry(capsys, tmp_path, base):
     path.write_text("tools:\n  - class_name: calculatr\n    config: {type: native}\n")
     argv = base + ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={path}"]
     fails(capsys, argv, "tools.yaml", "calculatr", "calculator")
+
+
+def test_tool_file_missing_or_malformed_says_so_once(capsys, tmp_path, base):
+    """A missing tool file: the key once, "no such file" and how to make one (not "fix the file");
+    a malformed one: the line and column where YAML stopped, "fix the file" once."""
+    argv = base + ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tmp_path}/t.yaml"]
+    message = fails(capsys, argv, "no such file", "examples/tools/tool_config.yaml")
+    assert message.count("tool_config_path") == 1 and "fix the file" not in message
+    (tmp_path / "t.yaml").write_text("tools:\n  - class_name: calculator\n    config: {type: native\n")
+    message = fails(capsys, argv, "not valid YAML at line 4, column 1", "fix the file")
+    assert message.count("tool_config_path") == 1 and message.count("fix the file") == 1
+
+
+def test_unknown_data_source_names_both_ways_to_score_it(capsys, tmp_path, base):
+    """An unknown data_source: a plugin hook or, without writing a plugin, custom_reward_function.path."""
+    path = write_rows(tmp_path / "d.parquet", [good_row(i, data_source="my_task") for i in range(50)])
+    fails(capsys, base + [files_override(path)], "custom_reward_function.path", "minirl_reward_functions hook")
 
 
 def test_agent_name_not_a_string_names_the_row(capsys, tmp_path, base):

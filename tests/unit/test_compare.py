@@ -144,6 +144,46 @@ def test_crashed_run_is_reported_as_stopped_short(tmp_path):
     assert config_differences([read_run(a), read_run(b)])[0][0] == "trainer.experiment_name"
 
 
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)
+
+
+@pytest.mark.parametrize(
+    "status, says",
+    [
+        (None, "still running, or crashed"),
+        (
+            {"state": "stopped", "signal": "SIGINT", "checkpoint": "runs/b/ckpt_2"},
+            "stopped by SIGINT; resumable from runs/b/ckpt_2",
+        ),
+        ({"state": "crashed", "error": "RuntimeError: boom", "checkpoint": None}, "crashed: RuntimeError: boom"),
+        ({"state": "stopped", "signal": "a second SIGINT", "checkpoint": None}, "no checkpoint to resume from"),
+        ({"state": "running", "pid": "self", "checkpoint": "runs/b/ckpt_1"}, "still running (process"),
+        ({"state": "running", "pid": "dead", "checkpoint": "runs/b/ckpt_1"}, "is gone"),
+        ({"state": "running", "pid": 1, "host": "elsewhere"}, "running on elsewhere (process 1), or killed there"),
+    ],
+)
+def test_a_run_stopped_short_says_why(tmp_path, status, says):
+    """compare tells a Ctrl-C'd run (resumable from its checkpoint) from a crashed one, a killed
+    one (its process is gone) and one that is still running, from the run's status.json."""
+    import os
+    import socket
+
+    path = write_run(tmp_path, "b", RUN_B[:2], CONFIG.format(est="grpo", name="b", kl="true"))
+    if status is not None:
+        pid = {"self": os.getpid(), "dead": _dead_pid()}.get(status.get("pid"), status.get("pid"))
+        record = {"step": 2, "host": socket.gethostname(), **status, "pid": pid}
+        (tmp_path / "b" / "status.json").write_text(json.dumps(record))
+    note = read_run(path).stopped_short()
+    assert note.startswith("stopped at step 2 of 3 (") and says in note, note
+    if status and status.get("checkpoint") and status["state"] != "stopped":
+        assert f"the newest checkpoint: {status['checkpoint']}" in note
+
+
 @pytest.mark.parametrize("spec, want", [("2:", (2, None)), ("5:10", (5, 10)), (":4", (0, 4)), ("7", (7, 7))])
 def test_steps_spec(spec, want):
     assert parse_steps(spec) == want

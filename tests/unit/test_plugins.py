@@ -43,6 +43,15 @@ def test_builtins_register_every_core_component():
     assert "console" in pm.describe()
 
 
+def test_listing_has_no_empty_heading():
+    """`python -m minirl plugins` lists kinds that have components; the built-ins add no config
+    section, so no bare `config_sections:` line with nothing under it."""
+    lines = PluginManager().describe().splitlines()
+    headings = [i for i, line in enumerate(lines) if not line.startswith(" ")]
+    assert all(i + 1 < len(lines) and lines[i + 1].startswith("  ") for i in headings), lines
+    assert "config_sections:" not in lines
+
+
 def test_duplicate_name_names_both_providers(module_dir):
     """Two plugins claiming one name must fail loudly, naming both, instead of one silently winning."""
     write_module(

@@ -103,6 +103,21 @@ def test_runs_with_the_same_values_stay_visible(tmp_path):
     assert all(ln.get_markevery() > 1 for ln in lines)
 
 
+@pytest.mark.parametrize("lrs, scale", [((2e-3, 1e-5, 3e-6), "log"), ((1e-5, 3e-6), "linear")])
+def test_learning_rates_of_different_decades_get_a_log_axis(lrs, scale):
+    """Runs at 2e-3 and 1e-5 on one linear axis leave the smaller flat on zero: the learning
+    rate's axis turns logarithmic once the values span a factor of 10 (a warm-up's 0 is masked)."""
+    runs = []
+    for i, lr in enumerate(lrs):
+        recs = records(1.0)
+        for r in recs[1:]:
+            r["actor/lr"] = lr
+        recs[1]["actor/lr"] = 0.0
+        runs.append(Run(f"r{i}", "", recs))
+    ax = build_figures(runs)["grad_lr"].axes[1]
+    assert ax.get_title() == "learning rate" and ax.get_yscale() == scale
+
+
 def test_metric_no_run_logged_says_so(tmp_path):
     run = read_run(write_run(tmp_path, "a", records(0.1, kl=False), None))
     kl_axes = build_figures([run])["kl_entropy"].axes[0]

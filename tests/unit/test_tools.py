@@ -193,7 +193,7 @@ def test_tool_schema_in_the_config_overrides_the_tools_own(tmp_path):
         ),
         ("tools: [{class_name: python, config: {memory: 9}}]", "config.memory: tool 'python' has no such setting"),
         ("tools: [{class_name: no_such_pkg.Tool}]", "cannot import 'no_such_pkg'"),
-        ("tools: [: bad", "cannot read it"),
+        ("tools: [: bad", "not valid YAML at line 1, column 9"),
     ],
 )
 def test_config_mistakes_name_the_file_the_entry_and_the_fix(tmp_path, content, expected):

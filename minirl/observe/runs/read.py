@@ -17,6 +17,7 @@ from typing import Any
 
 from minirl.config.load import flatten, tomllib  # tomli on Python 3.10
 from minirl.errors import UserError
+from minirl.observe.runs import status
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.toml"
@@ -36,12 +37,14 @@ class Run:
         pairs = [(r["step"], r[key]) for r in self.records if r.get(key) is not None]
         return [s for s, _ in pairs], [float(v) for _, v in pairs]
 
+    status: dict[str, Any] | None = None  # status.json: how the run ended (minirl.observe.runs.status)
+
     def stopped_short(self) -> str | None:
-        """How far the run got, when that is short of trainer.total_training_steps."""
+        """How far the run got and why, when that is short of trainer.total_training_steps."""
         total = self.config.get("trainer.total_training_steps")
         last = self.records[-1]["step"] if self.records else 0
         if isinstance(total, int) and last < total:
-            return f"stopped at step {last} of {total} (still running, or crashed)"
+            return f"stopped at step {last} of {total} ({status.describe(self.status)})"
         return None
 
 
@@ -58,7 +61,8 @@ def read_run(path: str, name: str | None = None) -> Run:
             "whose trainer.logger includes 'jsonl'"
         )
     name = name or os.path.basename(os.path.normpath(path))
-    return Run(name, path, read_metrics(metrics), read_config(os.path.join(path, CONFIG_FILE)))
+    config = read_config(os.path.join(path, CONFIG_FILE))
+    return Run(name, path, read_metrics(metrics), config, status.read(path))
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

@@ -28,6 +28,10 @@ LINE_FIGURES = {
         ("step throughput (tok/s, all GPUs)", "perf/throughput"),
     ),
 }
+# axes on a log scale when their positive values span a factor of LOG_SPAN or more (learning
+# rates of 2e-3 and 1e-5 on one linear axis put the smaller one flat on zero)
+LOG_SCALE_KEYS = ("actor/lr",)
+LOG_SPAN = 10.0
 # the step's phases in the order they run (Trainer.train_step); other timing_s/* keys follow
 PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights")
 AXES_INCHES = (4.2, 3.0)
@@ -80,11 +84,18 @@ def line_figure(runs: list[Run], panels: tuple[tuple[str, str], ...]):
     for ax, (title, key) in zip(axes, panels):
         _style(ax, title)
         drawn = [_plot_run(ax, run, key, i) for i, run in enumerate(runs)]
+        if key in LOG_SCALE_KEYS and _spans_decades(runs, key):
+            ax.set_yscale("log", nonpositive="mask")  # a warm-up's 0 is left out, not drawn at -inf
         if any(drawn):
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, f"{key}\nnot logged", ha="center", va="center", transform=ax.transAxes, fontsize=8)
     return fig
+
+
+def _spans_decades(runs: list[Run], key: str) -> bool:
+    positive = [v for run in runs for v in run.series(key)[1] if v > 0]
+    return bool(positive) and max(positive) >= LOG_SPAN * min(positive)
 
 
 def _style(ax, title: str) -> None:
