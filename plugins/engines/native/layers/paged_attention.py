@@ -47,6 +47,7 @@ DECODE_CONFIG = {
     "min_chunk": 256,
     "fp8_f16": False,
     "tokens_major": False,
+    "qk_fp8": False,
 }
 # An fp8 cache: float16 dots over 32-key blocks in three stages, the fastest at both swept shapes
 # (40.5 us against the bf16 settings' 62.0 at batch 256 x context 600; docs/benchmarks-history.md).
@@ -179,11 +180,14 @@ def _decode_kernel_tokens_major(
     DIRECT: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_F16: tl.constexpr,
+    QK_FP8: tl.constexpr,
 ):
     """_decode_kernel with the keys as the dots' first operand: scores^T [BLOCK_N, BLOCK_G] =
     K Q^T and out^T [D, BLOCK_G] = V^T P^T, so a block of keys fills the M side of the matrix
     instruction (Hopper's wgmma takes M >= 64 with the operand converted in registers) and the
-    query group, padded to 16, sits on the narrow N side."""
+    query group, padded to 16, sits on the narrow N side. QK_FP8 (an e4m3 cache): the scores'
+    dot reads the 8-bit keys as they are, against the query split in two e4m3 parts (hi + lo/16,
+    scaled per head so |q| <= 256: about bfloat16's precision), so only the values are converted."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -198,6 +202,14 @@ def _decode_kernel_tokens_major(
     if KV_F16:
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     q_t = tl.trans(q)  # D x BLOCK_G
+    if QK_FP8:
+        qf = q.to(tl.float32)
+        q_scale = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 256.0
+        q_n = qf / q_scale[:, None]
+        q_hi = q_n.to(tl.float8e4nv)
+        hi_t = tl.trans(q_hi)
+        lo_t = tl.trans(((q_n - q_hi.to(tl.float32)) * 16.0).to(tl.float8e4nv))
+        s_scale = q_scale * scale
     chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
@@ -210,9 +222,14 @@ def _decode_kernel_tokens_major(
         page = tl.load(pt_ptr + row * stride_pt + tok // PAGE, mask=valid, other=0)
         slot = page.to(tl.int64) * PAGE + tok % PAGE
         kv_off = slot[:, None] * stride_slot + kvh * D + d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
+        if QK_FP8:
+            k8 = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
+            s_t = tl.dot(k8, hi_t) + tl.dot(k8, lo_t) * 0.0625
+            s_t = s_t * s_scale[None, :]  # BLOCK_N x BLOCK_G
+        else:
+            k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
+            s_t = tl.dot(k, q_t, input_precision=PRECISION).to(tl.float32) * scale  # BLOCK_N x BLOCK_G
         v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
-        s_t = tl.dot(k, q_t, input_precision=PRECISION).to(tl.float32) * scale  # BLOCK_N x BLOCK_G
         s_t = tl.where(valid[:, None], s_t, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
         alpha = tl.exp(m_i - m_new)
@@ -249,6 +266,12 @@ def _merge_kernel(
     parts = tl.load(part_ptr + (base + sp)[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
     out = tl.sum(parts * w[:, None], axis=0)
     tl.store(o_ptr + b * stride_o + h * D + d, out.to(o_ptr.dtype.element_ty))
+
+
+def _keys_first_args(cfg: dict, k_cache: torch.Tensor) -> dict:
+    if not cfg["tokens_major"]:
+        return {}
+    return {"QK_FP8": bool(cfg["qk_fp8"]) and k_cache.dtype == torch.float8_e4m3fn}
 
 
 def decode_attention_triton(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale: float, config=None):
@@ -290,6 +313,7 @@ def decode_attention_triton(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads,
         DIRECT=splits == 1,
         PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
         KV_F16=fp8 and bool(cfg["fp8_f16"]) and qkv.dtype == torch.bfloat16,
+        **_keys_first_args(cfg, k_cache),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -329,6 +353,11 @@ def random_paged_case(device, dtype, b=5, heads=CHECK_HEADS, page=16, max_len=30
 
 # The keys-first kernel (not used by default: dev/bench_long_context.py times it against the other)
 TOKENS_MAJOR_CHECKS = [(1, {"tokens_major": True, "block_n": 64}), (4, {"tokens_major": True, "block_n": 64})]
+# ... and its e4m3 variant whose scores' dot reads the 8-bit keys unconverted (checked in bf16)
+QK_FP8_CHECKS = [
+    (1, {"tokens_major": True, "block_n": 64, "qk_fp8": True}),
+    (4, {"tokens_major": True, "qk_fp8": True}),
+]
 
 
 def check_decode_attention(fn, device, dtype, kv_dtype=None, configs=None) -> None:
@@ -336,9 +365,9 @@ def check_decode_attention(fn, device, dtype, kv_dtype=None, configs=None) -> No
     (splits, config) pairs instead)."""
     # block_n 64 and 128: decode_block_n picks either by the batch
     default = [(1, None), (1, {"block_n": 64}), (4, None), (4, {"block_n": 64}), (8, {"min_chunk": 16})]
+    if configs is None and kv_dtype is not None:  # an fp8 cache: its float16 default and the bf16 upcast
+        default += [(1, {"fp8_f16": False}), (4, {"fp8_f16": False, "block_n": 64})]
     configs = list(configs or default)
-    if kv_dtype is not None:  # an fp8 cache: its float16 default (FP8_DECODE_CONFIG) and the bf16 upcast
-        configs += [(1, {"fp8_f16": False}), (4, {"fp8_f16": False, "block_n": 64})]
     for splits, config in configs:
         qkv, kc, vc, meta = random_paged_case(device, dtype, kv_dtype=kv_dtype)
         meta.num_splits = splits
