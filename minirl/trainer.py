@@ -157,11 +157,19 @@ class Trainer:
 
     def _save_due(self, step: int, force: bool = False) -> None:
         t = self.cfg.trainer
+        self._prepare_checkpoints(step)
         self.checkpoints.poll()  # a background write that finished: its hook, or its error
         if force or self._is_due(t.save_freq, step):
             self.save(step)
         if self._is_due(t.save_hf_freq, step):
             self.save_hf(os.path.join(self.run_dir, f"hf_step_{step}"))
+
+    def _prepare_checkpoints(self, step: int) -> None:
+        """The host buffers of a background save, made once (minirl.checkpoint.staging) when
+        the state after `step` is complete: the actor's AdamW state exists after its first update
+        (step 1, or the first after the critic's warm-up), so the first save only copies."""
+        if self.critic is None or step > self.cfg.trainer.critic_warmup:
+            self.checkpoints.prepare(self.state.parts, self.cfg.trainer.save_freq)
 
     def save(self, step: int) -> str:
         """A full checkpoint of everything the next step depends on (minirl.checkpoint); with
@@ -185,7 +193,9 @@ class Trainer:
         self._print(self.plan.notice)
         if self.plan.resume_from is None:
             return 0
-        return ckpt_training.resume(self.plan.resume_from, self.state, self.cfg, self.dist, self._print)
+        step = ckpt_training.resume(self.plan.resume_from, self.state, self.cfg, self.dist, self._print)
+        self._prepare_checkpoints(step)  # the loaded state: one step more to prepare in
+        return step
 
     def _stopped(self, signum: int, step: int, bar) -> Stopped:
         self.checkpoints.wait()

@@ -14,7 +14,9 @@ per parameter). Then, through the code the trainer calls (minirl.checkpoint.writ
 
 - a blocking save (async_save = false): the stall is the whole save;
 - background saves (async_save = true): the stall is the copy into host memory, the first save
-  allocating the buffers (pinned on CUDA) and the later ones reusing them; the background write
+  allocating the buffers (pinned on CUDA) and the later ones reusing them; a first save after
+  `prepare` (as the trainer calls it after the first step: the buffers made, then pinned in the
+  background while training goes on, timed up to the end of the pinning); the background write
   (DCP shards + RNG + trainer state + manifest, fsynced, renamed) is timed from the end of the
   stall to its end, with nothing else running, and set against the disk's sequential write
   (dd, O_DIRECT, one stream);
@@ -151,6 +153,19 @@ class Saves:
         shutil.rmtree(run_dir)
         return stall, write
 
+    def prepared_first(self) -> tuple[float, float, float]:
+        """(prepare's stall, its background pinning, the first save's stall) seconds of a fresh
+        writer prepared as the trainer prepares it after the first step; its buffers freed after."""
+        writer, run_dir = CheckpointWriter(self.dist, True, 600, lambda step, path: None), self._run_dir("prepared")
+        prepare = timed(lambda: writer.prepare(self.parts, save_freq=1), self.dist.device)
+        t0 = time.perf_counter()
+        writer.staging.join()
+        pinning = time.perf_counter() - t0 + prepare
+        stall = timed(lambda: writer.save(run_dir, 1, self.parts, TRAINER_STATE, self.config, 0), self.dist.device)
+        writer.close()
+        shutil.rmtree(run_dir)
+        return prepare, pinning, stall
+
 
 def crc_in_memory_seconds(parts) -> tuple[float, int]:
     """The CRC alone over every tensor of the saved state (CPU copies made first, untimed), on
@@ -178,6 +193,7 @@ def fastest(xs: list[float]) -> str:
 
 def save_rows(saves: Saves, size: int, disk: float, repeats: int) -> list[tuple[str, str, str]]:
     blocking = [saves.blocking() for _ in range(repeats)]
+    prepare, pinning, prepared_stall = saves.prepared_first()  # before the next: one set of buffers at a time
     first_stall, _ = saves.in_background()  # allocates the host buffers
     plain, hashed = [], []
     for _ in range(repeats):  # alternating, so that drift in the disk's speed hits both alike
@@ -189,6 +205,9 @@ def save_rows(saves: Saves, size: int, disk: float, repeats: int) -> list[tuple[
     return [
         ("save, async_save = false", secs(min(blocking)), f"training blocked; {fastest(blocking)}"),
         ("save, async: first stall", secs(first_stall), "training blocked: host buffers allocated + copy"),
+        ("save, async: prepare", secs(prepare), "training blocked: the state tree, empty host buffers"),
+        ("  its pinning", secs(pinning), "from prepare to its end, in the background (training goes on)"),
+        ("save, async: first stall, prepared", secs(prepared_stall), "training blocked: copy into prepared buffers"),
         ("save, async: stall", secs(stall), f"training blocked: copy into the reused buffers, {fastest(stalls)}"),
         (
             "background write",
@@ -250,7 +269,7 @@ def main() -> None:
     shape = f" ({', '.join(f'{k}={v}' for k, v in args.shape.items())})" if args.shape else ""
     print(f"\ncheckpoint benchmark: preset {args.preset}{shape} on {where}, {ckpt_state.WRITE_THREADS} write thread(s)")
     for name, value, note in rows:
-        print(f"{name:26s} {value:>12s}  {note}")
+        print(f"{name:36s} {value:>12s}  {note}")
     spmd.shutdown()
 
 

@@ -2,6 +2,8 @@
 training stops only while the state is copied to host memory, and a thread writes it while the
 next steps train (docs/architecture.md, "Checkpoints and resume").
 
+  prepare after the first step: the host buffers made (and pinned, in the background) before
+          the first save, so that it stalls training no longer than the later ones
   save    waits for the previous write (raising its error), copies the state, starts the write
   poll    after every step: collects a write that has finished on every rank (the ranks agree
           first, so all of them raise a failed write's error after the same step)
@@ -36,9 +38,19 @@ class CheckpointWriter:
     ) -> None:
         self.dist, self.background, self.timeout_s, self.on_saved = dist, background, timeout_s, on_saved
         self.staging = HostStaging(dist.device) if background else None
-        self._pool: ThreadPoolExecutor | None = None  # the background thread, started at the first save
+        self._pool: ThreadPoolExecutor | None = None  # the background thread, started by prepare or the first save
         self._group = None  # the background write's process group (world > 1)
         self._in_flight: tuple[int, Future] | None = None  # (step, its write)
+        self._prepared = False
+
+    def prepare(self, parts: ckpt_state.Checkpointable, save_freq: int) -> None:
+        """Make the background save's host buffers now, once (every rank calls at the same step:
+        the state dicts of FSDP2 may take collectives); nothing when saves are blocking or never
+        due. Call once the state is complete (the AdamW state exists: after a step or a load)."""
+        if self._prepared or self.staging is None or save_freq <= 0:
+            return
+        self._prepared = True
+        self.staging.prepare(parts.state_dicts(), self._thread().submit)
 
     def save(
         self, run_dir: str, step: int, parts: ckpt_state.Checkpointable, trainer_state: dict, config: str, keep: int

@@ -3,7 +3,9 @@ tiny actor with its AdamW state): every rank copies its own shards (DTensors) to
 writes them on its thread; rank 0 writes the manifest only once every rank has finished, even
 when rank 1 is slower; the ranks agree on when a write is done; the host buffers are reused; a
 fresh actor loads the checkpoint back to the saved weights exactly, though training changed
-them after the save; `python -m minirl export` turns it into those weights on one process."""
+them after the save; `python -m minirl export` turns it into those weights on one process. A
+prepared writer's buffers are host DTensors of the live ones' mesh and placements, and its first
+copy allocates none."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import dist_helpers as h
 import pytest
 import torch
 
+from minirl.checkpoint import staging, store
 from minirl.checkpoint import state as ckpt_state
-from minirl.checkpoint import store
 from minirl.checkpoint.writer import CheckpointWriter
 from minirl.dist import spmd
 from minirl.dist.launchers import spawn
@@ -50,11 +52,36 @@ def _slow_rank_1(rank: int) -> None:
         ckpt_state._write_rank_files = slow
 
 
+def _like(staged: torch.Tensor, live: torch.Tensor) -> bool:
+    """A host DTensor of the live one's mesh, placements and local shard shape."""
+    return (
+        hasattr(staged, "to_local")
+        and (staged.device_mesh, tuple(staged.placements)) == (live.device_mesh, tuple(live.placements))
+        and (staged.shape, staged.to_local().shape) == (live.shape, live.to_local().shape)
+        and staged.to_local().device.type == "cpu"
+    )
+
+
+def _prepared(dist, parts) -> dict:
+    """prepare() on a second writer (every rank), then a copy into its buffers."""
+    writer = CheckpointWriter(dist, True, 120, lambda step, path: None)
+    writer.prepare(parts, save_freq=1)
+    writer.staging.join()
+    live = dict(staging._leaves(parts.state_dicts(), ()))
+    buffers, allocated = writer.staging.buffers, writer.staging.allocations
+    like = buffers.keys() == live.keys() and all(_like(buffers[p], t) for p, t in live.items() if t.dim())
+    staged = writer.staging.stage(parts.state_dicts())
+    copied = all(torch.equal(staged["model"][k].to_local(), v.to_local()) for k, v in parts.model.state_dict().items())
+    writer.close()
+    return {"prepared_like_live": like, "prepared_copied": copied and writer.staging.allocations == allocated}
+
+
 def _worker(rank: int, out_path: str, run_dir: str) -> None:
     cfg = h.config("trainer.world_size=2", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2")
     dist = spmd.init_from_env(cfg)
     pm = PluginManager(entry_points=False)
-    parts, saved, results = _actor(pm, cfg, dist), [], {}
+    parts, saved = _actor(pm, cfg, dist), []
+    results = _prepared(dist, parts)
     writer = CheckpointWriter(dist, True, 120, lambda step, path: saved.append(step))
     _slow_rank_1(rank)
     before = _full(parts)
@@ -138,3 +165,10 @@ def test_export_gathers_both_ranks_shards(results, tmp_path):
     assert main(["export", "--checkpoint", str(run_dir / "ckpt_1"), "--out", str(tmp_path / "hf")]) == 0
     exported, want = load_file(tmp_path / "hf" / "model.safetensors"), torch.load(run_dir / "ckpt_1_weights.pt")
     assert set(exported) == set(want) and all(torch.equal(exported[k], want[k]) for k in want)
+
+
+def test_prepared_buffers_are_host_dtensors_of_the_same_placements(results):
+    """prepare(): a host DTensor per live DTensor (same mesh, placements, local shape); the
+    first copy goes into them without allocating and holds the live values."""
+    got, _ = results
+    assert got["prepared_like_live"] and got["prepared_copied"]

@@ -7,6 +7,8 @@ write in flight is in flight for sure."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import threading
 from pathlib import Path
@@ -14,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from minirl.checkpoint import staging, store
 from minirl.checkpoint import state as ckpt_state
-from minirl.checkpoint import store
 from minirl.checkpoint.writer import CheckpointWriter
 from minirl.dist.context import DistContext
+from minirl.errors import UserError
 
 DIST = DistContext(device=torch.device("cpu"))
 
@@ -28,6 +31,10 @@ def trainer_state(step: int) -> dict:
 
 @pytest.fixture
 def parts() -> ckpt_state.Checkpointable:
+    return make_parts()
+
+
+def make_parts() -> ckpt_state.Checkpointable:
     """A small model with its AdamW state (one step taken, so exp_avg/exp_avg_sq exist)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
@@ -225,3 +232,126 @@ def test_a_blocking_writer_saves_before_it_returns(tmp_path, parts):
     path = save(w, tmp_path, 1, parts)
     assert saved == [(1, path)] and complete(tmp_path) == [1] and not w.in_flight and w.staging is None
     assert os.path.isfile(os.path.join(path, store.MANIFEST))
+
+
+def contents(ckpt: str) -> tuple[dict[str, bytes], list[torch.Tensor]]:
+    """The small files' bytes, and every tensor as read back (the shards' bytes are not
+    compared: with torch.save's own CRC switched off, its zip records' CRC fields vary)."""
+    files = {name: (Path(ckpt) / name).read_bytes() for name in ("rng/rank0.pt", ckpt_state.TRAINER_STATE)}
+    fresh = make_parts()
+    with torch.no_grad():  # so that only the load can make them equal
+        for t in ckpt_state._tensors(fresh.state_dicts()):
+            t.zero_()
+    ckpt_state.load(ckpt, fresh, DIST)
+    return files, list(ckpt_state._tensors(fresh.state_dicts()))
+
+
+def test_a_prepared_first_save_copies_into_the_prepared_buffers(tmp_path, parts):
+    """prepare() makes every buffer before the first save, which allocates none and copies into
+    them; its checkpoint is byte for byte the one an unprepared writer writes."""
+    w = writer([])
+    w.prepare(parts, save_freq=1)
+    w.staging.join()
+    prepared = {path: t.data_ptr() for path, t in w.staging.buffers.items()}
+    assert w.staging.allocations == len(prepared) == len(list(ckpt_state._tensors(parts.state_dicts())))
+    first = save(w, tmp_path / "prepared", 1, parts)
+    w.wait()
+    assert w.staging.allocations == len(prepared)
+    assert {path: t.data_ptr() for path, t in w.staging.buffers.items()} == prepared
+    plain = writer([])
+    other = save(plain, tmp_path / "plain", 1, parts)
+    plain.wait()
+    (files, tensors), (other_files, other_tensors) = contents(first), contents(other)
+    assert files == other_files and len(tensors) == len(other_tensors) == len(prepared)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(tensors, other_tensors))
+
+
+def test_prepare_does_nothing_when_no_background_save_is_due(tmp_path, parts):
+    """save_freq <= 0 (no saves), or blocking saves: no buffer, no thread."""
+    never = writer([])
+    never.prepare(parts, save_freq=0)
+    assert never.staging.buffers == {} and never.staging.allocations == 0 and never._pool is None
+    blocking = writer([], background=False)
+    blocking.prepare(parts, save_freq=1)
+    assert blocking.staging is None and blocking._pool is None
+
+
+class FakeCudart:
+    """torch.cuda.cudart() on a CPU build: records (call, pointer, thread), fails on request."""
+
+    def __init__(self, code: int = 0) -> None:
+        self.calls: list[tuple[str, int, str]] = []
+        self.code = code
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        self.calls.append(("register", ptr, threading.current_thread().name))
+        return self.code
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.calls.append(("unregister", ptr, threading.current_thread().name))
+        return 0
+
+
+@pytest.fixture
+def pinned(monkeypatch):
+    """A writer whose staging pins as on CUDA (through a FakeCudart) every tensor of 256 bytes
+    or more; copies are recorded as ("copy", destination pointer, thread)."""
+    cudart = FakeCudart()
+    monkeypatch.setattr(staging, "PIN_MIN_BYTES", 256)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    copy_ = torch.Tensor.copy_
+
+    def recorded(self, src, non_blocking=False):
+        cudart.calls.append(("copy", self.data_ptr(), threading.current_thread().name))
+        return copy_(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", recorded)
+    w = writer([])
+    w.staging.pin = True
+    return w, cudart
+
+
+def test_an_unprepared_buffer_is_pinned_before_it_is_copied_into(tmp_path, parts, pinned):
+    """The first save without prepare: each large buffer is registered, then copied into (a
+    pinned copy, not a pageable one through a bounce buffer); unregistered once freed."""
+    w, cudart = pinned
+    save(w, tmp_path, 1, parts)
+    w.wait()
+    big = {t.data_ptr() for t in w.staging.buffers.values() if t.nbytes >= 256}
+    events = [(call, ptr) for call, ptr, _ in cudart.calls if ptr in big]
+    assert len(big) >= 2 and all(events.index(("register", p)) < events.index(("copy", p)) for p in big)
+    w.close()
+    gc.collect()
+    assert {ptr for call, ptr, _ in cudart.calls if call == "unregister"} == big
+
+
+def test_prepare_pins_on_the_background_thread_and_the_save_only_copies(tmp_path, parts, pinned):
+    """prepare(): the large buffers are registered on the checkpoint thread; the first save
+    registers nothing and copies into each buffer once, on the training loop's thread."""
+    w, cudart = pinned
+    w.prepare(parts, save_freq=1)
+    w.staging.join()
+    big = {t.data_ptr() for t in w.staging.buffers.values() if t.nbytes >= 256}
+    assert len(big) >= 2
+    assert {(call, ptr) for call, ptr, _ in cudart.calls} == {("register", ptr) for ptr in big}
+    assert {thread for _, _, thread in cudart.calls} == {"minirl-checkpoint_0"}
+    cudart.calls.clear()
+    save(w, tmp_path, 1, parts)
+    w.wait()
+    main = threading.current_thread().name
+    assert [call for call, _, _ in cudart.calls] == ["copy"] * w.staging.allocations
+    assert {thread for _, _, thread in cudart.calls} == {main}
+
+
+def test_a_failed_preparation_is_raised_at_the_next_save(tmp_path, parts, pinned):
+    """Pinning refused on the background thread: the next save raises its UserError (once),
+    and writes nothing."""
+    w, cudart = pinned
+    cudart.code = 2  # cudaErrorMemoryAllocation
+    w.prepare(parts, save_freq=1)
+    with pytest.raises(UserError, match="page-locking .* failed \\(CUDA error 2\\)"):
+        save(w, tmp_path, 1, parts)
+    assert not w.in_flight and complete(tmp_path) == []
+    w.staging.join()  # raised once
