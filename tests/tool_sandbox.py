@@ -30,6 +30,14 @@ print("TRIPWIRE-OFF", flush=True)
 """
 
 
+def bound_in_tmp() -> list[str]:
+    """What a sandbox's /tmp holds before the code runs: nothing, unless the Python install or
+    virtual environment lives under /tmp (a checkout there), which is bound in read-only."""
+    from minirl_plugins.tools import bwrap
+
+    return sorted({d.split("/")[2] for d in bwrap._python_dirs() if d.startswith("/tmp/")})
+
+
 def call(tool, *codes: str) -> list[ToolOutcome]:
     """One turn of python calls (all at once, concurrently), untruncated by the ToolSet."""
     tools = ToolSet([ToolEntry.of(tool)], max_parallel_calls=len(codes), max_tool_response_length=0)

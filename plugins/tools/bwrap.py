@@ -3,9 +3,10 @@
 What one call gets (docs/architecture.md says why bubblewrap, docs/agents.md what it enforces):
 user, PID, network, mount, IPC, UTS and cgroup namespaces; uid 65534 inside, which is the host's
 65534 (nobody) when the trainer runs as root; a root directory holding only /usr, the Python
-install and virtual environment, read-only, a fresh /proc and a minimal /dev, and a size-capped
-tmpfs at /tmp, the working directory; no network interface but a down loopback; no_new_privs,
-no capabilities, a new session, death with the trainer; the seccomp filter of seccomp.py.
+install and virtual environment, read-only (at their own paths, also when they live under /tmp),
+a fresh /proc and a minimal /dev, and a size-capped tmpfs at /tmp, the working directory; no
+network interface but a down loopback; no_new_privs, no capabilities, a new session, death with
+the trainer; the seccomp filter of seccomp.py.
 
 The sandbox's first process is sandbox_child.py's init (PID 1): when the code's process ends, it
 reports the exit status on a pipe and exits, and the kernel ends every process left in the PID
@@ -144,8 +145,8 @@ class Bwrap:
             self.binary,
             *("--unshare-all", "--unshare-user", "--hostname", "sandbox", "--info-fd", str(info_fd)),
             *("--cap-drop", "ALL", *user, "--die-with-parent", "--new-session", "--as-pid-1"),
+            *tmpfs,  # before the view: a Python install or venv under /tmp is bound on top of it
             *self.view,
-            *tmpfs,
             *("--chdir", WORKDIR, "--clearenv", *setenv, "--seccomp", str(filter_fd), "--"),
         ]
 

@@ -20,7 +20,7 @@ from minirl.agent.tools import ToolEntry, ToolOutcome, ToolSet
 from minirl.errors import UserError
 from minirl_plugins.tools import bwrap
 from minirl_plugins.tools.python_exec import PythonTool
-from tests.tool_sandbox import TRIPWIRE_OFF, call, call_watching, mark, name_self, processes_named
+from tests.tool_sandbox import TRIPWIRE_OFF, bound_in_tmp, call, call_watching, mark, name_self, processes_named
 
 
 def run_python(code: str, **config) -> ToolOutcome:
@@ -54,6 +54,8 @@ def test_the_tripwire_refuses_writes_outside_its_working_directory_with_a_messag
     """The tripwire (the audit hook inside) stops the obvious attempts early, with a message the
     model can read; the kernel boundary behind it is tested in test_tool_sandbox_escapes.py."""
     name = f"minirl-escape-{uuid.uuid4().hex}"
+    keep = Path("/var/tmp") / f"{name}-keep"  # a host file outside /tmp, where a checkout may live
+    keep.write_text("host")
     code = f"""
 import os, shutil
 open("inside.txt", "w").write("fine")
@@ -67,7 +69,7 @@ attempts = [
     lambda: shutil.copy("inside.txt", "../{name}"),
     lambda: os.symlink("../{name}", "link"),
     lambda: os.link("inside.txt", "../{name}"),
-    lambda: os.remove({str(Path(__file__))!r}),
+    lambda: os.remove({str(keep)!r}),
     lambda: os.chdir(".."),
 ]
 for attempt in attempts:
@@ -78,10 +80,13 @@ for attempt in attempts:
         print("refused")
 print(open("inside.txt").read())
 """
-    outcome = run_python(code)
-    assert outcome.text.split() == ["refused"] * 11 + ["fine"]
-    assert not (Path("/var/tmp") / name).exists()
-    assert Path(__file__).exists()
+    try:
+        outcome = run_python(code)
+        assert outcome.text.split() == ["refused"] * 11 + ["fine"]
+        assert not (Path("/var/tmp") / name).exists()
+        assert keep.read_text() == "host"
+    finally:
+        keep.unlink(missing_ok=True)
 
 
 def test_the_tripwire_refuses_network_sockets_with_a_message():
@@ -159,7 +164,7 @@ def test_the_working_directory_is_fresh_in_every_call():
     code = "import os\nprint(os.getcwd(), sorted(os.listdir('.')))\nopen('left', 'w').write('x')\nos.makedirs('a/b')"
     tool = PythonTool({})
     first, second = call(tool, code)[0], call(tool, code)[0]
-    assert first.text == second.text == "/tmp []\n"
+    assert first.text == second.text == f"/tmp {bound_in_tmp()}\n"
 
 
 def test_the_event_loop_runs_while_the_code_does():

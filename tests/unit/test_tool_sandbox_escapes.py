@@ -29,7 +29,7 @@ import pytest
 
 from minirl_plugins.tools import seccomp
 from minirl_plugins.tools.python_exec import PythonTool
-from tests.tool_sandbox import TRIPWIRE_OFF, call, call_watching, mark, name_self, processes_named
+from tests.tool_sandbox import TRIPWIRE_OFF, bound_in_tmp, call, call_watching, mark, name_self, processes_named
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = f"MINIRLSECRET-{uuid.uuid4().hex}"  # held in this process's memory, and in files it writes
@@ -602,7 +602,7 @@ def test_nested_directories_do_not_defeat_the_clean_up(tool):
         print('made')
         """
     assert "made" in attempt(tool, body)
-    assert attempt(tool, "print(os.listdir('.'))").endswith("[]\n")
+    assert attempt(tool, "print(os.listdir('.'))").endswith(f"{bound_in_tmp()}\n")
     assert {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("minirl")} == before
 
 
