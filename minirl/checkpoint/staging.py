@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -43,7 +43,8 @@ class HostStaging:
         """Make the host buffer of every tensor of `tree` now (empty: no copy, no page touched)
         and page-lock them through `submit` (a background thread), so that the first save only
         copies. Its error is raised by the next `stage` (or `join`)."""
-        fresh = [self._allocate(live, path) for path, live in _leaves(tree, ())]
+        fresh = []
+        _map_tensors(tree, (), lambda live, path: fresh.append(self._allocate(live, path)))
         if self.pin:
             self._preparing = submit(_pin_on, self.device, fresh)
 
@@ -57,19 +58,10 @@ class HostStaging:
         """`tree` with every tensor replaced by its host copy (other leaves deep-copied); returns
         once every copy is complete, so the caller may change the live tensors."""
         self.join()
-        staged = self._copy(tree, ())
+        staged = _map_tensors(tree, (), self._tensor)
         if self.pin:
             torch.cuda.synchronize(self.device)  # the non-blocking device-to-host copies
         return staged
-
-    def _copy(self, node: Any, path: tuple) -> Any:
-        if isinstance(node, dict):
-            return {key: self._copy(value, (*path, key)) for key, value in node.items()}
-        if isinstance(node, (list, tuple)):
-            return type(node)(self._copy(value, (*path, i)) for i, value in enumerate(node))
-        if torch.is_tensor(node):
-            return self._tensor(node, path)
-        return copy.deepcopy(node)
 
     def _tensor(self, live: torch.Tensor, path: tuple) -> torch.Tensor:
         staged = self.buffers.get(path)
@@ -88,16 +80,16 @@ class HostStaging:
         return staged
 
 
-def _leaves(node: Any, path: tuple) -> Iterator[tuple[tuple, torch.Tensor]]:
-    """(path, tensor) of every tensor of a state tree, with the paths `_copy` gives them."""
+def _map_tensors(node: Any, path: tuple, fn: Callable[[torch.Tensor, tuple], Any]) -> Any:
+    """`node` with every tensor replaced by fn(tensor, its path in the tree: the buffers' key)
+    and every other leaf deep-copied."""
     if isinstance(node, dict):
-        for key, value in node.items():
-            yield from _leaves(value, (*path, key))
-    elif isinstance(node, (list, tuple)):
-        for i, value in enumerate(node):
-            yield from _leaves(value, (*path, i))
-    elif torch.is_tensor(node):
-        yield path, node
+        return {key: _map_tensors(value, (*path, key), fn) for key, value in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(_map_tensors(value, (*path, i), fn) for i, value in enumerate(node))
+    if torch.is_tensor(node):
+        return fn(node, path)
+    return copy.deepcopy(node)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

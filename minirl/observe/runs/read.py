@@ -31,13 +31,12 @@ class Run:
     path: str
     records: list[dict[str, Any]]  # each has "step"; ascending, one per step
     config: dict[str, Any] = field(default_factory=dict)  # "section.key" -> value; {} without config.toml
+    status: dict[str, Any] | None = None  # status.json: how the run ended (minirl.observe.runs.status)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of `key` where it was logged and finite."""
         pairs = [(r["step"], r[key]) for r in self.records if r.get(key) is not None]
         return [s for s, _ in pairs], [float(v) for _, v in pairs]
-
-    status: dict[str, Any] | None = None  # status.json: how the run ended (minirl.observe.runs.status)
 
     def stopped_short(self) -> str | None:
         """How far the run got and why, when that is short of trainer.total_training_steps."""
