@@ -67,7 +67,8 @@ def _prepared(dist, parts) -> dict:
     writer = CheckpointWriter(dist, True, 120, lambda step, path: None)
     writer.prepare(parts, save_freq=1)
     writer.staging.join()
-    live = dict(staging._leaves(parts.state_dicts(), ()))
+    live = {}
+    staging._map_tensors(parts.state_dicts(), (), lambda t, path: live.setdefault(path, t))
     buffers, allocated = writer.staging.buffers, writer.staging.allocations
     like = buffers.keys() == live.keys() and all(_like(buffers[p], t) for p, t in live.items() if t.dim())
     staged = writer.staging.stage(parts.state_dicts())
