@@ -120,6 +120,32 @@ def test_a_killed_or_stopped_rank_in_a_collective_is_named(capfd, signum, timeou
     assert not multiprocessing.active_children()
 
 
+class _AbortsAtTeardown:
+    """Stands for a C++ object that aborts when the interpreter's teardown frees it (a gloo
+    thread freeing a tensor that needs the GIL: "terminate called without an active exception")."""
+
+    def __del__(self):
+        os.abort()
+
+
+def _finished_worker(rank: int, marker: str) -> None:
+    import atexit
+    import sys
+    import types
+
+    held = sys.modules["_minirl_left_behind"] = types.ModuleType("_minirl_left_behind")
+    held.obj = _AbortsAtTeardown()  # freed when the teardown clears sys.modules
+    atexit.register(lambda: open(f"{marker}.{rank}", "w").close())
+
+
+def test_a_finished_worker_runs_its_atexit_handlers_and_skips_the_teardown(tmp_path):
+    """A rank whose job is done exits 0 without the interpreter teardown that could abort it
+    (seen in CI after a finished run), and its atexit handlers (trackers' uploads) still run."""
+    marker = str(tmp_path / "atexit")
+    assert spawn.spawn(_finished_worker, 2, (marker,)) == 0
+    assert os.path.exists(f"{marker}.0") and os.path.exists(f"{marker}.1")
+
+
 def _user_error_worker(rank: int) -> None:
     raise UserError("data.train_files = []: list one or more parquet files")
 

@@ -7,7 +7,9 @@ worker. SIGTERM/SIGINT are forwarded; a worker whose supervisor died exits withi
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import faulthandler
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -65,6 +67,9 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple = ()) -> int:
 
 def _worker_main(fn, rank: int, args: tuple, env: dict[str, str], error_dir: str, parent_pid: int) -> None:
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    # a rank killed by a fatal signal (SIGSEGV, SIGABRT from C++) prints every thread's Python
+    # stack first: the report then names the rank, and its stderr says where it was
+    faulthandler.enable(all_threads=True)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
         fn(rank, *args)
@@ -72,6 +77,20 @@ def _worker_main(fn, rank: int, args: tuple, env: dict[str, str], error_dir: str
         report = report_of(exc)
         _write_error(error_dir, rank, report)
         sys.exit(report.exit_code)
+    _leave()
+
+
+def _leave() -> None:
+    """Exit 0 once the job is over (its process groups destroyed, its files closed) without the
+    interpreter's teardown, which could only fail: a C++ thread of a torch.distributed backend
+    that outlives destroy_process_group and frees a tensor needing the GIL while the interpreter
+    is being finalized aborts the process ("terminate called without an active exception",
+    pytorch/pytorch#190489), after all its work was done: a CI run lost a finished rank of an
+    asynchronous job so. The atexit handlers (a tracker's upload among them) still run."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _write_error(error_dir: str, rank: int, report: Report) -> None:
