@@ -32,13 +32,18 @@ Head = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], tuple]
 """head(model, hidden_rH, labels_r) -> a tuple of per-position outputs [r, ...] (or None)."""
 
 
+def matmul_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype every pass multiplies the model's matrices in on `device`, whatever dtype they
+    are stored in (None: their own): bf16 on CUDA, through mixed_precision's autocast."""
+    return torch.bfloat16 if device.type == "cuda" else None
+
+
 def mixed_precision(device: torch.device):
     """bf16 matmuls over fp32 master weights on CUDA (what FSDP2's MixedPrecisionPolicy does
     when sharded); the log-softmax stays float32 (chunked_logprobs computes it in float32 from
     each bf16 logits chunk)."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    dtype = matmul_dtype(device)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 def pack(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import types
 from typing import Iterator
 
 import torch
@@ -72,10 +73,54 @@ def apply_lora(model: torch.nn.Module, model_cfg, base_name: str = "") -> torch.
         param.requires_grad_(is_adapter_param(name))
         if is_adapter_param(name):  # peft keeps float32 adapters on a bf16 base; FSDP2 wants one dtype
             param.data = param.data.to(model.dtype)
+    for layer in lora_layers(model).values():
+        layer.forward = types.MethodType(_forward, layer)
     model.lora_config = config  # what save_adapter writes
     if model_cfg.lora_adapter_path:
         load_adapter(model, model_cfg.lora_adapter_path)
     return model
+
+
+def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A LoRA layer's output x Wᵀ + b + s·(x Aᵀ) Bᵀ with the adapters' sum in the epilogue of one
+    addmm: the [M, out] output is read and written once more, where peft's forward writes
+    (x Aᵀ) Bᵀ, scales it and adds it (five more passes over [M, out] in eager, and casts x to
+    the adapters' float32 first), and the backward has no pass over [M, out] of its own (addmm's
+    gradient of its first argument is the incoming one). The same sum, rounded once instead of
+    three times; other cases (adapters off or merged, peft's variants such as DoRA, extra
+    arguments) run peft's forward."""
+    if self._disable_adapters or self.merged or args or kwargs or getattr(self, "lora_variant", None):
+        return type(self).forward(self, x, *args, **kwargs)
+    y = self.base_layer(x)
+    xa = self.lora_A[ADAPTER](self.lora_dropout[ADAPTER](x))
+    out = torch.addmm(
+        y.reshape(-1, y.shape[-1]),
+        xa.reshape(-1, xa.shape[-1]),
+        self.lora_B[ADAPTER].weight.t(),
+        alpha=self.scaling[ADAPTER],
+    )
+    return out.view(y.shape)
+
+
+def hold_frozen_in(model: torch.nn.Module, dtype: torch.dtype | None) -> int:
+    """Store the frozen Linear matrices (the LoRA layers' base, an untied lm_head) and biases in
+    `dtype`, the dtype every pass multiplies them in (minirl.forward.packed.matmul_dtype; None:
+    nothing to do): the same products, without a float32 master copy of weights no optimizer
+    updates, nor a cast on every call (autocast caches casts only of weights that train). The
+    input embedding and the norms keep their dtype: they are not multiplied, and a tied lm_head
+    is the embedding. Returns the bytes freed."""
+    if dtype is None:
+        return 0
+    tied = model.get_input_embeddings().weight
+    freed = 0
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear) or module.weight is tied:
+            continue
+        for param in module.parameters(recurse=False):
+            if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+                freed += param.numel() * (param.element_size() - dtype.itemsize)
+                param.data = param.data.to(dtype)
+    return freed
 
 
 def is_adapter_param(name: str) -> bool:

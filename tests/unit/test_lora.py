@@ -256,3 +256,73 @@ def test_lora_update_flops_count_weight_gradients_of_the_adapters_only():
     attn = 2 * 2 * 64 * (100 + 36)  # 2·L·width·Σs²
     assert train_flops(model.config, n, lens, True, n_lora) == (4 * n + 2 * n_lora) * 16 + 3 * attn
     assert train_flops(model.config, n, lens, True) == 3 * (2 * n * 16 + attn)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    rank=st.integers(1, 8),
+    alpha=st.integers(1, 64),
+    rows=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+    target=st.sampled_from(["self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"]),
+)
+def test_lora_layer_forward_is_peft_s_sum_in_one_addmm(rank, alpha, rows, seed, target):
+    """minirl's LoRA layer forward (the adapters' sum in one addmm's epilogue) gives peft's
+    x Wᵀ + b + s·(x Aᵀ) Bᵀ and its gradients of x, A and B, in float64, leading dimensions kept,
+    with and without a bias; with the adapters off it is the base layer alone."""
+    _, model = lora_model(f"model.lora_rank={rank}", f"model.lora_alpha={alpha}")
+    perturb_adapters(model, seed)
+    model.double()
+    layer = model.get_submodule(f"model.layers.1.{target}")
+    assert layer.forward.__func__ is lora._forward  # installed by apply_lora
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, rows, layer.in_features, generator=gen, dtype=torch.float64)
+    grad_out = torch.randn(2, rows, layer.out_features, generator=gen, dtype=torch.float64)
+    results = []
+    for forward in (layer.forward, lambda t: type(layer).forward(layer, t)):  # ours, peft's
+        xi = x.clone().requires_grad_(True)
+        model.zero_grad()
+        out = forward(xi)
+        out.backward(grad_out)
+        a, b = layer.lora_A[lora.ADAPTER].weight.grad, layer.lora_B[lora.ADAPTER].weight.grad
+        results.append((out.detach(), xi.grad, a.clone(), b.clone()))
+    for ours, peft in zip(*results):
+        torch.testing.assert_close(ours, peft, rtol=1e-12, atol=1e-12)
+    with lora.adapters_disabled(model), torch.no_grad():
+        assert torch.equal(layer(x), layer.base_layer(x))
+
+
+def test_frozen_base_held_in_bf16_multiplies_as_autocast_does():
+    """Under autocast to bf16 (every pass on CUDA) frozen Linears stored in bf16 give exactly what
+    float32 ones cast on every call give: the same log-probs, the same adapter gradients, with 2
+    bytes an element freed. The input embedding, the norms and the adapters keep float32."""
+    _, model = lora_model()
+    perturb_adapters(model, seed=2)
+    held = copy.deepcopy(model)
+    freed = lora.hold_frozen_in(held, torch.bfloat16)
+    linears = [m for m in held.modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
+    assert freed == 2 * sum(p.numel() for m in linears for p in m.parameters(recurse=False)) > 0
+    assert {p.dtype for m in linears for p in m.parameters(recurse=False)} == {torch.bfloat16}
+    assert held.lm_head in linears  # untied: multiplied like the rest
+    bf16 = {n for n, p in held.named_parameters() if p.dtype == torch.bfloat16}
+    assert not any(lora.is_adapter_param(n) or "norm" in n or "embed" in n for n in bf16)
+    assert lora.hold_frozen_in(held, None) == 0 and lora.hold_frozen_in(held, torch.bfloat16) == 0
+
+    def run(m):
+        m.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp = packed_forward(m, PROMPTS[: len(RESPONSES)], RESPONSES, torch.device("cpu"), logprob_head(1.0))[0]
+        logp.float().sum().backward()
+        return logp.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+
+    (want, want_grads), (got, got_grads) = run(model), run(held)
+    assert torch.equal(got, want)
+    assert want_grads.keys() == got_grads.keys() and all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+
+
+def test_a_tied_lm_head_is_the_embedding_and_stays():
+    base = random_model(preset_config("qwen3-tiny"), "cpu", torch.float32, 0)
+    model = lora.apply_lora(base, model_cfg(), "qwen3-tiny")
+    lora.hold_frozen_in(model, torch.bfloat16)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert model.lm_head.weight.dtype == torch.float32

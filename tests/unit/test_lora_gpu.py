@@ -91,3 +91,20 @@ def test_native_engine_on_cuda_holds_the_merged_adapters_after_a_sync():
                 p.mul_(1.5)
     engine.load_weights(assembly.full_weights(model, adapted_only=True))
     assert engine.checksum(torch.bfloat16) == weights_checksum(assembly.full_weights(model), torch.bfloat16)
+
+
+def test_frozen_base_in_bf16_gives_the_float32_bases_log_probs_and_gradients():
+    """What LoRAFineTuning.assemble does on CUDA: the frozen Linears stored in bf16 multiply as
+    autocast multiplies float32 ones, bit for bit, forward and adapter gradients."""
+    _, model = _models()
+    held = copy.deepcopy(model)
+    assert lora.hold_frozen_in(held, torch.bfloat16) > 0
+    results = []
+    for m in (model, held):
+        m.zero_grad()
+        logp = _logp(m, grad=True)
+        logp.sum().backward()
+        results.append((logp.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
+    (want, want_grads), (got, got_grads) = results
+    assert torch.equal(got, want)
+    assert all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
