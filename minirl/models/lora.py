@@ -175,7 +175,12 @@ def merged(layer: torch.nn.Module) -> torch.Tensor:
     """W + B A * alpha / r in W's dtype: the weight the rollout engines compute with. The sum is
     taken in float32 at least and rounded once."""
     w = full_tensor(layer.base_layer.weight)
-    return (w.to(_at_least_float32(w.dtype)) + delta(layer)).to(w.dtype)
+    a = full_tensor(layer.lora_A[ADAPTER].weight)
+    b = full_tensor(layer.lora_B[ADAPTER].weight)
+    dtype = _at_least_float32(torch.promote_types(w.dtype, a.dtype))
+    # one GEMM with the sum in its epilogue: no [out, in] product, scaled copy or sum of its own
+    summed = torch.addmm(w.to(dtype), b.to(dtype), a.to(dtype), alpha=layer.scaling[ADAPTER])
+    return summed.to(w.dtype)
 
 
 def merged_weights(model: torch.nn.Module, adapted_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
