@@ -1,0 +1,156 @@
+"""LoRA's update against full fine-tuning, one packed micro-batch through the decoder layers of the
+1.5B shape (forward + backward under bf16 autocast, as the trainer runs at one process), per way
+of computing the LoRA layers, and the sync's merge of the adapted matrices.
+
+    python3 dev/bench_lora_update.py                                    # on a CUDA machine
+    python3 dev/bench_lora_update.py --device cpu --preset tiny --seq-len 32 --seqs 2 --reps 1 --no-compile
+
+Variants: `full` (every matrix trains: float32 masters, the weight gradients), `peft` (LoRA with
+peft's own layer forward over a float32 frozen base: what minirl ran before issue 41), `addmm`
+(minirl's layer forward, lora._forward: the adapters' sum in one addmm's epilogue), `addmm_bf16`
+(that, with the frozen Linears held in bf16 by lora.hold_frozen_in: what LoRAFineTuning runs on
+CUDA). Each LoRA variant at every rank of --ranks. Printed: the median forward + backward time,
+its ratio to `full`, the ratio a FLOP count predicts ((4N + 2n) / 6N: no weight gradients of the
+frozen matrices), the peak memory, and the merge of the adapted matrices into bf16 engine buffers
+(what a collocated sync does). The head (final norm, lm_head, log-softmax) is left out: it is
+frozen in both and its cost is the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+
+from minirl.config.load import load_config
+from minirl.models import assembly, lora
+from minirl.models.attention import packed_forward_kwargs
+from minirl.models.compile import compile_layers
+from minirl.models.loading import random_model
+from minirl.models.presets import preset_config
+
+VARIANTS = ("full", "peft", "addmm", "addmm_bf16")
+
+
+def build(args, variant: str, rank: int, device: torch.device):
+    config = preset_config(args.preset, num_hidden_layers=args.layers)
+    model = random_model(config, device, torch.float32, seed=0)
+    if variant != "full":
+        cfg = load_config(None, [f"model.lora_rank={rank}", f"model.lora_alpha={2 * rank}"]).model
+        lora.apply_lora(model, cfg, args.preset)
+        with torch.no_grad():  # trained adapters (fresh B is zero)
+            for name, p in model.named_parameters():
+                if lora.is_adapter_param(name):
+                    p.normal_(0.0, 0.02)
+        if variant == "peft":
+            for layer in lora.lora_layers(model).values():
+                layer.__dict__.pop("forward")  # peft's own forward
+        if variant == "addmm_bf16":
+            lora.hold_frozen_in(model, torch.bfloat16)
+    compile_layers(model, args.compile)
+    return model
+
+
+def step_fn(model, args, device: torch.device):
+    """forward + backward of seq_len x seqs packed tokens through the decoder layers."""
+    kwargs = packed_forward_kwargs([args.seq_len] * args.seqs, device=device)
+    n = args.seq_len * args.seqs
+    decoder = model.get_decoder()
+    hidden = torch.randn(1, n, model.config.hidden_size, device=device) * 0.5
+    cos_sin = decoder.rotary_emb(hidden, kwargs["position_ids"])
+    kwargs = dict(kwargs, position_embeddings=cos_sin)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        with autocast:
+            h = hidden
+            for layer in decoder.layers:
+                out = layer(h, **kwargs)
+                h = out[0] if isinstance(out, tuple) else out
+            loss = h.float().pow(2).mean()
+        loss.backward()
+
+    return run
+
+
+def timed_ms(fn, reps: int, device: torch.device) -> float:
+    fn()  # warm-up (and the compile)
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def merge_ms(model, reps: int, device: torch.device) -> float:
+    """The collocated sync's merge: every adapted matrix, merged, copied into a bf16 engine buffer."""
+    buffers = {name: t.detach().to(torch.bfloat16) for name, t in assembly.full_weights(model, adapted_only=True)}
+
+    def run():
+        with torch.no_grad():
+            for name, t in assembly.full_weights(model, adapted_only=True):
+                buffers[name].copy_(t)
+
+    return timed_ms(run, reps, device)
+
+
+def flops_ratio(model) -> float:
+    """(4N + 2n) / 6N over the decoder layers: N their parameters (base and adapters), n the adapters'."""
+    params = list(model.get_decoder().layers.named_parameters())
+    n_all = sum(p.numel() for _, p in params)
+    n_lora = sum(p.numel() for name, p in params if lora.is_adapter_param(name))
+    return (4 * n_all + 2 * n_lora) / (6 * n_all)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--preset", default="qwen2-1.5b")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--seqs", type=int, default=8)
+    parser.add_argument("--ranks", default="8,64")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-compile", dest="compile", action="store_false")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    rows = []
+    full_ms = None
+    for variant in args.variants.split(","):
+        for rank in [0] if variant == "full" else [int(r) for r in args.ranks.split(",")]:
+            torch._dynamo.reset()
+            model = build(args, variant, rank, device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            ms = timed_ms(step_fn(model, args, device), args.reps, device)
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+            if variant == "full":
+                full_ms = ms
+                rows.append((variant, "-", ms, 1.0, 1.0, peak, float("nan")))
+            else:
+                ratio = ms / full_ms if full_ms else float("nan")
+                rows.append((variant, rank, ms, ratio, flops_ratio(model), peak, merge_ms(model, args.reps, device)))
+            del model
+            with contextlib.suppress(Exception):
+                torch.cuda.empty_cache()
+    tokens = args.seq_len * args.seqs
+    print(f"\n{args.layers} decoder layers of {args.preset}, {tokens} packed tokens, compile={args.compile}")
+    head = ("variant", "rank", "fwd+bwd ms", "/ full", "FLOP ratio", "peak GiB", "merge ms")
+    print(f"{head[0]:12} {head[1]:>4} {head[2]:>11} {head[3]:>7} {head[4]:>10} {head[5]:>9} {head[6]:>9}")
+    for variant, rank, ms, ratio, fr, peak, merge in rows:
+        print(f"{variant:12} {rank!s:>4} {ms:11.2f} {ratio:7.3f} {fr:10.3f} {peak:9.2f} {merge:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
