@@ -16,7 +16,7 @@ from typing import Any
 
 from minirl.agent.chat import ChatTokens
 from minirl.agent.parser import PARSERS, ToolCall
-from minirl.agent.server import EngineServer, request_level
+from minirl.agent.server import EngineServer, ToolTime, request_level
 from minirl.agent.tools import ToolOutcome, ToolSet
 from minirl.agent.verl_tools import AgentData
 from minirl.errors import UserError
@@ -101,6 +101,7 @@ class AgentRollout:
             self._check_template()
         self.event_loop = asyncio.new_event_loop()
         self.last_steps = 0  # engine steps of the last run
+        self.last_tool_time = ToolTime()  # the last run's tool seconds, and the engine's idle ones among them
 
     def _check_template(self) -> None:
         """Tools are configured: the template must render their answers, and should show them."""
@@ -157,7 +158,7 @@ class AgentRollout:
         finally:
             serving.cancel()
             await asyncio.gather(serving, return_exceptions=True)
-            self.last_steps = server.steps
+            self.last_steps, self.last_tool_time = server.steps, server.tools
 
     async def run_batch(self, server: EngineServer, samples: list[Sample], agent_names: list[str]):
         """One batch's trajectories on a server that the caller runs and shares between batches

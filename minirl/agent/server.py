@@ -1,4 +1,5 @@
-"""One engine, many agent loops: the engine steps while the loops wait for it or for their tools.
+"""One engine, many agent loops: the engine steps while the loops wait for it or for their tools
+(ToolTime measures how much of the tools' time it found other samples to decode).
 
 Every loop is an asyncio task; the server steps the engine only when no loop is busy running its
 own code, so a batch of single-turn loops submits exactly what generate() would, in its order.
@@ -9,6 +10,7 @@ their loops in call order, for reproducible multi-turn runs (docs/architecture.m
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 from typing import Awaitable, TypeVar
 
@@ -27,6 +29,7 @@ class EngineServer:
         self.ordered = ordered
         self.gates: list[asyncio.Future] = []  # ordered mode: one per tool wait, in call order
         self.gates_ready = 0  # of those, the waits whose tools are back
+        self.tools = ToolTime()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> TurnOutput:
         """Submit one request (n = 1) and wait for its turn to finish."""
@@ -42,18 +45,22 @@ class EngineServer:
         if self.ordered:
             return await self._idle_in_order(awaitable)
         self._went_idle()
+        self.tools.out(1)
         try:
             return await awaitable
         finally:
+            self.tools.out(-1)
             self.busy += 1
 
     async def _idle_in_order(self, awaitable: Awaitable[T]) -> T:
         gate = asyncio.get_running_loop().create_future()
         self.gates.append(gate)
         self._went_idle()
+        self.tools.out(1)
         try:
             result = await awaitable
         finally:  # a failed or cancelled wait counts as back too: it must not hold the others
+            self.tools.out(-1)
             self.gates_ready += 1
             self.wake.set()
         await gate  # opened by serve(), which counted this loop busy again
@@ -82,7 +89,11 @@ class EngineServer:
                 self._open_gates()
             if self.busy > 0 or self.gates or not self.engine.has_work():
                 self.wake.clear()
+                on_tools = self.busy == 0 and self.tools.pending > 0  # nothing to do but wait for them
+                start = time.perf_counter()
                 await self.wake.wait()
+                if on_tools:
+                    self.tools.engine_idle_s += time.perf_counter() - start
                 continue
             if between_steps is not None:
                 await between_steps()
@@ -102,6 +113,24 @@ class EngineServer:
         while self.engine.has_work():
             self.engine.step()
         self.turns.clear()
+
+
+class ToolTime:
+    """How much of the time tool calls were out the engine still decoded other samples: wall_s,
+    the seconds with at least one call out; engine_idle_s, those of them the engine waited with
+    nothing else to do (every loop waiting on a tool, or ordered mode holding it for them)."""
+
+    def __init__(self) -> None:
+        self.pending, self.since = 0, 0.0
+        self.wall_s = self.engine_idle_s = 0.0
+
+    def out(self, change: int) -> None:
+        now = time.perf_counter()
+        if self.pending == 0:
+            self.since = now
+        self.pending += change
+        if self.pending == 0:
+            self.wall_s += now - self.since
 
 
 def request_level(engine) -> RolloutEngine:

@@ -9,7 +9,7 @@ from minirl.agent.loop import to_samples
 from minirl.batch import RolloutBatch
 from minirl.data.prompts import expand_groups
 from minirl.observe.evaluate import validate
-from minirl.observe.step_metrics import engine_metrics
+from minirl.observe.step_metrics import engine_metrics, tool_time_metrics
 from minirl.protocols import SamplingParams, Trajectory
 from minirl.reward.manager import build_reward_manager, place_scores
 from minirl.reward.trajectory import training_scores
@@ -43,10 +43,19 @@ class Collocated:
     def __init__(self, engine, agents, rewards, tokenizer, loader, val, cfg, dist):
         self.engine, self.agents, self.rewards, self.tokenizer = engine, agents, rewards, tokenizer
         self.loader, self.val, self.cfg, self.dist = loader, val, cfg, dist
+        self.tool_s = [0.0, 0.0]  # this step's tool seconds, and the engine's idle ones among them
 
     def next(self, step: int, timer) -> Rollout:
         batch, metrics = self.generate_and_score(self.loader.next_batch(), step, timer)
-        return Rollout(batch, metrics, model_tokens(batch.trajectories), engine_metrics(self.engine, self.dist))
+        return Rollout(batch, metrics, model_tokens(batch.trajectories), self.source_metrics())
+
+    def source_metrics(self) -> dict[str, float]:
+        """The engine's account of the step, and (multi-turn) how much tool time it decoded through."""
+        out = engine_metrics(self.engine, self.dist)
+        if self.cfg.rollout.multi_turn.enable:
+            out.update(tool_time_metrics(*self.tool_s, self.dist))
+        self.tool_s = [0.0, 0.0]
+        return out
 
     def generate_and_score(self, records, number: int, timer) -> tuple[RolloutBatch, dict[str, float]]:
         """Prompt batch `number` (its seed and group uids) generated, then scored."""
@@ -63,6 +72,8 @@ class Collocated:
             records, self.cfg.rollout.n, (number * dist.dp_size + dist.dp_rank) * len(records)
         )
         trajectories = self.run_agents(expanded, uids, params)
+        tools = self.agents.last_tool_time
+        self.tool_s = [self.tool_s[0] + tools.wall_s, self.tool_s[1] + tools.engine_idle_s]
         return to_batch(expanded, uids, trajectories, self.cfg.rollout, self.cfg.actor.tis_imp_ratio_cap, dist.device)
 
     def run_agents(self, records, uids: list[int], params: SamplingParams, prefix: str = "") -> list[Trajectory]:

@@ -16,7 +16,6 @@ import torch
 from minirl.algo.dynamic_sampling import Key, choose_groups, informative_groups
 from minirl.batch import RolloutBatch, concat
 from minirl.dist.context import DistContext
-from minirl.observe.step_metrics import engine_metrics
 from minirl.reward.metrics import merge_reward_metrics
 from minirl.rollout.source import Rollout
 from minirl.rollout.trajectories import model_tokens
@@ -48,7 +47,7 @@ class FilterGroups:
         first = self.loader.next_batch()
         fg, size = self.filter_cfg, self.train_batch_size
         batch, metrics = fill_batch(gen_and_score, first, self.loader, fg, size, self.n, self.dist)
-        return Rollout(batch, metrics, sum(generated), engine_metrics(self.inner.engine, self.dist))
+        return Rollout(batch, metrics, sum(generated), self.inner.source_metrics())
 
     def validate(self) -> dict[str, float]:
         return self.inner.validate()

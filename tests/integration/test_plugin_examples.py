@@ -109,5 +109,8 @@ def test_tool_example_runs_in_a_training_step(tmp_path, data_dir, monkeypatch):
     )
     (metrics,) = trainer.fit()
     assert metrics["agent/tool_calls"] == 16 and metrics["agent/tool_ok"] == 8 and metrics["agent/tool_error"] == 8
+    # the engine's account of the tools' time: every loop asks at once, so it mostly waits
+    assert 0 <= metrics["agent/engine_idle_on_tools_s"] <= metrics["agent/tool_wall_s"]
+    assert metrics["agent/tool_wall_s"] > 0 and 0 <= metrics["agent/tool_overlap"] <= 1
     assert 0 < metrics["response/model_token_share"] < 1
     assert metrics["response_length/mean"] <= 4  # model tokens only: two turns of at most two

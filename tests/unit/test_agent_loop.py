@@ -237,11 +237,47 @@ class Sleeper:
     schema = None
 
     def __init__(self, config):
-        pass
+        self.seconds = config.get("seconds", 1.5)
 
     def __call__(self, arguments, **sample):
-        time.sleep(1.5)
+        time.sleep(self.seconds)
         return "slept"
+
+
+def sleeper_config(tmp_path, seconds: float) -> str:
+    path = tmp_path / "tools.yaml"
+    path.write_text(
+        "tools:\n  - class_name: tests.unit.test_agent_loop.Sleeper\n"
+        f"    config: {{type: native, seconds: {seconds}}}\n"
+        "    tool_schema: {type: function, function: {name: sleep, description: waits, "
+        "parameters: {type: object, properties: {}}}}\n"
+    )
+    return str(path)
+
+
+@pytest.mark.parametrize("others_decode, deterministic", [(True, False), (False, False), (True, True)])
+def test_tool_time_counts_what_the_engine_decoded_meanwhile(tmp_path, others_decode, deterministic):
+    """Sample 0 calls a 0.3 s tool. With sample 1 decoding 6 turns of 0.1 s meanwhile the engine
+    is never idle on the tool (overlap near 1); with sample 1 calling the tool too it waits the
+    whole time (near 0), and so it does in ordered mode, which holds the engine for the tool."""
+
+    def script(rid, turn, prompt):
+        if rid == "0/0" or not others_decode:
+            return call("sleep", "{}") if turn == 0 else ids("ok") + [IM_END]
+        return ids("again") + [IM_END]
+
+    recs = records(2)
+    if others_decode:
+        recs[1] = dataclasses.replace(recs[1], agent_name="repeat")
+    agents = rollout(sleeper_config(tmp_path, 0.3), deterministic=deterministic)
+    agents.registry.items["repeat"] = Repeat
+    run(agents, ScriptedEngine(script, delay_s=0.1), recs)
+    tools = agents.last_tool_time
+    assert tools.pending == 0 and 0.3 <= tools.wall_s < 5.0
+    if others_decode and not deterministic:
+        assert tools.engine_idle_s < 0.25 * tools.wall_s, vars(tools)
+    else:
+        assert tools.engine_idle_s > 0.8 * tools.wall_s, vars(tools)
 
 
 class Repeat:
