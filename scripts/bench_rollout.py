@@ -217,7 +217,15 @@ def run_agents(engine, prompts, loop, device) -> dict:
     agents.close()
     model = sum(t.response_mask.count(1) for t in trajectories)
     cached = sum(t.metrics.get("cached_tokens", 0) for t in trajectories)
-    return {"wall_s": wall, "model_tokens": model, "tokens_per_s": model / wall, "cached_tokens": cached}
+    tools = agents.last_tool_time  # seconds with a tool out, and the engine's idle ones among them
+    return {
+        "wall_s": wall,
+        "model_tokens": model,
+        "tokens_per_s": model / wall,
+        "cached_tokens": cached,
+        "tool_wall_s": tools.wall_s,
+        "engine_idle_on_tools_s": tools.engine_idle_s,
+    }
 
 
 def multi_turn(engine, config, device) -> dict:
@@ -528,6 +536,11 @@ def print_table(r: dict, args) -> None:
                 f"{x['tokens_per_s']:8.0f} tok/s, {x['cached_tokens']} prompt tokens reused from the KV cache"
             )
         print(f"multi-turn / single-turn model-token throughput: {m['ratio']:.1%}")
+        slow = m["multi_turn_tool_0.5s"]
+        print(
+            f"0.5 s tools: a tool out for {slow['tool_wall_s']:.2f} s of the run, the engine idle (nothing else to "
+            f"decode) for {slow['engine_idle_on_tools_s']:.2f} s of them"
+        )
     if r["release"]:
         rel = r["release"]
         print(

@@ -257,9 +257,10 @@ def sleeper_config(tmp_path, seconds: float) -> str:
 
 @pytest.mark.parametrize("others_decode, deterministic", [(True, False), (False, False), (True, True)])
 def test_tool_time_counts_what_the_engine_decoded_meanwhile(tmp_path, others_decode, deterministic):
-    """Sample 0 calls a 0.3 s tool. With sample 1 decoding 6 turns of 0.1 s meanwhile the engine
+    """Sample 0 calls a 0.4 s tool. With sample 1 decoding 6 turns of 0.15 s meanwhile the engine
     is never idle on the tool (overlap near 1); with sample 1 calling the tool too it waits the
-    whole time (near 0), and so it does in ordered mode, which holds the engine for the tool."""
+    whole time (near 0; the margin allows the two calls to come back apart under load), and so it
+    does in ordered mode, which holds the engine for the tool."""
 
     def script(rid, turn, prompt):
         if rid == "0/0" or not others_decode:
@@ -269,15 +270,15 @@ def test_tool_time_counts_what_the_engine_decoded_meanwhile(tmp_path, others_dec
     recs = records(2)
     if others_decode:
         recs[1] = dataclasses.replace(recs[1], agent_name="repeat")
-    agents = rollout(sleeper_config(tmp_path, 0.3), deterministic=deterministic)
+    agents = rollout(sleeper_config(tmp_path, 0.4), deterministic=deterministic)
     agents.registry.items["repeat"] = Repeat
-    run(agents, ScriptedEngine(script, delay_s=0.1), recs)
+    run(agents, ScriptedEngine(script, delay_s=0.15), recs)
     tools = agents.last_tool_time
-    assert tools.pending == 0 and 0.3 <= tools.wall_s < 5.0
+    assert tools.pending == 0 and 0.4 <= tools.wall_s < 5.0
     if others_decode and not deterministic:
         assert tools.engine_idle_s < 0.25 * tools.wall_s, vars(tools)
     else:
-        assert tools.engine_idle_s > 0.8 * tools.wall_s, vars(tools)
+        assert tools.engine_idle_s > 0.6 * tools.wall_s, vars(tools)
 
 
 class Repeat:
