@@ -124,6 +124,12 @@ class ToolTime:
         self.pending, self.since = 0, 0.0
         self.wall_s = self.engine_idle_s = 0.0
 
+    def so_far(self) -> tuple[float, float]:
+        """(wall_s, engine_idle_s) until now, a call still out included (a server that never
+        drains, an asynchronous rollout rank's, is read this way)."""
+        open_s = time.perf_counter() - self.since if self.pending else 0.0
+        return self.wall_s + open_s, self.engine_idle_s
+
     def out(self, change: int) -> None:
         now = time.perf_counter()
         if self.pending == 0:

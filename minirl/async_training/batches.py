@@ -17,6 +17,7 @@ import torch.distributed as tdist
 
 from minirl.async_training.channel import Channel, Group
 from minirl.batch import RolloutBatch
+from minirl.observe.step_metrics import tool_time_metrics
 from minirl.reward.manager import place_scores
 from minirl.reward.metrics import merge_reward_metrics
 from minirl.rollout.source import Rollout
@@ -43,6 +44,7 @@ class Taken:
     reward_metrics: dict[str, float]
     idle_s: dict[int, float]  # rollout rank -> its idle seconds so far
     queue_depth: int  # batches finished and waiting
+    tool_s: dict[int, tuple[float, float]]  # rollout rank -> its tool seconds so far, and its engine's idle ones
 
 
 class RemoteBatches:
@@ -53,6 +55,8 @@ class RemoteBatches:
         self.settings, self.rollout_cfg, self.ranks = cfg.async_training, cfg.rollout, cfg.rollout_world
         self.tis_cap, self.collective_timeout_s = cfg.actor.tis_imp_ratio_cap, cfg.trainer.collective_timeout_s
         self.idle_before: dict[int, float] = {}  # rollout rank -> its idle seconds at the last step
+        self.tools_before: dict[int, tuple[float, float]] = {}  # and its tool seconds (Part.tool_s)
+        self.multi_turn = cfg.rollout.multi_turn.enable
         self.old_log_probs_note = _old_log_probs_note(cfg.async_training)
 
     def next(self, step: int, timer) -> Rollout:
@@ -98,9 +102,9 @@ class RemoteBatches:
             dropped += (len(groups) - keep) * self.rollout_cfg.n
             if keep:
                 break
-        idle = {p.rank: p.idle_s for p in parts}
+        idle, tools = {p.rank: p.idle_s for p in parts}, {p.rank: p.tool_s for p in parts}
         metrics = merge_reward_metrics([m for m in rewards if m])
-        return Taken(fresh[:keep], self.progress.next_index - 1, dropped, metrics, idle, self._queue_depth())
+        return Taken(fresh[:keep], self.progress.next_index - 1, dropped, metrics, idle, self._queue_depth(), tools)
 
     def _lag(self, group: Group) -> int:
         """Versions the group's oldest token is behind the weights about to be trained."""
@@ -123,7 +127,8 @@ class RemoteBatches:
         count = max(len(lags), 1)
         idle_s = sum(max(0.0, v - self.idle_before.get(r, 0.0)) for r, v in taken.idle_s.items())
         self.idle_before.update(taken.idle_s)
-        return {
+        tools = {} if not self.multi_turn else self._tool_metrics(taken.tool_s)
+        return tools | {
             "async/version": float(version),
             "async/batch_index": float(taken.index),
             "async/staleness/mean": sum(lags) / count,
@@ -134,6 +139,16 @@ class RemoteBatches:
             "async/rollout_idle_s": idle_s,  # summed over the rollout ranks, since the last step
             "async/trainer_idle_s": waited,  # the wait for this batch (timing_s/gen)
         }
+
+    def _tool_metrics(self, tool_s: dict[int, tuple[float, float]]) -> dict[str, float]:
+        """The rollout ranks' tool seconds since the last step (validation's included), and their
+        engines' idle ones among them, summed over the ranks."""
+        wall = idle = 0.0
+        for r, (w, i) in tool_s.items():
+            w0, i0 = self.tools_before.get(r, (0.0, 0.0))
+            wall, idle = wall + max(0.0, w - w0), idle + max(0.0, i - i0)
+        self.tools_before.update(tool_s)
+        return tool_time_metrics(wall, idle)
 
     def validate(self) -> dict[str, float]:
         """Rollout rank 0 runs greedy validation at the current weights; the trainer waits."""

@@ -49,6 +49,7 @@ class Part:
     reward_metrics: dict[str, float]  # over this part (the trainer merges the parts')
     gen_s: float
     idle_s: float  # the rank's idle seconds so far
+    tool_s: tuple[float, float] = (0.0, 0.0)  # seconds with a tool call out so far, the engine idle in them
 
 
 class Channel:

@@ -127,7 +127,8 @@ class RolloutWorker:
                   scores[g * n : (g + 1) * n], version)
             for g in range(len(records))
         ]  # fmt: skip
-        self.channel.put_part(Part(index, self.rank, groups, metrics, time.monotonic() - start, self.idle_s))
+        tool_s = self.server.tools.so_far()
+        self.channel.put_part(Part(index, self.rank, groups, metrics, time.monotonic() - start, self.idle_s, tool_s))
 
     def _params(self, index: int) -> SamplingParams:
         seed = rollout_seed(self.cfg.trainer.seed, index + 1, self.rank)

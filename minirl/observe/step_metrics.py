@@ -142,13 +142,16 @@ def engine_metrics(engine, dist: DistContext) -> dict[str, float]:
     return out
 
 
-def tool_time_metrics(wall_s: float, engine_idle_s: float, dist: DistContext) -> dict[str, float]:
+def tool_time_metrics(wall_s: float, engine_idle_s: float, dist: DistContext | None = None) -> dict[str, float]:
     """agent/tool_wall_s: the seconds with a tool call out (minirl.agent.server.ToolTime), summed
-    over the ranks; agent/engine_idle_on_tools_s: those the engine had nothing else to decode;
-    agent/tool_overlap: the share of the tool seconds the engine decoded other samples (1: the
-    tools cost the engine no time), absent in a step without tool calls."""
-    values = torch.tensor([wall_s, engine_idle_s], dtype=torch.float64, device=dist.device)
-    wall, idle = dist.all_reduce(values).tolist()
+    over the data-parallel ranks with `dist` (without it: already summed); agent/engine_idle_on_tools_s:
+    those the engine had nothing else to decode; agent/tool_overlap: the share of the tool seconds
+    the engine decoded other samples (1: the tools cost the engine no time), absent in a step
+    without tool calls."""
+    wall, idle = wall_s, engine_idle_s
+    if dist is not None:
+        values = torch.tensor([wall_s, engine_idle_s], dtype=torch.float64, device=dist.device)
+        wall, idle = dist.all_reduce(values).tolist()
     out = {"agent/tool_wall_s": wall, "agent/engine_idle_on_tools_s": idle}
     if wall > 0:
         out["agent/tool_overlap"] = max(0.0, 1.0 - idle / wall)

@@ -216,3 +216,26 @@ def test_decoupled_ppo_recomputes_the_proximal_log_probs(tmp_path, data_dir):
     assert "the trainer's proximal pass" in proc.stdout
     for m in _steps(tmp_path):
         assert m["timing_s/old_log_prob"] > 0 and 0 < m["actor/tis_weight_mean"] <= 2.0
+
+
+def test_async_multi_turn_job_calls_tools_and_reports_their_time(tmp_path, data_dir):
+    """Multi-turn rollouts trained asynchronously: the rollout rank's loops call a tool every
+    sample (asks_lookup.py), and each step reports the tool seconds since the last one and those
+    the rollout engine had nothing else to decode."""
+    proc = _run(
+        tmp_path,
+        data_dir,
+        "trainer.total_training_steps=2",
+        "rollout.multi_turn.enable=true",
+        "rollout.multi_turn.tool_config_path=examples/tools/lookup.yaml",
+        'plugins.modules=["asks_lookup"]',
+        "rollout.agent.default_agent_loop=asks_lookup",
+        "data.max_response_length=256",  # two one-token turns and the tool's reply
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = _steps(tmp_path)
+    assert [m["async/batch_index"] for m in steps] == [0, 1]
+    assert [m["agent/tool_calls"] for m in steps] == [8.0, 8.0]  # 4 prompts x 2 samples, one call each
+    for m in steps:
+        assert 0 <= m["agent/engine_idle_on_tools_s"] <= m["agent/tool_wall_s"] + 1e-6
+    assert sum(m["agent/tool_wall_s"] for m in steps) > 0
