@@ -89,11 +89,9 @@ class EngineServer:
                 self._open_gates()
             if self.busy > 0 or self.gates or not self.engine.has_work():
                 self.wake.clear()
-                on_tools = self.busy == 0 and self.tools.pending > 0  # nothing to do but wait for them
-                start = time.perf_counter()
+                self.tools.engine_waits(on_tools=self.busy == 0)  # with a call out: nothing to do but wait for it
                 await self.wake.wait()
-                if on_tools:
-                    self.tools.engine_idle_s += time.perf_counter() - start
+                self.tools.engine_resumes()
                 continue
             if between_steps is not None:
                 await between_steps()
@@ -118,25 +116,46 @@ class EngineServer:
 class ToolTime:
     """How much of the time tool calls were out the engine still decoded other samples: wall_s,
     the seconds with at least one call out; engine_idle_s, those of them the engine waited with
-    nothing else to do (every loop waiting on a tool, or ordered mode holding it for them)."""
+    nothing else to do (every loop waiting on a tool, or ordered mode holding it for them). An
+    idle stretch ends when the engine steps again or when the last call comes back, whichever is
+    first, so the idle seconds are a part of the wall seconds."""
 
     def __init__(self) -> None:
         self.pending, self.since = 0, 0.0
         self.wall_s = self.engine_idle_s = 0.0
+        self.idle_since: float | None = None  # the engine waits on the calls out since then
 
     def so_far(self) -> tuple[float, float]:
-        """(wall_s, engine_idle_s) until now, a call still out included (a server that never
-        drains, an asynchronous rollout rank's, is read this way)."""
-        open_s = time.perf_counter() - self.since if self.pending else 0.0
-        return self.wall_s + open_s, self.engine_idle_s
+        """(wall_s, engine_idle_s) until now, open stretches included (a server that never drains,
+        an asynchronous rollout rank's, is read this way)."""
+        now = time.perf_counter()
+        wall = self.wall_s + (now - self.since if self.pending else 0.0)
+        return wall, self.engine_idle_s + (now - self.idle_since if self.idle_since is not None else 0.0)
 
     def out(self, change: int) -> None:
+        """A call went out (+1) or came back (-1)."""
         now = time.perf_counter()
         if self.pending == 0:
             self.since = now
         self.pending += change
         if self.pending == 0:
             self.wall_s += now - self.since
+            self._idle_ends(now)
+
+    def engine_waits(self, on_tools: bool) -> None:
+        """The engine stops; on_tools: no loop is running its own code, so with a call out it waits on it."""
+        now = time.perf_counter()
+        self._idle_ends(now)  # a stretch still open (no resume between two waits) is kept, not lost
+        if on_tools and self.pending > 0:
+            self.idle_since = now
+
+    def engine_resumes(self) -> None:
+        self._idle_ends(time.perf_counter())
+
+    def _idle_ends(self, now: float) -> None:
+        if self.idle_since is not None:
+            self.engine_idle_s += now - self.idle_since
+            self.idle_since = None
 
 
 def request_level(engine) -> RolloutEngine:

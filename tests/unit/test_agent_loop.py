@@ -13,10 +13,14 @@ import asyncio
 import dataclasses
 import threading
 import time
+import unittest.mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from minirl.agent import server as server_mod
 from minirl.agent.chat import ChatTokens
 from minirl.agent.loop import AgentRollout, checked, to_samples
 from minirl.config.schema import MultiTurnConfig, RolloutConfig
@@ -253,6 +257,35 @@ def sleeper_config(tmp_path, seconds: float) -> str:
         "parameters: {type: object, properties: {}}}}\n"
     )
     return str(path)
+
+
+EVENTS = st.sampled_from(["call", "back", "wait", "wait_busy", "resume", "read"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(EVENTS, st.floats(0.0, 1.0)), max_size=80))
+def test_tool_time_idle_is_a_part_of_the_wall_time(events):
+    """Whatever the order of calls going out and coming back, the engine stopping and stepping
+    again, and reads between them (an asynchronous rank reads a server that never drains): both
+    totals only grow, the idle seconds never exceed the wall seconds, and neither does what they
+    grew by between two reads (a step's figures)."""
+    now = [0.0]
+    tools, last = server_mod.ToolTime(), (0.0, 0.0)
+    with unittest.mock.patch.object(server_mod.time, "perf_counter", lambda: now[0]):
+        for event, dt in events:
+            now[0] += dt
+            if event == "call":
+                tools.out(1)
+            elif event == "back" and tools.pending:
+                tools.out(-1)
+            elif event in ("wait", "wait_busy"):
+                tools.engine_waits(on_tools=event == "wait")
+            elif event == "resume":
+                tools.engine_resumes()
+            wall, idle = tools.so_far()
+            assert wall >= last[0] - 1e-9 and idle >= last[1] - 1e-9
+            assert idle <= wall + 1e-9 and idle - last[1] <= wall - last[0] + 1e-9
+            last = (wall, idle)
 
 
 @pytest.mark.parametrize("others_decode, deterministic", [(True, False), (False, False), (True, True)])
