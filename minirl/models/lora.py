@@ -158,15 +158,6 @@ def adapters_disabled(model: torch.nn.Module):
             m._disable_adapters = b
 
 
-def delta(layer: torch.nn.Module) -> torch.Tensor:
-    """B A * alpha / r of one LoRA layer as a full [out, in] tensor in float32 at least (float64
-    adapters stay float64), gathered under FSDP2."""
-    a = full_tensor(layer.lora_A[ADAPTER].weight)
-    b = full_tensor(layer.lora_B[ADAPTER].weight)
-    dtype = _at_least_float32(a.dtype)
-    return (b.to(dtype) @ a.to(dtype)) * layer.scaling[ADAPTER]
-
-
 def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
