@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
-import time
 
 import torch
+from cuda_timing import median_ms  # dev/'s shared timer (this script's folder is on sys.path)
 
 from minirl.config.load import load_config
 from minirl.models import assembly, lora
@@ -77,21 +76,6 @@ def step_fn(model, args, device: torch.device):
     return run
 
 
-def timed_ms(fn, reps: int, device: torch.device) -> float:
-    fn()  # warm-up (and the compile)
-    fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def merge_ms(model, reps: int, device: torch.device) -> float:
     """The collocated sync's merge: every adapted matrix, merged, copied into a bf16 engine buffer."""
     buffers = {name: t.detach().to(torch.bfloat16) for name, t in assembly.full_weights(model, adapted_only=True)}
@@ -101,7 +85,7 @@ def merge_ms(model, reps: int, device: torch.device) -> float:
             for name, t in assembly.full_weights(model, adapted_only=True):
                 buffers[name].copy_(t)
 
-    return timed_ms(run, reps, device)
+    return median_ms(run, device, reps)
 
 
 def flops_ratio(model) -> float:
@@ -133,7 +117,7 @@ def main() -> None:
             model = build(args, variant, rank, device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            ms = timed_ms(step_fn(model, args, device), args.reps, device)
+            ms = median_ms(step_fn(model, args, device), device, args.reps)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
             if variant == "full":
                 full_ms = ms
