@@ -6,7 +6,7 @@ of computing the LoRA layers, and the sync's merge of the adapted matrices.
     python3 dev/bench_lora_update.py --device cpu --preset tiny --seq-len 32 --seqs 2 --reps 1 --no-compile
 
 Variants: `full` (every matrix trains: float32 masters, the weight gradients), `peft` (LoRA with
-peft's own layer forward over a float32 frozen base: what minirl ran before issue 41), `addmm`
+peft's own layer forward over a float32 frozen base: what minirl ran before), `addmm`
 (minirl's layer forward, lora._forward: the adapters' sum in one addmm's epilogue), `addmm_bf16`
 (that, with the frozen Linears held in bf16 by lora.hold_frozen_in: what LoRAFineTuning runs on
 CUDA). Each LoRA variant at every rank of --ranks. Printed: the median forward + backward time,
