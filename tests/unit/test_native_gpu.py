@@ -131,6 +131,26 @@ def test_kernels_pass_self_checks_with_an_fp8_kv_cache(kv_dtype):
     assert ops.graphable
 
 
+def test_an_e4m3_cache_decodes_on_fp8_tensor_cores_with_the_values_page_transposed():
+    """rollout.kv_cache_dtype = fp8 in bf16: decode_attention_e4m3 passes its self-check and is
+    chosen, the value cache is laid out for it, and an engine decoding with it (CUDA graphs)
+    gives the greedy tokens of one that reads the same 8-bit cache through the torch reference
+    (token-major values): at least 95% of them (the two round differently, so ties may flip)."""
+    ops = select_ops(CUDA, torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
+    assert ops.chosen["decode_attention"] == "triton_e4m3" and ops.v_transposed, ops.chosen
+    cfg = tiny_config("qwen2", hidden_size=256, num_attention_heads=8, num_key_value_heads=2)
+    hf = tiny_hf_model(cfg, seed=2, std=0.2, device="cuda", dtype=torch.bfloat16)
+    fp8 = SimpleNamespace(kv_cache_dtype="fp8")
+    ctx = dict(actor=hf, device="cuda", dtype=torch.bfloat16, num_kv_pages=512)
+    fast = build_native_engine(fp8, engine_context(cfg, **ctx))
+    ref = build_native_engine(fp8, engine_context(cfg, use_triton=False, **ctx))
+    assert fast.ops.v_transposed and not ref.ops.v_transposed
+    got, want = (e.generate(PROMPTS, greedy(n=2, max_new=32)) for e in (fast, ref))
+    assert fast.runner.graphs
+    pairs = [(a, b) for g, w in zip(got, want) for a, b in zip(g.token_ids, w.token_ids)]
+    assert sum(a == b for a, b in pairs) >= 0.95 * len(pairs)
+
+
 @pytest.mark.parametrize("checks", ["TOKENS_MAJOR_CHECKS", "QK_FP8_CHECKS"])
 def test_keys_first_decode_variants_on_cuda(checks):
     """The keys-first decode kernel, with converted and with unconverted e4m3 keys (config

@@ -181,7 +181,7 @@ def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch, kv):
     rollout = types.SimpleNamespace(kv_cache_dtype=kv)
     ref = build_native_engine(rollout, engine_context(cfg, actor=hf, page_size=4)).generate(prompts, params)
 
-    def triton_ops(device, dtype, use_triton=True, kv_dtype=None):
+    def triton_ops(device, dtype, use_triton=True, kv_dtype=None, cache_shape=None):
         return ops_mod.Ops(**kernels)
 
     monkeypatch.setattr(engine_mod, "select_ops", triton_ops)
@@ -196,3 +196,16 @@ def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch, kv):
     assert [c.token_ids for c in eng.generate(prompts, sampled)] == [
         c.token_ids for c in eng.generate(prompts, sampled)
     ]
+
+
+def test_e4m3_decode_kernel_matches_reference(kernels):
+    """decode_attention_e4m3, the engine's first choice over an e4m3 cache: both dots on 8-bit
+    operands (the keys and the page-transposed values as they lie, the query and the
+    probabilities split in two e4m3 parts) stay within the half-precision tolerance, at every
+    block size and split count the check covers."""
+    from minirl_plugins.engines.native.layers import paged_attention
+
+    with interpreter_fixes():
+        paged_attention.check_decode_attention_e4m3(
+            paged_attention.decode_attention_e4m3, torch.device("cpu"), torch.bfloat16
+        )

@@ -17,6 +17,7 @@ import torch
 from minirl.kernels.selfcheck import self_check
 from minirl.models.varlen import FLASH_DTYPES
 from minirl_plugins.engines.native.layers import activation, attention, jit, norm, paged_attention, rotary, sampling
+from minirl_plugins.engines.native.layers.meta import Heads
 
 
 @dataclass
@@ -29,7 +30,9 @@ class Ops:
     extend_attention: Callable = attention.extend_attention
     decode_attention: Callable = paged_attention.decode_attention
     fast_sample: Callable | None = None  # (logits, params, seed) -> (tokens, logprobs); sampling.fast_sample
-    chosen: dict = field(default_factory=dict)  # op -> "triton" | "torch_varlen", where not the reference
+    chosen: dict = field(default_factory=dict)  # op -> "triton" | "triton_e4m3" | ..., where not the reference
+    # the value cache page-transposed (kv_layout), as decode_attention_e4m3 reads it
+    v_transposed: bool = False
 
     @property
     def graphable(self) -> bool:
@@ -50,12 +53,19 @@ TRITON = {
 # the flash kernel's that of extend attention
 VARLEN_PREFILL = (attention.prefill_attention_varlen, attention.check_prefill_attention)
 FLASH_EXTEND = (attention.extend_attention_flash, attention.check_extend_attention)
+# an e4m3 cache under a half-precision engine: decode attention on fp8 tensor cores, first choice
+E4M3_DECODE = (paged_attention.decode_attention_e4m3, paged_attention.check_decode_attention_e4m3)
 
 
 def select_ops(
-    device: torch.device, dtype: torch.dtype, use_triton: bool = True, kv_dtype: torch.dtype | None = None
+    device: torch.device,
+    dtype: torch.dtype,
+    use_triton: bool = True,
+    kv_dtype: torch.dtype | None = None,
+    cache_shape: tuple[Heads, int] = (paged_attention.CHECK_HEADS, 16),
 ) -> Ops:
-    """kv_dtype: the KV cache's (rollout.kv_cache_dtype), when it is not `dtype`."""
+    """kv_dtype: the KV cache's (rollout.kv_cache_dtype), when it is not `dtype`; cache_shape: a
+    layer's heads and the page size (whether the e4m3 decode kernel fits them)."""
     ops = Ops()
     if device.type != "cuda":
         return ops
@@ -69,13 +79,21 @@ def select_ops(
     if use_triton and jit.UNAVAILABLE:
         warnings.warn(f"native engine: Triton unavailable ({jit.UNAVAILABLE}); using pure-torch kernels")
     elif use_triton:
+        e4m3 = kv_dtype == torch.float8_e4m3fn and dtype in (torch.bfloat16, torch.float16)
+        if e4m3 and paged_attention.e4m3_decode_fits(*cache_shape):
+            candidates.append(("decode_attention", *E4M3_DECODE, "triton_e4m3"))
         candidates += [(name, fn, check, "triton") for name, (fn, check) in TRITON.items()]
-    for name, fn, check, label in candidates:
+    for i, (name, fn, check, label) in enumerate(candidates):
+        if name in ops.chosen:  # a first choice passed
+            continue
         run = functools.partial(check, fn, device, dtype, kv_dtype or dtype)
         problem = self_check(run, device, failed="rejected")
         if problem is not None:
-            warnings.warn(f"native engine: {name} kernel {label} {problem}; using the torch reference")
+            later = any(other == name for other, *_ in candidates[i + 1 :])
+            instead = "the next kernel" if later else "the torch reference"
+            warnings.warn(f"native engine: {name} kernel {label} {problem}; using {instead}")
             continue
         setattr(ops, name, fn)
         ops.chosen[name] = label
+    ops.v_transposed = ops.chosen.get("decode_attention") == "triton_e4m3"
     return ops
