@@ -327,3 +327,57 @@ def test_a_tied_lm_head_is_the_embedding_and_stays():
     lora.hold_frozen_in(model, torch.bfloat16)
     assert model.lm_head.weight is model.get_input_embeddings().weight
     assert model.lm_head.weight.dtype == torch.float32
+
+
+def _layers_fwd_bwd_matmul_flops(model, tokens: int) -> int:
+    """FLOPs of the GEMMs (mm, addmm) in one forward + backward of `tokens` packed tokens through
+    the decoder layers under bf16 autocast, counted by torch's FlopCounterMode. The layers' input
+    requires gradients, as every layer's but the first does in a real update."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from minirl.models.attention import packed_forward_kwargs
+
+    decoder = model.get_decoder()
+    kwargs = packed_forward_kwargs([tokens // 2, tokens - tokens // 2])
+    hidden = torch.randn(1, tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    kwargs["position_embeddings"] = decoder.rotary_emb(hidden, kwargs["position_ids"])
+    hidden.requires_grad_(True)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = hidden
+            for layer in decoder.layers:
+                out = layer(h, **kwargs)
+                h = out[0] if isinstance(out, tuple) else out
+        h.float().square().mean().backward()
+
+    run()  # compiles, when compiled
+    with FlopCounterMode(display=False) as counter:
+        run()
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    return counts.get("aten.mm", 0) + counts.get("aten.addmm", 0)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_lora_update_computes_no_weight_gradient_of_the_frozen_matrices(monkeypatch, compiled):
+    """What LoRA saves, counted: per token, each frozen matrix W costs 4·|W| (forward and the
+    input gradient) and each adapter factor 6·|A| (its weight gradient too), where full
+    fine-tuning costs 6·|W|, with the frozen base held in bf16 (lora.hold_frozen_in, as on CUDA),
+    in eager layers and in compiled ones (AOTAutograd's backward graph, run op by op)."""
+    from minirl.models.compile import compile_layers
+
+    if compiled:  # inductor's kernels are opaque to the counter; aot_eager runs the same graphs op by op
+        real = torch.compile
+        monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="aot_eager", dynamic=True))
+    base, model = lora_model("model.lora_rank=8")
+    perturb_adapters(model, seed=1)
+    lora.hold_frozen_in(model, torch.bfloat16)
+    for m in (base, model):
+        compile_layers(m, compiled)
+    params = dict(model.get_decoder().layers.named_parameters())
+    frozen = sum(p.numel() for name, p in params.items() if p.dim() == 2 and not lora.is_adapter_param(name))
+    adapters = sum(p.numel() for name, p in params.items() if lora.is_adapter_param(name))
+    assert adapters > 0 and all(p.dtype == torch.bfloat16 for n, p in params.items() if ".base_layer." in n)
+    tokens = 24
+    assert _layers_fwd_bwd_matmul_flops(model, tokens) == (4 * frozen + 6 * adapters) * tokens
+    assert _layers_fwd_bwd_matmul_flops(base, tokens) == 6 * frozen * tokens
