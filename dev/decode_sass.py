@@ -10,9 +10,11 @@ loads do not vectorise and the counts mean nothing). The loop's length in instru
 times the warps, over the keys a trip reads, is the issue cost per (key, KV head): at 4 warp
 instructions per clock per multiprocessor, 132 of them at 1.98 GHz, 64 rows x 27,700 keys x 2 KV
 heads take (count x 3.55M / 1.05e12) seconds at full issue rate. Also printed: the matrix
-instructions (HMMA: mma.sync; HGMMA: Hopper's wgmma), the fp8 -> f16 conversions (F2FP), the
-global loads (LDGSTS: asynchronous copies into shared memory, with their width) and local-memory
-traffic (STL/LDL: spills).
+instructions (HMMA: mma.sync; HGMMA: Hopper's wgmma; QGMMA: its fp8 form), the conversions to
+and from fp8 (F2FP), the global loads (LDGSTS: asynchronous copies into shared memory, with their
+width) and local-memory traffic (STL/LDL: spills). Kernels: the bf16/dequantizing one
+(`default`), its keys-first variant (`tokens_major`), and the e4m3 tensor-core kernel over
+page-transposed values (`e4m3`) or token-major ones (`e4m3_token_major_v`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,12 @@ from triton.compiler import ASTSource
 
 from minirl_plugins.engines.native.layers import paged_attention as pa
 
-KERNELS = {"default": pa._decode_kernel, "tokens_major": pa._decode_kernel_tokens_major}
+KERNELS = {
+    "default": pa._decode_kernel,
+    "tokens_major": pa._decode_kernel_tokens_major,
+    "e4m3": pa._decode_kernel_e4m3,  # values page-transposed (V_T), as the engine lays them out for it
+    "e4m3_token_major_v": pa._decode_kernel_e4m3,  # V_T off: values transposed in registers
+}
 KV = {"fp8": "fp8e4nv", "bf16": "bf16"}
 SIGNATURE = {
     "q_ptr": "*bf16",
@@ -50,20 +57,27 @@ SIGNATURE = {
 }
 DIVISIBLE = [k for k in SIGNATURE if k != "scale"]
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-SHOWN = ("HGMMA", "HMMA", "F2FP", "LDGSTS", "LDG", "STL", "LDL", "MUFU")
+SHOWN = ("QGMMA", "HGMMA", "HMMA", "F2FP", "LDGSTS", "LDG", "STL", "LDL", "MUFU")
 
 
-def compile_sass(kernel, kv: str, block_n: int, warps: int, stages: int) -> tuple[str, str]:
+def compile_sass(name: str, kv: str, block_n: int, warps: int, stages: int) -> tuple[str, str]:
+    kernel, e4m3 = KERNELS[name], name.startswith("e4m3")
     sig = dict(SIGNATURE, k_ptr=f"*{KV[kv]}", v_ptr=f"*{KV[kv]}")
     consts = dict(H=12, D=128, G=6, BLOCK_G=16, BLOCK_N=block_n, PAGE=16, SPLITS=16, DIRECT=False)
-    consts.update(PRECISION="tf32", KV_F16=kv == "fp8")
+    if e4m3:  # its signature has the value pages' stride after the slots'
+        items = list(sig.items())
+        at = list(sig).index("stride_slot") + 1
+        sig = dict(items[:at] + [("stride_vpage", "i32")] + items[at:])
+        consts.update(V_T=name == "e4m3")
+    else:
+        consts.update(PRECISION="tf32", KV_F16=kv == "fp8")
     sig.update({k: "constexpr" for k in consts})
     names = list(sig)
     src = ASTSource(
         fn=kernel,
         signature=sig,
         constexprs={(names.index(k),): v for k, v in consts.items()},
-        attrs={(names.index(k),): [["tt.divisibility", 16]] for k in DIVISIBLE},
+        attrs={(names.index(k),): [["tt.divisibility", 16]] for k in [*DIVISIBLE, "stride_vpage"] if k in names},
     )
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -97,7 +111,7 @@ def loop_body(sass: str) -> list[str]:
 
 
 def report(name: str, kv: str, block_n: int, warps: int, stages: int) -> str:
-    usage, sass = compile_sass(KERNELS[name], kv, block_n, warps, stages)
+    usage, sass = compile_sass(name, kv, block_n, warps, stages)
     regs = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     body = loop_body(sass)
     ops = collections.Counter(re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+(?:\.[A-Z0-9_]+)*)", t).group(1) for t in body)
@@ -126,6 +140,10 @@ def main() -> None:
             ("default", "fp8", 128, 4, 3),
             ("tokens_major", "fp8", 64, 4, 3),
             ("tokens_major", "fp8", 128, 8, 3),
+            ("e4m3", "fp8", 64, 4, 3),
+            ("e4m3", "fp8", 128, 4, 3),
+            ("e4m3", "fp8", 128, 8, 3),
+            ("e4m3_token_major_v", "fp8", 64, 4, 3),
         ]
     print("| kernel | kv | block_n | warps | stages | registers | stack B | loop instr/warp | per key+head | mix |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
