@@ -134,8 +134,10 @@ def test_kernels_pass_self_checks_with_an_fp8_kv_cache(kv_dtype):
 def test_an_e4m3_cache_decodes_on_fp8_tensor_cores_with_the_values_page_transposed():
     """rollout.kv_cache_dtype = fp8 in bf16: decode_attention_e4m3 passes its self-check and is
     chosen, the value cache is laid out for it, and an engine decoding with it (CUDA graphs)
-    gives the greedy tokens of one that reads the same 8-bit cache through the torch reference
-    (token-major values): at least 95% of them (the two round differently, so ties may flip)."""
+    follows the greedy continuations of one that reads the same 8-bit cache through the torch
+    reference (token-major values): the two round differently, so a near tie may flip a token and
+    the continuations part there; until they part, the log-probs agree to 0.05, and on average
+    they part after more than half the tokens."""
     ops = select_ops(CUDA, torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
     assert ops.chosen["decode_attention"] == "triton_e4m3" and ops.v_transposed, ops.chosen
     cfg = tiny_config("qwen2", hidden_size=256, num_attention_heads=8, num_key_value_heads=2)
@@ -147,8 +149,12 @@ def test_an_e4m3_cache_decodes_on_fp8_tensor_cores_with_the_values_page_transpos
     assert fast.ops.v_transposed and not ref.ops.v_transposed
     got, want = (e.generate(PROMPTS, greedy(n=2, max_new=32)) for e in (fast, ref))
     assert fast.runner.graphs
-    pairs = [(a, b) for g, w in zip(got, want) for a, b in zip(g.token_ids, w.token_ids)]
-    assert sum(a == b for a, b in pairs) >= 0.95 * len(pairs)
+    shared = []
+    for g, w in zip(got, want):
+        same = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b), len(w.token_ids))
+        torch.testing.assert_close(torch.tensor(g.logprobs[:same]), torch.tensor(w.logprobs[:same]), atol=0.05, rtol=0)
+        shared.append(same / len(w.token_ids))
+    assert sum(shared) / len(shared) > 0.5, shared
 
 
 @pytest.mark.parametrize("checks", ["TOKENS_MAJOR_CHECKS", "QK_FP8_CHECKS"])
