@@ -144,8 +144,9 @@ class ModelRunner:
         dev = {k: self._upload(v) for k, v in host.items()}
         rows, max_seqlen = dev["rows"], int(np.diff(host["cu"]).max())
         self.page_table[rows, : dev["table"].shape[1]] = dev["table"]
-        meta = StepMeta(True, dev["slots"], self.kv, cu_seqlens_S1=dev["cu"], max_seqlen=max_seqlen)
-        meta.page_size = self.page  # the value cache's page-transposed layout needs it (kv_layout)
+        meta = StepMeta(
+            True, dev["slots"], self.kv, cu_seqlens_S1=dev["cu"], max_seqlen=max_seqlen, page_size=self.page
+        )
         if batch.extends:
             meta.ctx_slots_M, meta.cu_ctx_S1 = dev["ctx_slots"], dev["cu_ctx"]
             meta.max_ctx_len = int(np.diff(host["cu_ctx"]).max())

@@ -380,44 +380,56 @@ def decode_attention_triton(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads,
     fp8 = k_cache.dtype.itemsize == 1
     launch = FP8_DECODE_CONFIG if fp8 else {"block_n": decode_block_n(b * hk * splits, qkv.device)}
     cfg = {**DECODE_CONFIG, **launch, **(config or {})}
+    kernel = _decode_kernel_tokens_major if cfg["tokens_major"] else _decode_kernel
+
+    def launch_kernel(part, lse, stride_o):
+        kernel[(b, hk, splits)](
+            qkv,
+            k_cache,
+            v_cache,
+            meta.page_table,
+            meta.rows_B,
+            meta.ctx_lens_B,
+            part,
+            lse,
+            qkv.stride(0),
+            k_cache.stride(0),
+            meta.page_table.stride(0),
+            stride_o,
+            scale,
+            cfg["min_chunk"],
+            H=h,
+            D=d,
+            G=group,
+            BLOCK_G=max(16, triton.next_power_of_2(group)),
+            BLOCK_N=cfg["block_n"],
+            PAGE=meta.page_size,
+            SPLITS=splits,
+            DIRECT=splits == 1,
+            PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
+            KV_F16=fp8 and bool(cfg["fp8_f16"]) and qkv.dtype == torch.bfloat16,
+            **_keys_first_args(cfg, k_cache),
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
+
+    return _split_k(qkv, meta, heads, cfg["min_chunk"], launch_kernel)
+
+
+def _split_k(qkv, meta: StepMeta, heads: Heads, min_chunk: int, launch) -> torch.Tensor:
+    """The output [B, H·D] of a split-K decode kernel: `launch(part, lse, stride_o)` runs it
+    (meta.num_splits programs per row and KV head); with one split it writes the output directly,
+    with more its partial outputs and log-sum-exps, which _merge_kernel combines."""
+    (h, _, d), b, splits = heads, qkv.shape[0], meta.num_splits
     out = torch.empty(b, h * d, dtype=qkv.dtype, device=qkv.device)
     if splits == 1:
         part, lse = out, out
     else:
         part = torch.empty(b * h * splits, d, dtype=torch.float32, device=qkv.device)
         lse = torch.empty(b * h * splits, dtype=torch.float32, device=qkv.device)
-    kernel = _decode_kernel_tokens_major if cfg["tokens_major"] else _decode_kernel
-    kernel[(b, hk, splits)](
-        qkv,
-        k_cache,
-        v_cache,
-        meta.page_table,
-        meta.rows_B,
-        meta.ctx_lens_B,
-        part,
-        lse,
-        qkv.stride(0),
-        k_cache.stride(0),
-        meta.page_table.stride(0),
-        out.stride(0),
-        scale,
-        cfg["min_chunk"],
-        H=h,
-        D=d,
-        G=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=cfg["block_n"],
-        PAGE=meta.page_size,
-        SPLITS=splits,
-        DIRECT=splits == 1,
-        PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
-        KV_F16=fp8 and bool(cfg["fp8_f16"]) and qkv.dtype == torch.bfloat16,
-        **_keys_first_args(cfg, k_cache),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+    launch(part, lse, out.stride(0))
     if splits > 1:
-        _merge_kernel[(b, h)](part, lse, meta.ctx_lens_B, out, out.stride(0), cfg["min_chunk"], H=h, D=d, SPLITS=splits)
+        _merge_kernel[(b, h)](part, lse, meta.ctx_lens_B, out, out.stride(0), min_chunk, H=h, D=d, SPLITS=splits)
     return out
 
 
@@ -442,43 +454,38 @@ def decode_attention_e4m3(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, s
     (h, hk, d), b, splits = heads, qkv.shape[0], meta.num_splits
     cfg = {**E4M3_DECODE_CONFIG, **(config or {})}
     v_t = v_cache.dim() == 4
-    out = torch.empty(b, h * d, dtype=qkv.dtype, device=qkv.device)
-    if splits == 1:
-        part, lse = out, out
-    else:
-        part = torch.empty(b * h * splits, d, dtype=torch.float32, device=qkv.device)
-        lse = torch.empty(b * h * splits, dtype=torch.float32, device=qkv.device)
-    _decode_kernel_e4m3[(b, hk, splits)](
-        qkv,
-        k_cache,
-        v_cache,
-        meta.page_table,
-        meta.rows_B,
-        meta.ctx_lens_B,
-        part,
-        lse,
-        qkv.stride(0),
-        k_cache.stride(0),
-        v_cache.stride(0) if v_t else 0,
-        meta.page_table.stride(0),
-        out.stride(0),
-        scale,
-        cfg["min_chunk"],
-        H=h,
-        D=d,
-        G=h // hk,
-        BLOCK_G=max(16, triton.next_power_of_2(h // hk)),
-        BLOCK_N=max(cfg["block_n"], meta.page_size),
-        PAGE=meta.page_size,
-        SPLITS=splits,
-        DIRECT=splits == 1,
-        V_T=v_t,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
-    if splits > 1:
-        _merge_kernel[(b, h)](part, lse, meta.ctx_lens_B, out, out.stride(0), cfg["min_chunk"], H=h, D=d, SPLITS=splits)
-    return out
+
+    def launch_kernel(part, lse, stride_o):
+        _decode_kernel_e4m3[(b, hk, splits)](
+            qkv,
+            k_cache,
+            v_cache,
+            meta.page_table,
+            meta.rows_B,
+            meta.ctx_lens_B,
+            part,
+            lse,
+            qkv.stride(0),
+            k_cache.stride(0),
+            v_cache.stride(0) if v_t else 0,
+            meta.page_table.stride(0),
+            stride_o,
+            scale,
+            cfg["min_chunk"],
+            H=h,
+            D=d,
+            G=h // hk,
+            BLOCK_G=max(16, triton.next_power_of_2(h // hk)),
+            BLOCK_N=max(cfg["block_n"], meta.page_size),
+            PAGE=meta.page_size,
+            SPLITS=splits,
+            DIRECT=splits == 1,
+            V_T=v_t,
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
+
+    return _split_k(qkv, meta, heads, cfg["min_chunk"], launch_kernel)
 
 
 CHECK_HEADS = Heads(12, 2, 128)  # a Qwen2-1.5B layer's
