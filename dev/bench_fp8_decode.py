@@ -24,13 +24,11 @@ import sys
 
 import torch
 import triton.testing
+from bench_long_context import HEADS, PAGE, paged_case, rel_err  # the same cache (this folder is on sys.path)
 
 from minirl_plugins.engines.native.layers import paged_attention as pa
 from minirl_plugins.engines.native.layers.kv_layout import transposed_pages
-from minirl_plugins.engines.native.layers.meta import Heads, StepMeta
 
-HEADS = Heads(12, 2, 128)
-PAGE = 16
 CASES = ((64, 27700), (64, 14000), (256, 600))
 LAUNCHES = (
     "bf16:0:0:0",
@@ -44,29 +42,6 @@ LAUNCHES = (
     "e4m3_tm:64:4:3",
     "e4m3_tm:128:8:3",
 )
-
-
-def paged_case(rows: int, ctx: int, kv_dtype: torch.dtype, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    h, hk, d = HEADS
-    pages = -(-ctx // PAGE)
-    perm = torch.randperm(rows * pages, device="cuda", generator=gen) + 1
-    slots = (rows * pages + 1) * PAGE
-    kc = torch.randn(slots, hk, d, device="cuda", generator=gen).to(kv_dtype)
-    vc = torch.randn(slots, hk, d, device="cuda", generator=gen).to(kv_dtype)
-    qkv = torch.randn(rows, (h + 2 * hk) * d, device="cuda", generator=gen, dtype=torch.bfloat16)
-    meta = StepMeta(
-        False,
-        torch.zeros(rows, dtype=torch.long, device="cuda"),
-        kv_cache=kc,
-        rows_B=torch.arange(rows, device="cuda"),
-        ctx_lens_B=torch.full((rows,), ctx, dtype=torch.int32, device="cuda"),
-        page_table=perm.view(rows, pages).to(torch.int32),
-        page_size=PAGE,
-        max_ctx=ctx,
-    )
-    meta.num_splits = pa.num_splits(rows, hk, qkv.device)
-    return qkv, kc, vc, meta
 
 
 def launch_fn(kernel: str, launch: tuple[int, int, int], qkv, kc, vc, meta):
@@ -84,11 +59,10 @@ def one_launch(launch: str, splits_override: int) -> list[str]:
     lines = []
     for rows, ctx in CASES:
         qkv, kc, vc, meta = paged_case(rows, ctx, kv_dtype)
-        if splits_override:
-            meta.num_splits = splits_override
+        meta.num_splits = splits_override or pa.num_splits(rows, HEADS.num_kv_heads, qkv.device)
         fn = launch_fn(kernel, (int(block_n), int(warps), int(stages)), qkv, kc, vc, meta)
         ref = pa.decode_attention(qkv.float(), kc, vc, meta, HEADS, 128**-0.5)
-        err = float((fn().float() - ref).norm() / ref.norm())
+        err = rel_err(fn(), ref)
         us = triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
         kv_bytes = 2 * rows * ctx * HEADS.num_kv_heads * HEADS.head_dim * kv_dtype.itemsize
         lines.append(
