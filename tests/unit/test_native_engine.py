@@ -302,5 +302,17 @@ def test_page_transposed_values_give_the_same_generation(qwen2):
         eng.ops.v_transposed = transposed  # what select_ops sets when it picks decode_attention_e4m3
         got = eng.generate(PROMPTS, greedy(n=3, max_new=24))
         assert eng.last_stats["preemptions"] > 0
-        outs.append([(c.token_ids, c.logprobs) for c in got])
+        outs.append([(c.token_ids, c.logprobs) for c in got] + _two_turns(eng))
     assert outs[0] == outs[1]
+
+
+def _two_turns(eng) -> list:
+    """A conversation continued once: the second turn prefills only its new tokens and attends to
+    the first turn's cached ones (extend attention)."""
+    turns, ctx = [], list(PROMPTS[0])
+    for _ in range(2):
+        eng.submit("chat", ctx, greedy(max_new=6))
+        while eng.has_work():
+            turns += [(t.token_ids, t.logprobs) for t in eng.step()]
+        ctx = ctx + turns[-1][0] + [7, 8, 9]
+    return turns
