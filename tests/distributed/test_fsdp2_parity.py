@@ -322,3 +322,38 @@ def test_optimizer_offload_hooks_the_built_optimizer():
     model(torch.ones(1, 4)).sum().backward()
     optimizer.step()
     assert all(v.device.type == "cpu" for s in optimizer.state.values() for v in s.values())
+
+
+def test_one_process_weight_sync_reads_the_shards_as_they_lie(one_rank_mesh, monkeypatch):
+    """At world 1 a sharded parameter's shard is the whole tensor: full_tensor hands over the
+    shard's own storage without going through DTensor's redistribution (its host time, per
+    parameter of every sync), with the values DTensor's full_tensor gives; the merged LoRA weights
+    of the sync equal those of the model before it was sharded."""
+    from torch.distributed.tensor import DTensor
+
+    from minirl.models import assembly, lora
+    from minirl.models.names import full_tensor
+    from minirl_plugins.parallel import fsdp2
+
+    cfg = h.config("model.lora_rank=4", "model.lora_alpha=8")
+    model = lora.apply_lora(h.tiny_model(), cfg.model, "tiny")
+    with torch.no_grad():  # adapters an update could have reached (fresh B is zero)
+        for name, p in model.named_parameters():
+            if lora.is_adapter_param(name):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+    plain = {assembly.hf_name(n): t.clone() for n, t in assembly.full_weights(model)}
+    actor = fsdp2.minirl_apply_data_parallel(model=model, cfg=cfg.actor, mesh=one_rank_mesh)
+    params = list(actor.parameters())
+    assert params and all(hasattr(p, "full_tensor") for p in params)
+    gathered = {id(p): p.full_tensor() for p in params}
+    calls = []
+    original = DTensor.full_tensor
+    monkeypatch.setattr(DTensor, "full_tensor", lambda self, **kw: calls.append(1) or original(self, **kw))
+    for p in params:
+        got = full_tensor(p)
+        assert got.untyped_storage().data_ptr() == p.to_local().untyped_storage().data_ptr()
+        assert torch.equal(got, gathered[id(p)])
+    synced = dict(assembly.full_weights(actor))
+    assert calls == []
+    assert synced.keys() == plain.keys()
+    assert all(torch.equal(synced[name], plain[name]) for name in plain)
