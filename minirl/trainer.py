@@ -32,6 +32,7 @@ from minirl.dist.signals import StopRequest
 from minirl.errors import Stopped, describe
 from minirl.forward.packed import logprob_head, per_token_pass
 from minirl.models import assembly
+from minirl.observe.memory import held_memory, memory_line
 from minirl.observe.metrics import PhaseTimer, summary_table
 from minirl.observe.runs.read import logged_val_scores
 from minirl.observe.runs.status import RunStatus
@@ -141,6 +142,8 @@ class Trainer:
                 if self._is_due(t.test_freq, step):
                     metrics.update(self.source.validate())
                 self._log(metrics, step)
+                if step == self.start_step + 1 and memory_line(metrics):
+                    self._print(memory_line(metrics))
                 self.guard.observe(metrics, step)  # after the log: the bad step is on record
                 signum = stop.agreed(self.dist.device)
                 self._save_due(step, force=signum is not None)
@@ -238,7 +241,13 @@ class Trainer:
             with timer.phase("update_weights"):
                 sync_metrics = self.sync.after_update()
         metrics = {**rollout.metrics, **adv_metrics, **critic_metrics, **actor_metrics, **timer.metrics()}
-        return {**metrics, **self._batch_metrics(rollout, timer), **sync_metrics}
+        return {**metrics, **self._batch_metrics(rollout, timer), **sync_metrics, **self._held_memory()}
+
+    def _held_memory(self) -> dict[str, float]:
+        """What the actor, its optimizer, the reference and the critic hold (minirl.observe.memory)."""
+        ref = self.adapter.reference.model if self.adapter.reference is not None else None
+        critic = (self.critic.model, self.critic.optimizer) if self.critic is not None else None
+        return held_memory(self.dist.device, self.actor, self.optimizer, ref, critic)
 
     def _batch_metrics(self, rollout, timer: PhaseTimer) -> dict[str, float]:
         """What the step's batch was: data, agents, the source's own account, throughputs and MFU."""

@@ -40,6 +40,7 @@ keys = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/updat
 keys += ("timing_s/step", "perf/mfu/actor", "peak_gib")  # peak_gib: the largest memory_gib/<phase>
 keys += tuple(os.environ.get("EXTRA_KEYS", "").split())  # e.g. timing_s/gen.kv_resume rollout/graph_captures
 print("| variant | step | " + " | ".join(k.split("/")[-1] for k in keys) + " |")
+last = {}
 for variant in sys.argv[2:]:
     name = variant.split("|")[0]
     for path in glob.glob(os.path.join(sys.argv[1], "**", "metrics.jsonl"), recursive=True):
@@ -47,6 +48,13 @@ for variant in sys.argv[2:]:
             continue
         for line in open(path):
             m = json.loads(line)
-            m["peak_gib"] = max((v for k, v in m.items() if k.startswith("memory_gib/")), default=float("nan"))
+            phases = {k: v for k, v in m.items() if k.startswith("memory_gib/") and "/held/" not in k}
+            m["peak_gib"] = max(phases.values(), default=float("nan"))
             print(f"| {name} | {m.get('step')} | " + " | ".join(f"{m.get(k, float('nan')):.4g}" for k in keys) + " |")
+            last[name] = m
+# what holds the memory at each variant's last step (minirl.observe.memory), then the phases' peaks
+for name, m in last.items():
+    held = " ".join(f"{k.split('/')[-1]}={v:.2f}" for k, v in m.items() if "/held/" in k)
+    peaks = " ".join(f"{k.split('/')[-1]}={v:.1f}" for k, v in m.items() if k.startswith("memory_gib/") and "/held/" not in k)
+    print(f"{name} GiB held: {held} | phase peaks: {peaks}")
 PY

@@ -130,7 +130,9 @@ def engine_metrics(engine, dist: DistContext) -> dict[str, float]:
     """The rollout engine's own account of its last generate, where it keeps one (`last_stats`;
     numbers only), the largest over the ranks. Seconds (keys ending in _s: the native engine's
     KV-cache resume and release, CUDA-graph captures, host wait) are parts of the gen phase,
-    logged as timing_s/gen.<part>; counts (preemptions, graph captures) as rollout/<name>."""
+    logged as timing_s/gen.<part>; GiB (keys ending in _gib: its weights, its KV cache) as
+    memory_gib/held/engine.<name> (minirl.observe.memory); counts (preemptions, graph captures)
+    as rollout/<name>."""
     stats = getattr(engine, "last_stats", None) or {}
     keys = sorted(k for k, v in stats.items() if isinstance(v, (int, float)))
     if not keys:
@@ -138,7 +140,12 @@ def engine_metrics(engine, dist: DistContext) -> dict[str, float]:
     values = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=dist.device)
     out = {}
     for key, value in zip(keys, dist.all_reduce(values, "max").tolist()):
-        out[f"timing_s/gen.{key[:-2]}" if key.endswith("_s") else f"rollout/{key}"] = value
+        if key.endswith("_s"):
+            out[f"timing_s/gen.{key[:-2]}"] = value
+        elif key.endswith("_gib"):
+            out[f"memory_gib/held/engine.{key[:-4]}"] = value
+        else:
+            out[f"rollout/{key}"] = value
     return out
 
 

@@ -35,6 +35,14 @@ def test_cpu_profile_three_steps_pass_through_every_phase(tmp_path, data_dir, ca
             "rollout_corr/log_ratio_mean",
         ):
             assert key in metrics, key
+        # what holds the memory (minirl.observe.memory): full fine-tuning, a reference of its own
+        held = {k.removeprefix("memory_gib/held/"): v for k, v in metrics.items() if "/held/" in k}
+        assert set(held) == {"actor.trained", "actor.frozen", "actor.gradients", "actor.optimizer", "reference"} | {
+            "engine.weights",
+            "engine.kv_cache",
+        }
+        assert held["actor.frozen"] == 0 and held["actor.gradients"] == held["actor.trained"] == held["reference"]
+        assert held["actor.optimizer"] >= 2 * held["actor.trained"] > 0 and held["engine.kv_cache"] > 0
     out = capsys.readouterr().out
     assert "batch: 16 prompts x n=16 = 256 sequences/step" in out
     assert "step throughput" in out and "prompt+response tokens" in out

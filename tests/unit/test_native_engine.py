@@ -237,6 +237,10 @@ def test_last_stats_account_for_the_cache_and_graphs(qwen2, monkeypatch):
     assert 0.05 <= eng.last_stats["kv_resume_s"] < 5
     eng.generate(PROMPTS, greedy())
     assert eng.last_stats["kv_resume_s"] == 0.0
+    # what it holds, each storage once (q/k/v and gate/up are views into fused weights)
+    weights = sum(p.numel() * p.element_size() for p in hf.parameters()) / 2**30
+    assert eng.last_stats["weights_gib"] == pytest.approx(weights * eng.dtype.itemsize / 4, rel=1e-9)
+    assert eng.last_stats["kv_cache_gib"] == eng.runner.kv.numel() * eng.runner.kv.element_size() / 2**30
 
 
 def test_bad_requests_are_clear_errors(qwen2):

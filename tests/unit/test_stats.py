@@ -156,18 +156,19 @@ def test_golden_masked_var_unbiased():
 
 
 def test_engine_metrics_split_seconds_from_counts():
-    """An engine's last_stats: seconds become parts of the gen phase, counts rollout/ figures;
-    an engine without last_stats adds nothing."""
+    """An engine's last_stats: seconds become parts of the gen phase, GiB what the engine holds,
+    counts rollout/ figures; an engine without last_stats adds nothing."""
     import types
 
     from minirl.dist.context import DistContext
     from minirl.observe.step_metrics import engine_metrics
 
     dist = DistContext(device=torch.device("cpu"))
-    stats = {"kv_resume_s": 0.25, "graph_captures": 3, "preemptions": 0, "note": "not a number"}
+    stats = {"kv_resume_s": 0.25, "graph_captures": 3, "preemptions": 0, "weights_gib": 1.5, "note": "not a number"}
     engine = types.SimpleNamespace(last_stats=stats)
     assert engine_metrics(engine, dist) == {
         "timing_s/gen.kv_resume": 0.25,
+        "memory_gib/held/engine.weights": 1.5,
         "rollout/graph_captures": 3.0,
         "rollout/preemptions": 0.0,
     }

@@ -18,6 +18,7 @@ from typing import Iterable
 import torch
 
 from minirl.models.assembly import full_weights
+from minirl.observe.memory import GIB, StorageCounter
 from minirl.protocols import Completion, EngineContext, SamplingParams, TurnOutput, generate_batch, sample_ids
 from minirl_plugins.engines.native.config import EngineConfig
 from minirl_plugins.engines.native.engine.block_manager import BlockManager
@@ -287,8 +288,18 @@ class NativeEngine:
             "host_wait_s": self._host_wait,
             "kv_resume_s": self._resume_s,
             **{k: v - captures[k] for k, v in self.runner.capture_stats.items()},
+            **self.memory_gib(),
         }
         self._resume_s = 0.0
+
+    def memory_gib(self) -> dict[str, float]:
+        """What the engine holds on its device (minirl.observe.memory): its weights, and its KV
+        cache while allocated; the CUDA graphs' pools come on top."""
+        counter = StorageCounter(self.device)
+        out = {"weights_gib": counter.count(self.model.parameters()) / GIB}
+        if self.runner.kv is not None:
+            out["kv_cache_gib"] = counter.count([self.runner.kv]) / GIB
+        return out
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)

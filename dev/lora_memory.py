@@ -1,0 +1,93 @@
+"""What a LoRA run holds on the GPU, by count (no GPU needed): the model is built on the meta device
+and held as the trainer holds it on CUDA (float32 masters, the frozen Linears in bf16:
+minirl.models.lora.hold_frozen_in), beside full fine-tuning of the same model.
+
+    python3 dev/lora_memory.py [--preset qwen2-7b] [--rank 64] [--sequences 128] [--tokens 1124]
+
+Rows: the actor's frozen weights, its adapters, their gradients and AdamW state, the rollout
+engine's bf16 copy, and the KV cache that `sequences` x `tokens` need at once (the engine sizes
+its cache from rollout.gpu_memory_utilization, often larger). A run logs the same holders as
+memory_gib/held/<holder> and each phase's peak as memory_gib/<phase> (minirl.observe.memory);
+the difference is activations and workspace.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from minirl.config.load import load_config
+from minirl.models import lora
+from minirl.models.loading import meta_model
+from minirl.models.presets import preset_config
+
+GIB = 2**30
+
+
+def nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in params}.values())
+
+
+def lora_holders(preset: str, rank: int) -> dict[str, float]:
+    cfg = load_config(None, [f"model.lora_rank={rank}", f"model.lora_alpha={rank}"]).model
+    model = lora.apply_lora(meta_model(preset_config(preset), torch.float32, "sdpa"), cfg, preset)
+    lora.hold_frozen_in(model, torch.bfloat16)
+    params = list({id(p): p for p in model.parameters()}.values())
+    adapters = nbytes(p for p in params if p.requires_grad)
+    base_numel = sum(p.numel() for p in params if not p.requires_grad)
+    embed = model.get_input_embeddings().weight
+    return {
+        "frozen Linears (bf16)": nbytes(p for p in params if not p.requires_grad and p.dtype == torch.bfloat16),
+        "frozen input embedding, norms (float32)": nbytes(
+            p for p in params if not p.requires_grad and p.dtype != torch.bfloat16
+        ),
+        "adapters (float32)": adapters,
+        "adapter gradients": adapters,
+        "AdamW state": 2 * adapters,
+        "rollout engine weights (bf16)": 2 * base_numel,
+        "_embedding": embed.numel(),
+    }
+
+
+def full_holders(preset: str) -> dict[str, float]:
+    model = meta_model(preset_config(preset), torch.float32, "sdpa")
+    weights = nbytes(model.parameters())
+    return {
+        "weights (float32 masters)": weights,
+        "gradients": weights,
+        "AdamW state": 2 * weights,
+        "rollout engine weights (bf16)": weights // 2,
+    }
+
+
+def kv_bytes(preset: str, sequences: int, tokens: int) -> int:
+    c = preset_config(preset)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2 * sequences * tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen2-7b")
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--sequences", type=int, default=128, help="sequences in flight (16 prompts x 8)")
+    ap.add_argument("--tokens", type=int, default=1124, help="prompt + response tokens per sequence")
+    args = ap.parse_args()
+    kv = kv_bytes(args.preset, args.sequences, args.tokens)
+    held = lora_holders(args.preset, args.rank)
+    embedding = held.pop("_embedding")
+    print(f"{args.preset}, LoRA r{args.rank} all-linear (GiB, by count)")
+    for name, value in [*held.items(), (f"bf16 KV cache, {args.sequences} x {args.tokens} tokens", kv)]:
+        print(f"  {name:48s} {value / GIB:8.2f}")
+    print(f"  {'total':48s} {(sum(held.values()) + kv) / GIB:8.2f}")
+    print(f"  (the input embedding held in bf16 instead would free {embedding * 2 / GIB:.2f})")
+    print(f"{args.preset}, full fine-tuning (GiB, by count)")
+    full = full_holders(args.preset)
+    for name, value in full.items():
+        print(f"  {name:48s} {value / GIB:8.2f}")
+    print(f"  {'total, before the KV cache and activations':48s} {sum(full.values()) / GIB:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
