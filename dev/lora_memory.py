@@ -2,11 +2,14 @@
 and held as the trainer holds it on CUDA (float32 masters, the frozen Linears in bf16:
 minirl.models.lora.hold_frozen_in), beside full fine-tuning of the same model.
 
-    python3 dev/lora_memory.py [--preset qwen2-7b] [--rank 64] [--sequences 128] [--tokens 1124]
+    python3 dev/lora_memory.py [--preset qwen2-7b] [--rank 64] [--rows 128] [--max-model-len 2048]
 
 Rows: the actor's frozen weights, its adapters, their gradients and AdamW state, the rollout
-engine's bf16 copy, and the KV cache that `sequences` x `tokens` need at once (the engine sizes
-its cache from rollout.gpu_memory_utilization, often larger). A run logs the same holders as
+engine's bf16 copy, and the native engine's bf16 KV cache: `rows` (prompts x n of one generate)
+at max_model_len (data.max_prompt_length + data.max_response_length) plus a page each, when
+rollout.gpu_memory_utilization of the free memory is larger (useful_pages in
+plugins/engines/native/engine/model_runner.py). The defaults are `lora7b` of
+scripts/gpu_workload.sh: 16 prompts x 8 samples, 1,024 + 1,024 tokens. A run logs the same holders as
 memory_gib/held/<holder> and each phase's peak as memory_gib/<phase> (minirl.observe.memory);
 the difference is activations and workspace.
 """
@@ -61,24 +64,25 @@ def full_holders(preset: str) -> dict[str, float]:
     }
 
 
-def kv_bytes(preset: str, sequences: int, tokens: int) -> int:
+def kv_bytes(preset: str, rows: int, max_model_len: int, page: int = 16) -> int:
     c = preset_config(preset)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2 * sequences * tokens
+    tokens = (rows * (-(-max_model_len // page) + 1) + 1) * page
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2 * tokens
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen2-7b")
     ap.add_argument("--rank", type=int, default=64)
-    ap.add_argument("--sequences", type=int, default=128, help="sequences in flight (16 prompts x 8)")
-    ap.add_argument("--tokens", type=int, default=1124, help="prompt + response tokens per sequence")
+    ap.add_argument("--rows", type=int, default=128, help="prompts x n of one generate (16 x 8)")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="max prompt + max response tokens")
     args = ap.parse_args()
-    kv = kv_bytes(args.preset, args.sequences, args.tokens)
+    kv = kv_bytes(args.preset, args.rows, args.max_model_len)
     held = lora_holders(args.preset, args.rank)
     embedding = held.pop("_embedding")
     print(f"{args.preset}, LoRA r{args.rank} all-linear (GiB, by count)")
-    for name, value in [*held.items(), (f"bf16 KV cache, {args.sequences} x {args.tokens} tokens", kv)]:
+    for name, value in [*held.items(), (f"bf16 KV cache, {args.rows} rows x {args.max_model_len} tokens", kv)]:
         print(f"  {name:48s} {value / GIB:8.2f}")
     print(f"  {'total':48s} {(sum(held.values()) + kv) / GIB:8.2f}")
     print(f"  (the input embedding held in bf16 instead would free {embedding * 2 / GIB:.2f})")

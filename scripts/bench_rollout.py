@@ -198,8 +198,9 @@ class FixedTurns:
         return t
 
 
-def run_agents(engine, prompts, loop, device) -> dict:
-    """prompts through the agent-loop path with `loop`; model tokens per second."""
+def run_agents(engine, prompts, loop, device, weight_bytes: int) -> dict:
+    """prompts through the agent-loop path with `loop`; model tokens per second, and the decode
+    roofline of the steps it ran (a tool reply in the context is read by every later decode step)."""
     from minirl.agent.loop import AgentRollout, Sample
     from minirl.models.tokenizers import byte_tokenizer
     from minirl.plugins import Registry
@@ -209,11 +210,14 @@ def run_agents(engine, prompts, loop, device) -> dict:
     agents = AgentRollout(RolloutConfig(), registry, None, byte_tokenizer())
     params = SamplingParams(temperature=1.0, max_new_tokens=4096, ignore_eos=True, seed=0)
     samples = [Sample(f"{i}/0", p, params) for i, p in enumerate(prompts)]
+    records = []
+    record_steps(engine.runner, records)
     sync(device)
     start = time.perf_counter()
     trajectories = agents.run(engine, samples, ["bench"] * len(samples))
     sync(device)
     wall = time.perf_counter() - start
+    del engine.runner.prefill, engine.runner.decode
     agents.close()
     model = sum(t.response_mask.count(1) for t in trajectories)
     cached = sum(t.metrics.get("cached_tokens", 0) for t in trajectories)
@@ -225,19 +229,24 @@ def run_agents(engine, prompts, loop, device) -> dict:
         "cached_tokens": cached,
         "tool_wall_s": tools.wall_s,
         "engine_idle_on_tools_s": tools.engine_idle_s,
+        "prefill_steps": sum(r.kind == "prefill" for r in records),
+        **roofline(engine, records, weight_bytes, device),
     }
 
 
-def multi_turn(engine, config, device) -> dict:
-    """The issue's workload: 256 x 3 turns x 256 tokens, 64-token tool replies; vs one turn of 768."""
+def multi_turn(engine, config, device, weight_bytes: int) -> dict:
+    """256 x 3 turns x 256 tokens, 64-token tool replies; vs one turn of 768. ratio: of the model
+    tokens per second; roofline_ratio: of the decode rooflines, what the tool replies' KV alone
+    costs (the multi-turn run's later steps read them too)."""
     prompts = prompts_for(256, 100, config.vocab_size, seed=1)
     tool = prompts_for(1, 64, config.vocab_size, seed=2)[0]
-    run_agents(engine, prompts[:8], FixedTurns(3, 4, tool), device)  # warm-up: kernels, graphs, extend path
-    single = run_agents(engine, prompts, FixedTurns(1, 768, tool), device)
-    multi = run_agents(engine, prompts, FixedTurns(3, 256, tool), device)
-    slow = run_agents(engine, prompts, FixedTurns(3, 256, tool, tool_s=0.5), device)
+    run_agents(engine, prompts[:8], FixedTurns(3, 4, tool), device, weight_bytes)  # warm-up: kernels, graphs, extend
+    single = run_agents(engine, prompts, FixedTurns(1, 768, tool), device, weight_bytes)
+    multi = run_agents(engine, prompts, FixedTurns(3, 256, tool), device, weight_bytes)
+    slow = run_agents(engine, prompts, FixedTurns(3, 256, tool, tool_s=0.5), device, weight_bytes)
     out = {"single_turn": single, "multi_turn": multi, "multi_turn_tool_0.5s": slow}
     out["ratio"] = multi["tokens_per_s"] / single["tokens_per_s"]
+    out["roofline_ratio"] = single["roofline_s"] / multi["roofline_s"]
     print("multi-turn:", json.dumps(out), flush=True)
     return out
 
@@ -490,7 +499,7 @@ def main() -> int:
             print(name, "hf", res["hf"], flush=True)
         results[name] = res
     if args.multi_turn:
-        results["multi_turn"] = multi_turn(engine, config, device)
+        results["multi_turn"] = multi_turn(engine, config, device, weight_bytes)
     results["release"] = release_check(engine, device)
     if args.profile_kernels:
         kernel_profile(engine, prompts_for(128, 256, config.vocab_size), device, os.path.join(args.out, "kernels.txt"))
@@ -531,11 +540,19 @@ def print_table(r: dict, args) -> None:
         m = r["multi_turn"]
         for name in ("single_turn", "multi_turn", "multi_turn_tool_0.5s"):
             x = m[name]
+            device_s = ""
+            if "decode_device_s" in x:
+                device_s = f", device: decode {x['decode_device_s']:.2f} s, prefill {x['prefill_device_s']:.2f} s"
             print(
                 f"{name:22} {x['model_tokens']:9d} model tokens in {x['wall_s']:6.2f} s = "
-                f"{x['tokens_per_s']:8.0f} tok/s, {x['cached_tokens']} prompt tokens reused from the KV cache"
+                f"{x['tokens_per_s']:8.0f} tok/s, {x['cached_tokens']} prompt tokens reused from the KV cache; "
+                f"{x['prefill_steps']} prefill steps, decode roofline {x['roofline_s']:.3f} s "
+                f"({x['roofline_s'] / x['wall_s']:.1%} of wall){device_s}"
             )
-        print(f"multi-turn / single-turn model-token throughput: {m['ratio']:.1%}")
+        print(
+            f"multi-turn / single-turn model-token throughput: {m['ratio']:.1%} (their decode rooflines: "
+            f"{m['roofline_ratio']:.1%}, the tool replies' KV read by later steps)"
+        )
         slow = m["multi_turn_tool_0.5s"]
         print(
             f"0.5 s tools: a tool out for {slow['tool_wall_s']:.2f} s of the run, the engine idle (nothing else to "
