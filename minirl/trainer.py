@@ -142,8 +142,8 @@ class Trainer:
                 if self._is_due(t.test_freq, step):
                     metrics.update(self.source.validate())
                 self._log(metrics, step)
-                if step == self.start_step + 1 and memory_line(metrics):
-                    self._print(memory_line(metrics))
+                if step == self.start_step + 1:
+                    self._first_step_notes(metrics, step)
                 self.guard.observe(metrics, step)  # after the log: the bad step is on record
                 signum = stop.agreed(self.dist.device)
                 self._save_due(step, force=signum is not None)
@@ -153,6 +153,18 @@ class Trainer:
         self.checkpoints.wait()  # the last checkpoint complete before the run ends
         self.status.update("finished", self.total_steps)
         return self._finish(bar)
+
+    def _first_step_notes(self, metrics: dict[str, float], step: int) -> None:
+        """What this process's first step spent compiling, and (CUDA) what holds the memory."""
+        seconds = metrics.get("compile/seconds", 0.0)
+        if seconds >= 1.0:
+            graphs = int(metrics.get("compile/graphs", 0))
+            self._print(
+                f"compiling: {seconds:.1f} s of step {step}'s {metrics['timing_s/step']:.1f} s ({graphs} graphs; "
+                "model.compile_layers, fused kernels); later steps reuse them"
+            )
+        if memory_line(metrics):
+            self._print(memory_line(metrics))
 
     def _is_due(self, freq: int, step: int) -> bool:
         """Every `freq` steps and after the last one; never when freq <= 0."""

@@ -16,15 +16,29 @@ from minirl.dist import fault
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "H20": 148e12, "L40S": 362e12}
 
 
+def compile_totals() -> tuple[float, int]:
+    """(seconds, graphs) torch.compile has spent and made in this process so far: dynamo's own
+    account (torch._dynamo.utils, a private module: (0, 0) where it is missing)."""
+    try:
+        from torch._dynamo import utils
+    except ImportError:
+        return 0.0, 0
+    spent = getattr(utils, "calculate_time_spent", dict)()
+    seconds = spent.get("total_wall_time", spent.get("entire_frame_compile", 0.0))
+    return float(seconds), int(getattr(utils, "counters", {}).get("stats", {}).get("unique_graphs", 0))
+
+
 class PhaseTimer:
-    """Wall-clock seconds and peak device memory of each named phase of a step. Each phase is
-    also a fault-injection point of step `step` (minirl.dist.fault; nothing happens unless
-    MINIRL_FAULT names it)."""
+    """Wall-clock seconds and peak device memory of each named phase of a step, and the seconds
+    the step spent compiling (compile/seconds, compile/graphs: inside the phases, mostly step 1's
+    when model.compile_layers is on). Each phase is also a fault-injection point of step `step`
+    (minirl.dist.fault; nothing happens unless MINIRL_FAULT names it)."""
 
     def __init__(self, device: torch.device, step: int | None = None):
         self.device, self.step = device, step
         self.seconds: dict[str, float] = {}
         self.peak_gib: dict[str, float] = {}
+        self.compiled_before = compile_totals()
 
     @contextmanager
     def phase(self, name: str):
@@ -46,6 +60,8 @@ class PhaseTimer:
     def metrics(self) -> dict[str, float]:
         out = {f"timing_s/{k}": v for k, v in self.seconds.items()}
         out.update({f"memory_gib/{k}": v for k, v in self.peak_gib.items()})
+        (seconds, graphs), (seconds0, graphs0) = compile_totals(), self.compiled_before
+        out.update({"compile/seconds": seconds - seconds0, "compile/graphs": float(graphs - graphs0)})
         return out
 
 

@@ -100,11 +100,15 @@ def test_saved_checkpoint_loads_back_with_the_trained_weights(tmp_path, data_dir
 def test_compiled_layers_through_the_loop_match_eager(tmp_path, data_dir):
     """model.compile_layers through the real loop (compiled actor and reference, the prev-log-prob
     pass, two mini-batches, the hf engine's eager copy): the same metrics as the eager run, to
-    float32 rounding."""
+    float32 rounding; step 1 logs its compiling and step 2 compiles nothing new."""
     overrides = ["trainer.total_training_steps=2", "rollout.name=hf", "actor.ppo_mini_batch_size=8"]
     eager = run_job(tmp_path / "eager", data_dir, overrides)
     compiled = run_job(tmp_path / "compiled", data_dir, [*overrides, "model.compile_layers=true"])
     assert len(compiled) == 2 and compiled[0]["actor/kl_loss"] > 0  # the second mini-batch's actor moved
+    # what each step spent compiling (PhaseTimer): all of it in step 1, none eager
+    assert [r["compile/graphs"] for r in eager] == [0, 0] and [r["compile/seconds"] for r in eager] == [0, 0]
+    assert compiled[0]["compile/graphs"] >= 2 and 0 < compiled[0]["compile/seconds"] < compiled[0]["timing_s/step"]
+    assert compiled[1]["compile/graphs"] == 0
     for want, got in zip(eager, compiled):
         assert got["response_length/mean"] == want["response_length/mean"]  # the same samples
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/kl_loss"):
