@@ -1,6 +1,6 @@
 """What a LoRA run holds on the GPU, by count (no GPU needed): the model is built on the meta device
-and held as the trainer holds it on CUDA (float32 masters, the frozen Linears in bf16:
-minirl.models.lora.hold_frozen_in), beside full fine-tuning of the same model.
+and held as the trainer holds it on CUDA (float32 masters, the frozen Linears and input embedding
+in bf16: minirl.models.lora.hold_frozen_in), beside full fine-tuning of the same model.
 
     python3 dev/lora_memory.py [--preset qwen2-7b] [--rank 64] [--rows 128] [--max-model-len 2048]
 
@@ -35,21 +35,19 @@ def nbytes(params) -> int:
 def lora_holders(preset: str, rank: int) -> dict[str, float]:
     cfg = load_config(None, [f"model.lora_rank={rank}", f"model.lora_alpha={rank}"]).model
     model = lora.apply_lora(meta_model(preset_config(preset), torch.float32, "sdpa"), cfg, preset)
-    lora.hold_frozen_in(model, torch.bfloat16)
+    lora.hold_frozen_in(model, torch.bfloat16, embedding=torch.bfloat16)  # FSDP2 gathers in bf16 on CUDA
     params = list({id(p): p for p in model.parameters()}.values())
     adapters = nbytes(p for p in params if p.requires_grad)
     base_numel = sum(p.numel() for p in params if not p.requires_grad)
     embed = model.get_input_embeddings().weight
     return {
-        "frozen Linears (bf16)": nbytes(p for p in params if not p.requires_grad and p.dtype == torch.bfloat16),
-        "frozen input embedding, norms (float32)": nbytes(
-            p for p in params if not p.requires_grad and p.dtype != torch.bfloat16
-        ),
+        "frozen Linears (bf16)": nbytes(p for p in params if not p.requires_grad and p.dim() == 2 and p is not embed),
+        "frozen input embedding (bf16)": nbytes([embed]),
+        "frozen norms and biases": nbytes(p for p in params if not p.requires_grad and p.dim() == 1),
         "adapters (float32)": adapters,
         "adapter gradients": adapters,
         "AdamW state": 2 * adapters,
         "rollout engine weights (bf16)": 2 * base_numel,
-        "_embedding": embed.numel(),
     }
 
 
@@ -80,12 +78,10 @@ def main() -> None:
     args = ap.parse_args()
     kv = kv_bytes(args.preset, args.rows, args.max_model_len)
     held = lora_holders(args.preset, args.rank)
-    embedding = held.pop("_embedding")
     print(f"{args.preset}, LoRA r{args.rank} all-linear (GiB, by count)")
     for name, value in [*held.items(), (f"bf16 KV cache, {args.rows} rows x {args.max_model_len} tokens", kv)]:
         print(f"  {name:48s} {value / GIB:8.2f}")
     print(f"  {'total':48s} {(sum(held.values()) + kv) / GIB:8.2f}")
-    print(f"  (the input embedding held in bf16 instead would free {embedding * 2 / GIB:.2f})")
     print(f"{args.preset}, full fine-tuning (GiB, by count)")
     full = full_holders(args.preset)
     for name, value in full.items():

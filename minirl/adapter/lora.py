@@ -12,7 +12,7 @@ import torch
 
 from minirl.adapter.full import Reference
 from minirl.checkpoint.hf import save_hf_checkpoint
-from minirl.forward.packed import matmul_dtype
+from minirl.forward.packed import matmul_dtype, param_dtype
 from minirl.models import assembly, lora
 
 
@@ -26,7 +26,9 @@ class LoRAFineTuning:
     def assemble(cls, pm, model: torch.nn.Module, cfg, dist, needs_reference: bool) -> LoRAFineTuning:
         """The adapters go in before the assembly; the reference costs no second model."""
         lora.apply_lora(model, cfg.model, cfg.model.path or cfg.model.preset)
-        lora.hold_frozen_in(model, matmul_dtype(dist.device))  # no float32 copy of the frozen base
+        # no float32 copy of the frozen base; the embedding too where the sharding gathers it in bf16
+        gathered = param_dtype(cfg.actor.fsdp_config, dist.device.type) if dist.mesh is not None else None
+        lora.hold_frozen_in(model, matmul_dtype(dist.device), embedding=gathered)
         actor = assembly.assemble_actor(pm, model, cfg, dist)
         reference = Reference(actor, lora.adapters_disabled) if needs_reference else None
         return cls(actor, reference, cfg.model.lora_save_merged)

@@ -38,6 +38,16 @@ def matmul_dtype(device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if device.type == "cuda" else None
 
 
+def param_dtype(fsdp_cfg, device_type: str) -> torch.dtype | None:
+    """fsdp_config.param_dtype resolved (validated up front): the dtype data-parallel sharding
+    gathers every parameter in, so the dtype every pass reads the weights in; "auto" is bf16 on
+    CUDA and, elsewhere, None (the model's own)."""
+    name = fsdp_cfg.param_dtype
+    if name == "auto":
+        name = "bfloat16" if device_type == "cuda" else None
+    return getattr(torch, name) if name else None
+
+
 def mixed_precision(device: torch.device):
     """bf16 matmuls over fp32 master weights on CUDA (what FSDP2's MixedPrecisionPolicy does
     when sharded); the log-softmax stays float32 (chunked_logprobs computes it in float32 from

@@ -102,19 +102,26 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return out.view(y.shape)
 
 
-def hold_frozen_in(model: torch.nn.Module, dtype: torch.dtype | None) -> int:
+def hold_frozen_in(model: torch.nn.Module, dtype: torch.dtype | None, embedding: torch.dtype | None = None) -> int:
     """Store the frozen Linear matrices (the LoRA layers' base, an untied lm_head) and biases in
     `dtype`, the dtype every pass multiplies them in (minirl.forward.packed.matmul_dtype; None:
     nothing to do): the same products, without a float32 master copy of weights no optimizer
-    updates, nor a cast on every call (autocast caches casts only of weights that train). The
-    input embedding and the norms keep their dtype: they are not multiplied, and a tied lm_head
-    is the embedding. Returns the bytes freed."""
-    if dtype is None:
-        return 0
-    tied = model.get_input_embeddings().weight
+    updates, nor a cast on every call (autocast caches casts only of weights that train).
+
+    The input embedding is not multiplied but looked up: autocast leaves it alone, so it keeps its
+    dtype unless `embedding` names the dtype every pass reads it in anyway (the data-parallel
+    sharding's gather dtype, minirl.forward.packed.param_dtype, under a mesh): then it is held in
+    that, with a tied lm_head, which is the embedding. The norms keep theirs. Returns the bytes
+    freed."""
     freed = 0
+    embed = model.get_input_embeddings().weight
+    if embedding is not None and not embed.requires_grad and embed.dtype != embedding:
+        freed += embed.numel() * (embed.element_size() - embedding.itemsize)
+        embed.data = embed.data.to(embedding)
+    if dtype is None:
+        return freed
     for module in model.modules():
-        if not isinstance(module, torch.nn.Linear) or module.weight is tied:
+        if not isinstance(module, torch.nn.Linear) or module.weight is embed:
             continue
         for param in module.parameters(recurse=False):
             if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:

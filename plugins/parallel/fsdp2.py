@@ -38,6 +38,7 @@ from torch.distributed.fsdp import (
 )
 
 from minirl import hookimpl
+from minirl.forward.packed import param_dtype
 from minirl.protocols import PACKED_FORWARD
 
 _OPTIMIZER_OFFLOAD = "_minirl_optimizer_offload"  # marks an actor whose optimizer state lives on the CPU
@@ -66,7 +67,7 @@ def freeze(model: torch.nn.Module, cfg, device_type: str):
     all-gather copies and no hooks around each layer."""
     fsdp_cfg = cfg.fsdp_config
     offload = fsdp_cfg.param_offload or getattr(cfg, "offload", False)
-    dtype = compute_dtype(fsdp_cfg, device_type)
+    dtype = param_dtype(fsdp_cfg, device_type)
     if dtype is not None:
         for param in model.parameters():
             param.data = param.data.to(dtype)
@@ -132,20 +133,11 @@ def apply_fsdp(model, mesh, mp: MixedPrecisionPolicy, offload: OffloadPolicy, re
 
 def mixed_precision(fsdp_cfg, device_type: str, model) -> MixedPrecisionPolicy:
     """bf16 compute on CUDA by default; on CPU the model's own dtype (no cast)."""
-    param_dtype = compute_dtype(fsdp_cfg, device_type)
+    gathered = param_dtype(fsdp_cfg, device_type)  # fsdp_config.param_dtype, resolved
     reduce_dtype = getattr(torch, fsdp_cfg.reduce_dtype)
-    if param_dtype is None and reduce_dtype == next(model.parameters()).dtype:
+    if gathered is None and reduce_dtype == next(model.parameters()).dtype:
         return MixedPrecisionPolicy()  # nothing to cast
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-
-
-def compute_dtype(fsdp_cfg, device_type: str) -> torch.dtype | None:
-    """fsdp_config.param_dtype (validated up front): "auto" is bf16 on CUDA and, elsewhere, None
-    (the model's own)."""
-    name = fsdp_cfg.param_dtype
-    if name == "auto":
-        name = "bfloat16" if device_type == "cuda" else None
-    return getattr(torch, name) if name else None
+    return MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=reduce_dtype)
 
 
 def offload_policy(fsdp_cfg, device_type: str) -> OffloadPolicy:

@@ -357,3 +357,47 @@ def test_one_process_weight_sync_reads_the_shards_as_they_lie(one_rank_mesh, mon
     assert calls == []
     assert synced.keys() == plain.keys()
     assert all(torch.equal(synced[name], plain[name]) for name in plain)
+
+
+def test_lora_holds_its_frozen_embedding_in_the_gather_dtype_with_the_same_results(one_rank_mesh):
+    """LoRA under FSDP2 gathering in bf16 (every CUDA run): the frozen input embedding held in bf16
+    (lora.hold_frozen_in's `embedding`, what LoRAFineTuning does under a mesh) gives exactly the
+    log-probs and adapter gradients of the float32 one that FSDP2 casts at every gather, with 2
+    bytes an element freed; without a mesh the adapter leaves it alone."""
+    import types
+
+    from minirl.adapter.lora import LoRAFineTuning
+    from minirl.forward.packed import param_dtype
+    from minirl.models import lora
+    from minirl_plugins.parallel import fsdp2
+
+    cfg = h.config("model.lora_rank=4", "model.lora_alpha=8", "actor.fsdp_config.param_dtype=bfloat16")
+    gathered = param_dtype(cfg.actor.fsdp_config, "cpu")
+    assert gathered == torch.bfloat16
+    prompts, responses = h.sequences([5, 8], [6, 3], seed=4)
+
+    def run(embedding):
+        model = lora.apply_lora(h.tiny_model(), cfg.model, "tiny")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if lora.is_adapter_param(name):
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+        freed = lora.hold_frozen_in(model, torch.bfloat16, embedding=embedding)
+        actor = fsdp2.minirl_apply_data_parallel(model=model, cfg=cfg.actor, mesh=one_rank_mesh)
+        logp, _ = response_logprobs(actor, prompts, responses, 0.7, CPU)
+        logp.float().sum().backward()
+        grads = {n: p.grad.full_tensor() for n, p in actor.named_parameters() if p.requires_grad}
+        return freed, logp.detach(), grads, actor.get_input_embeddings().weight.dtype
+
+    (freed0, want, want_grads, dtype0), (freed, got, got_grads, dtype) = run(None), run(gathered)
+    embed_numel = h.tiny_model().get_input_embeddings().weight.numel()
+    assert (dtype0, dtype) == (torch.float32, torch.bfloat16) and freed - freed0 == 2 * embed_numel
+    assert torch.equal(got, want)
+    assert want_grads.keys() == got_grads.keys() and all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+    # the adapter: under a mesh the embedding goes to the gather dtype, without one it stays
+    pm = PluginManager(entry_points=False)
+    for mesh, want_dtype in ((None, torch.float32), (one_rank_mesh, torch.bfloat16)):
+        dist = types.SimpleNamespace(device=torch.device("cpu"), mesh=mesh)
+        model = h.tiny_model()
+        LoRAFineTuning.assemble(pm, model, cfg, dist, needs_reference=False)
+        assert model.get_input_embeddings().weight.dtype == want_dtype

@@ -322,11 +322,17 @@ def test_frozen_base_held_in_bf16_multiplies_as_autocast_does():
 
 
 def test_a_tied_lm_head_is_the_embedding_and_stays():
+    """A tied lm_head keeps the embedding's dtype unless the embedding is held in the gather dtype
+    (`embedding`), and then both are: one tensor."""
     base = random_model(preset_config("qwen3-tiny"), "cpu", torch.float32, 0)
     model = lora.apply_lora(base, model_cfg(), "qwen3-tiny")
     lora.hold_frozen_in(model, torch.bfloat16)
     assert model.lm_head.weight is model.get_input_embeddings().weight
     assert model.lm_head.weight.dtype == torch.float32
+    embed = model.get_input_embeddings().weight
+    assert lora.hold_frozen_in(model, torch.bfloat16, embedding=torch.bfloat16) == 2 * embed.numel()
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert model.lm_head.weight.dtype == torch.bfloat16
 
 
 def _layers_fwd_bwd_matmul_flops(model, tokens: int) -> int:
