@@ -324,6 +324,18 @@ def test_optimizer_offload_hooks_the_built_optimizer():
     assert all(v.device.type == "cpu" for s in optimizer.state.values() for v in s.values())
 
 
+def _trained_lora(cfg):
+    """The tiny model with LoRA adapters an update could have reached (fresh B is zero)."""
+    from minirl.models import lora
+
+    model = lora.apply_lora(h.tiny_model(), cfg.model, "tiny")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if lora.is_adapter_param(name):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+    return model
+
+
 def test_one_process_weight_sync_reads_the_shards_as_they_lie(one_rank_mesh, monkeypatch):
     """At world 1 a sharded parameter's shard is the whole tensor: full_tensor hands over the
     shard's own storage without going through DTensor's redistribution (its host time, per
@@ -331,16 +343,12 @@ def test_one_process_weight_sync_reads_the_shards_as_they_lie(one_rank_mesh, mon
     of the sync equal those of the model before it was sharded."""
     from torch.distributed.tensor import DTensor
 
-    from minirl.models import assembly, lora
+    from minirl.models import assembly
     from minirl.models.names import full_tensor
     from minirl_plugins.parallel import fsdp2
 
     cfg = h.config("model.lora_rank=4", "model.lora_alpha=8")
-    model = lora.apply_lora(h.tiny_model(), cfg.model, "tiny")
-    with torch.no_grad():  # adapters an update could have reached (fresh B is zero)
-        for name, p in model.named_parameters():
-            if lora.is_adapter_param(name):
-                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+    model = _trained_lora(cfg)
     plain = {assembly.hf_name(n): t.clone() for n, t in assembly.full_weights(model)}
     actor = fsdp2.minirl_apply_data_parallel(model=model, cfg=cfg.actor, mesh=one_rank_mesh)
     params = list(actor.parameters())
@@ -377,11 +385,7 @@ def test_lora_holds_its_frozen_embedding_in_the_gather_dtype_with_the_same_resul
     prompts, responses = h.sequences([5, 8], [6, 3], seed=4)
 
     def run(embedding):
-        model = lora.apply_lora(h.tiny_model(), cfg.model, "tiny")
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if lora.is_adapter_param(name):
-                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+        model = _trained_lora(cfg)
         freed = lora.hold_frozen_in(model, torch.bfloat16, embedding=embedding)
         actor = fsdp2.minirl_apply_data_parallel(model=model, cfg=cfg.actor, mesh=one_rank_mesh)
         logp, _ = response_logprobs(actor, prompts, responses, 0.7, CPU)
