@@ -163,8 +163,9 @@ class Trainer:
                 f"compiling: {seconds:.1f} s of step {step}'s {metrics['timing_s/step']:.1f} s ({graphs} graphs; "
                 "model.compile_layers, fused kernels); later steps reuse them"
             )
-        if memory_line(metrics):
-            self._print(memory_line(metrics))
+        line = memory_line(metrics)
+        if line:
+            self._print(line)
 
     def _is_due(self, freq: int, step: int) -> bool:
         """Every `freq` steps and after the last one; never when freq <= 0."""

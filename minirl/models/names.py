@@ -24,8 +24,8 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     call per parameter, three per LoRA matrix."""
     t = t.detach()
     if hasattr(t, "full_tensor"):
-        if t.device_mesh.size() == 1 and tuple(t.to_local().shape) == tuple(t.shape):
-            local = t.to_local()
+        local = t.to_local()
+        if t.device_mesh.size() == 1 and local.shape == t.shape:
             return local if local.device.type == t.device_mesh.device_type else local.to(t.device_mesh.device_type)
         if t.device.type != t.device_mesh.device_type:  # a CPU-offloaded shard: NCCL gathers device memory
             t = t.to(t.device_mesh.device_type)

@@ -26,6 +26,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """One device, where an index left out ("cuda") means the current one."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 class StorageCounter:
     """Bytes of distinct storages on one device: a storage counted under one holder is not counted
     again under another (tied weights, views into fused buffers, a reference that is the actor)."""
@@ -40,7 +45,7 @@ class StorageCounter:
             if tensor is None:
                 continue
             t = _local(tensor)
-            if t.device.type != self.device.type or t.device.index not in (None, self.device.index):
+            if not _same_device(t.device, self.device):
                 continue
             storage = t.untyped_storage()
             if storage.nbytes() == 0 or storage.data_ptr() in self.seen:

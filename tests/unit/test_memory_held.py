@@ -13,7 +13,7 @@ from minirl.config.load import load_config
 from minirl.models import lora
 from minirl.models.loading import random_model
 from minirl.models.presets import preset_config
-from minirl.observe.memory import GIB, StorageCounter, held_memory, memory_line
+from minirl.observe.memory import GIB, StorageCounter, _same_device, held_memory, memory_line
 from minirl_plugins.algorithms.optim import build_adamw
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -27,6 +27,10 @@ def test_a_storage_counts_once_whatever_views_of_it_are_named():
     other = torch.zeros(3, dtype=torch.bfloat16)
     assert counter.count([other, other.view(3, 1)]) == 3 * 2
     assert StorageCounter(torch.device("meta")).count([torch.zeros(5)]) == 0  # not on that device
+    # an engine built on "cuda" holds tensors on cuda:0: the same device; cuda:1 is not
+    cuda, cuda0, cuda1 = torch.device("cuda"), torch.device("cuda", 0), torch.device("cuda", 1)
+    assert _same_device(cuda0, cuda) and _same_device(cuda, cuda0) and not _same_device(cuda0, cuda1)
+    assert not _same_device(torch.device("cpu"), cuda)
 
 
 def _lora_actor():
