@@ -131,22 +131,24 @@ def test_kernels_pass_self_checks_with_an_fp8_kv_cache(kv_dtype):
     assert ops.graphable
 
 
-def test_an_e4m3_cache_decodes_on_fp8_tensor_cores_with_the_values_page_transposed():
-    """rollout.kv_cache_dtype = fp8 in bf16: decode_attention_e4m3 passes its self-check and is
-    chosen, the value cache is laid out for it, and an engine decoding with it (CUDA graphs)
-    follows the greedy continuations of one that reads the same 8-bit cache through the torch
-    reference (token-major values): the two round differently, so a near tie may flip a token and
-    the continuations part there; until they part, the log-probs agree to 0.05, and on average
-    they part after more than half the tokens."""
-    ops = select_ops(CUDA, torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
-    assert ops.chosen["decode_attention"] == "triton_e4m3" and ops.v_transposed, ops.chosen
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2"])
+def test_an_fp8_cache_decodes_through_the_pairs_kernel(kv_dtype):
+    """rollout.kv_cache_dtype = fp8 / fp8_e5m2 in bf16: decode_attention_fp8_pairs passes its
+    self-check and is chosen, and an engine decoding with it (CUDA graphs) follows the greedy
+    continuations of one that reads the same 8-bit cache through the torch reference: the two
+    round differently, so a near tie may flip a token and the continuations part there; until
+    they part, the log-probs agree to 0.05, and on average they part after more than half the
+    tokens."""
+    fmt = torch.float8_e4m3fn if kv_dtype == "fp8" else torch.float8_e5m2
+    ops = select_ops(CUDA, torch.bfloat16, kv_dtype=fmt)
+    assert ops.chosen["decode_attention"] == "triton_fp8_pairs", ops.chosen
     cfg = tiny_config("qwen2", hidden_size=256, num_attention_heads=8, num_key_value_heads=2)
     hf = tiny_hf_model(cfg, seed=2, std=0.2, device="cuda", dtype=torch.bfloat16)
-    fp8 = SimpleNamespace(kv_cache_dtype="fp8")
+    rollout = SimpleNamespace(kv_cache_dtype=kv_dtype)
     ctx = dict(actor=hf, device="cuda", dtype=torch.bfloat16, num_kv_pages=512)
-    fast = build_native_engine(fp8, engine_context(cfg, **ctx))
-    ref = build_native_engine(fp8, engine_context(cfg, use_triton=False, **ctx))
-    assert fast.ops.v_transposed and not ref.ops.v_transposed
+    fast = build_native_engine(rollout, engine_context(cfg, **ctx))
+    ref = build_native_engine(rollout, engine_context(cfg, use_triton=False, **ctx))
+    assert fast.ops.chosen["decode_attention"] == "triton_fp8_pairs"
     got, want = (e.generate(PROMPTS, greedy(n=2, max_new=32)) for e in (fast, ref))
     assert fast.runner.graphs
     shared = []
@@ -155,6 +157,15 @@ def test_an_e4m3_cache_decodes_on_fp8_tensor_cores_with_the_values_page_transpos
         torch.testing.assert_close(torch.tensor(g.logprobs[:same]), torch.tensor(w.logprobs[:same]), atol=0.05, rtol=0)
         shared.append(same / len(w.token_ids))
     assert sum(shared) / len(shared) > 0.5, shared
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_pairs_decode_kernel_on_cuda(kv_dtype):
+    """decode_attention_fp8_pairs compiled, its pairs split by inline PTX (a byte permute and the
+    native fp8 -> f16x2 conversions), computes the reference's attention over either format."""
+    from minirl_plugins.engines.native.layers import paged_attention as pa
+
+    pa.check_decode_attention_fp8_pairs(pa.decode_attention_fp8_pairs, CUDA, torch.bfloat16, kv_dtype)
 
 
 @pytest.mark.parametrize("checks", ["TOKENS_MAJOR_CHECKS", "QK_FP8_CHECKS"])

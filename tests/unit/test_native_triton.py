@@ -198,6 +198,57 @@ def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch, kv):
     ]
 
 
+@pytest.mark.parametrize("kv_dtype, dtype", [(torch.float8_e4m3fn, torch.bfloat16), (torch.float8_e5m2, torch.float16)])
+def test_fp8_pairs_decode_kernel_matches_reference(kv_dtype, dtype):
+    """decode_attention_fp8_pairs reads the 8-bit cache as int16 pairs of adjacent head dims and
+    splits them into the even and the odd dims in float16 (here by Triton's byte operations, on
+    CUDA by a byte permute and native conversions): within the half-precision tolerance of the
+    reference at every block size and split count the check covers, for either fp8 format."""
+    from minirl_plugins.engines.native.layers import paged_attention
+
+    with interpreter_fixes():
+        paged_attention.check_decode_attention_fp8_pairs(
+            paged_attention.decode_attention_fp8_pairs, torch.device("cpu"), dtype, kv_dtype
+        )
+
+
+def test_engine_on_the_fp8_pairs_decode_kernel_generates_what_the_dequantizing_one_does(kernels, monkeypatch):
+    """The whole bf16 engine over an e4m3 cache with decode_attention_fp8_pairs (as select_ops
+    wires it on CUDA) against the same kernels with the dequantizing decode attention: the same
+    greedy tokens, the same first log-prob (the prefill does not read the cache), and later
+    log-probs no further apart than two bf16 implementations of the same attention are (those
+    kernels against the torch ops)."""
+    import types
+
+    from minirl_plugins.engines.native import build_native_engine
+    from minirl_plugins.engines.native.engine import engine as engine_mod
+    from minirl_plugins.engines.native.layers import paged_attention
+    from tests.tiny_models import engine_context, tiny_config, tiny_hf_model
+
+    cfg = tiny_config("qwen3", num_attention_heads=4, num_key_value_heads=1, head_dim=32)
+    hf = tiny_hf_model(cfg, seed=4, std=0.2).to(torch.bfloat16)
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], list(range(40, 71))]
+    rollout = types.SimpleNamespace(kv_cache_dtype="fp8")
+
+    def generate(ops):
+        monkeypatch.setattr(engine_mod, "select_ops", lambda *args: ops)
+        with interpreter_fixes():
+            ctx = engine_context(cfg, actor=hf, dtype=torch.bfloat16, page_size=8)
+            return build_native_engine(rollout, ctx).generate(prompts, params)
+
+    pairs = ops_mod.Ops(**kernels)
+    pairs.decode_attention = paged_attention.decode_attention_fp8_pairs
+    torch_ops, dequantizing, got = generate(ops_mod.Ops()), generate(ops_mod.Ops(**kernels)), generate(pairs)
+    assert [c.token_ids for c in got] == [c.token_ids for c in dequantizing]
+
+    def drift(xs, ys):
+        return max(abs(a - b) for x, y in zip(xs, ys) for a, b in zip(x.logprobs, y.logprobs))
+
+    assert [c.logprobs[0] for c in got] == [c.logprobs[0] for c in dequantizing]
+    assert 0 < drift(got, dequantizing) <= drift(dequantizing, torch_ops)
+
+
 def test_e4m3_decode_kernel_matches_reference(kernels):
     """decode_attention_e4m3, the engine's first choice over an e4m3 cache: both dots on 8-bit
     operands (the keys and the page-transposed values as they lie, the query and the

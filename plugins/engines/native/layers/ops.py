@@ -53,8 +53,9 @@ TRITON = {
 # the flash kernel's that of extend attention
 VARLEN_PREFILL = (attention.prefill_attention_varlen, attention.check_prefill_attention)
 FLASH_EXTEND = (attention.extend_attention_flash, attention.check_extend_attention)
-# an e4m3 cache under a half-precision engine: decode attention on fp8 tensor cores, first choice
-E4M3_DECODE = (paged_attention.decode_attention_e4m3, paged_attention.check_decode_attention_e4m3)
+# an 8-bit cache under a half-precision engine: decode attention reading it as 16-bit pairs, first
+# choice (1.5x the dequantizing kernel at 64 rows x 27,700 keys on the H200, docs/benchmarks.md)
+FP8_PAIRS_DECODE = (paged_attention.decode_attention_fp8_pairs, paged_attention.check_decode_attention_fp8_pairs)
 
 
 def select_ops(
@@ -79,9 +80,8 @@ def select_ops(
     if use_triton and jit.UNAVAILABLE:
         warnings.warn(f"native engine: Triton unavailable ({jit.UNAVAILABLE}); using pure-torch kernels")
     elif use_triton:
-        e4m3 = kv_dtype == torch.float8_e4m3fn and dtype in (torch.bfloat16, torch.float16)
-        if e4m3 and paged_attention.e4m3_decode_fits(*cache_shape):
-            candidates.append(("decode_attention", *E4M3_DECODE, "triton_e4m3"))
+        if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and dtype in (torch.bfloat16, torch.float16):
+            candidates.append(("decode_attention", *FP8_PAIRS_DECODE, "triton_fp8_pairs"))
         candidates += [(name, fn, check, "triton") for name, (fn, check) in TRITON.items()]
     for i, (name, fn, check, label) in enumerate(candidates):
         if name in ops.chosen:  # a first choice passed

@@ -488,6 +488,200 @@ def decode_attention_e4m3(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, s
     return _split_k(qkv, meta, heads, cfg["min_chunk"], launch_kernel)
 
 
+# An 8-bit cache read as 16-bit pairs (decode_attention_fp8_pairs)
+# (the fastest of eight launches at 64 x 27,700, 64 x 14,000 and 256 x 600; dev/bench_fp8_pairs.py)
+FP8_PAIRS_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "min_chunk": 256}
+
+
+@jit
+def _pairs_to_f16_asm(x, E5M2: tl.constexpr):
+    """int16 pairs of fp8 values -> (the low bytes, the high bytes) in float16: per two pairs one
+    byte permute and two native conversions (sm_89+)."""
+    if E5M2:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t;
+            .reg .b16 lo, hi;
+            prmt.b32 t, $2, 0, 0x3120;
+            mov.b32 {lo, hi}, t;
+            cvt.rn.f16x2.e5m2x2 $0, lo;
+            cvt.rn.f16x2.e5m2x2 $1, hi;
+            }""",
+            constraints="=r,=r,r",
+            args=[x],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
+        )
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t;
+        .reg .b16 lo, hi;
+        prmt.b32 t, $2, 0, 0x3120;
+        mov.b32 {lo, hi}, t;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        constraints="=r,=r,r",
+        args=[x],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=2,
+    )
+
+
+@jit
+def _pairs_to_f16(x, E5M2: tl.constexpr):
+    """_pairs_to_f16_asm in Triton's own byte operations (the interpreter runs no inline PTX)."""
+    fp8 = tl.float8e5 if E5M2 else tl.float8e4nv
+    lo = (x & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float16)
+    hi = ((x >> 8) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float16)
+    return lo, hi
+
+
+@jit
+def _decode_kernel_fp8_pairs(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pt_ptr,
+    rows_ptr,
+    lens_ptr,
+    o_ptr,
+    lse_ptr,
+    stride_q,
+    stride_slot,
+    stride_pt,
+    stride_o,
+    scale,
+    min_chunk,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    DIRECT: tl.constexpr,
+    ASM: tl.constexpr,
+    E5M2: tl.constexpr,
+):
+    """_decode_kernel over an 8-bit cache viewed as int16 [slots, Hk, D/2]: each element holds the
+    values of head dims 2j and 2j+1. The tiles then move as a bf16 cache's do (16-byte
+    asynchronous copies, ldmatrix), and each is split in registers into the even and the odd
+    dims in float16, already in the matrix instruction's operand layout. The dots run over half
+    the head dim twice: scores = q_even k_even^T + q_odd k_odd^T, out_even = P v_even, out_odd =
+    P v_odd."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(rows_ptr + b)
+    length = tl.load(lens_ptr + b)
+    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
+    D2: tl.constexpr = D // 2
+    g = tl.arange(0, BLOCK_G)
+    e = tl.arange(0, D2)
+    n = tl.arange(0, BLOCK_N)
+    heads = kvh * G + g
+    hm = g[:, None] < G
+    q_at = q_ptr + b * stride_q + heads[:, None] * D + 2 * e[None, :]
+    q_e = tl.minimum(tl.maximum(tl.load(q_at, mask=hm, other=0.0).to(tl.float32), -65504.0), 65504.0)
+    q_o = tl.minimum(tl.maximum(tl.load(q_at + 1, mask=hm, other=0.0).to(tl.float32), -65504.0), 65504.0)
+    q_e, q_o = q_e.to(tl.float16), q_o.to(tl.float16)
+    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc_e = tl.zeros([BLOCK_G, D2], tl.float32)
+    acc_o = tl.zeros([BLOCK_G, D2], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        tok = t0 + n
+        valid = tok < end
+        page = tl.load(pt_ptr + row * stride_pt + tok // PAGE, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE + tok % PAGE
+        kv_off = slot[:, None] * stride_slot + kvh * D2 + e[None, :]
+        k2 = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0)
+        if ASM:
+            k_e, k_o = _pairs_to_f16_asm(k2, E5M2)
+        else:
+            k_e, k_o = _pairs_to_f16(k2, E5M2)
+        s = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v2 = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0)
+        if ASM:
+            v_e, v_o = _pairs_to_f16_asm(v2, E5M2)
+        else:
+            v_e, v_o = _pairs_to_f16(v2, E5M2)
+        p16 = p.to(tl.float16)
+        acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_e)
+        acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_o)
+        m_i = m_new
+    inv = 1.0 / tl.maximum(l_i, 1e-30)
+    hmask = hm & (split < splits)
+    if DIRECT:
+        at = o_ptr + b * stride_o + heads[:, None] * D + 2 * e[None, :]
+        tl.store(at, (acc_e * inv[:, None]).to(o_ptr.dtype.element_ty), mask=hmask)
+        tl.store(at + 1, (acc_o * inv[:, None]).to(o_ptr.dtype.element_ty), mask=hmask)
+    else:
+        part = (b * H + heads) * SPLITS + split
+        at = o_ptr + part[:, None] * D + 2 * e[None, :]
+        tl.store(at, acc_e * inv[:, None], mask=hmask)
+        tl.store(at + 1, acc_o * inv[:, None], mask=hmask)
+        tl.store(lse_ptr + part, m_i + tl.log(l_i), mask=(g < G) & (split < splits))
+
+
+def decode_attention_fp8_pairs(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale: float, config=None):
+    """decode_attention over a token-major 8-bit cache (e4m3 or e5m2) by _decode_kernel_fp8_pairs,
+    for a half-precision query (its dots run in float16); `config` overrides launch settings."""
+    (h, hk, d), b, splits = heads, qkv.shape[0], meta.num_splits
+    cfg = {**FP8_PAIRS_CONFIG, **(config or {})}
+    k2, v2 = k_cache.view(torch.int16), v_cache.view(torch.int16)
+
+    def launch_kernel(part, lse, stride_o):
+        _decode_kernel_fp8_pairs[(b, hk, splits)](
+            qkv,
+            k2,
+            v2,
+            meta.page_table,
+            meta.rows_B,
+            meta.ctx_lens_B,
+            part,
+            lse,
+            qkv.stride(0),
+            k2.stride(0),
+            meta.page_table.stride(0),
+            stride_o,
+            scale,
+            cfg["min_chunk"],
+            H=h,
+            D=d,
+            G=h // hk,
+            BLOCK_G=max(16, triton.next_power_of_2(h // hk)),
+            BLOCK_N=cfg["block_n"],
+            PAGE=meta.page_size,
+            SPLITS=splits,
+            DIRECT=splits == 1,
+            ASM=qkv.device.type == "cuda",
+            E5M2=k_cache.dtype == torch.float8_e5m2,
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
+
+    return _split_k(qkv, meta, heads, cfg["min_chunk"], launch_kernel)
+
+
+def check_decode_attention_fp8_pairs(fn, device, dtype, kv_dtype=None, configs=None) -> None:
+    """fn (decode_attention_fp8_pairs) against the reference over the 8-bit cache, at its block
+    sizes and split counts."""
+    default = [(1, None), (4, None), (8, {"min_chunk": 16}), (1, {"block_n": 128}), (4, {"block_n": 32})]
+    check_decode_attention(fn, device, dtype, kv_dtype or torch.float8_e4m3fn, configs or default)
+
+
 CHECK_HEADS = Heads(12, 2, 128)  # a Qwen2-1.5B layer's
 
 

@@ -1,0 +1,75 @@
+"""Decode attention over an fp8 (e4m3) cache read as 16-bit pairs, against the other kernels.
+
+    python3 dev/bench_fp8_pairs.py
+
+decode_attention_fp8_pairs (paged_attention) views the cache as int16, two e4m3 values of
+adjacent head dims per element, so its tiles move like a bf16 cache's (128-bit copies, ldmatrix)
+and are split into float16 in registers; the dequantizing kernel (`fp8_now`) reads 8-bit tiles
+into the 16-bit matrix operands by scalar shared-memory loads, and the e4m3 tensor-core kernel
+runs both dots on fp8 wgmma. One process, every launch at the cases and with the columns of
+dev/bench_fp8_decode.py; `bf16` is the default kernel over a bf16 cache, the ceiling's reference.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+import triton.testing
+from bench_long_context import HEADS, PAGE, paged_case, rel_err
+
+from minirl_plugins.engines.native.layers import paged_attention as pa
+from minirl_plugins.engines.native.layers.kv_layout import transposed_pages
+
+CASES = ((64, 27700), (64, 14000), (256, 600))
+
+
+PAIRS = [(32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 3), (64, 8, 3)]
+LAUNCHES = [("bf16", None), ("fp8_now", None), ("e4m3_vt:128:8:3", None)]
+LAUNCHES += [(f"pairs:{bn}:{w}:{s}", dict(block_n=bn, num_warps=w, num_stages=s)) for bn, w, s in PAIRS]
+
+
+def launch_fn(name: str, cfg, qkv, kc, vc, meta):
+    """The decode attention call that `name` names (vc: the token-major value cache)."""
+    args = (qkv, kc, vc, meta, HEADS, 128**-0.5)
+    if name in ("bf16", "fp8_now"):
+        return lambda: pa.decode_attention_triton(*args)
+    if name.startswith("e4m3"):
+        vt = transposed_pages(vc, PAGE)
+        e4m3 = dict(block_n=128, num_warps=8, num_stages=3)
+        return lambda: pa.decode_attention_e4m3(qkv, kc, vt, meta, HEADS, 128**-0.5, config=e4m3)
+    return lambda: pa.decode_attention_fp8_pairs(*args, config=cfg)
+
+
+def main() -> int:
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    rows = ["| launch | rows x keys | splits | us | TB/s | rel err |", "|---|---|---:|---:|---:|---:|"]
+    for rows_n, ctx in CASES:
+        cases = {dt: paged_case(rows_n, ctx, dt) for dt in (torch.bfloat16, torch.float8_e4m3fn)}
+        for name, cfg in LAUNCHES:
+            kv_dtype = torch.bfloat16 if name == "bf16" else torch.float8_e4m3fn
+            qkv, kc, vc, meta = cases[kv_dtype]
+            meta.num_splits = pa.num_splits(rows_n, HEADS.num_kv_heads, qkv.device)
+            try:
+                fn = launch_fn(name, cfg, qkv, kc, vc, meta)
+                ref = pa.decode_attention(qkv.float(), kc, vc, meta, HEADS, 128**-0.5)
+                err = rel_err(fn(), ref)
+                us = triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
+            except Exception as exc:  # a launch that does not compile: say so, go on
+                rows.append(f"| {name} | {rows_n} x {ctx} | failed: {type(exc).__name__}: {str(exc)[:120]} |")
+                print(rows[-1], flush=True)
+                continue
+            kv_bytes = 2 * rows_n * ctx * HEADS.num_kv_heads * HEADS.head_dim * kv_dtype.itemsize
+            rows.append(
+                f"| {name} | {rows_n} x {ctx} | {meta.num_splits} | {us:.1f} | {kv_bytes / us / 1e6:.2f} | {err:.1e} |"
+            )
+            print(rows[-1], flush=True)
+        del cases
+        torch.cuda.empty_cache()
+    print("\n" + "\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
