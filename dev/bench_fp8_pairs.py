@@ -4,10 +4,13 @@
 
 decode_attention_fp8_pairs (paged_attention) views the cache as int16, two e4m3 values of
 adjacent head dims per element, so its tiles move like a bf16 cache's (128-bit copies, ldmatrix)
-and are split into float16 in registers; the dequantizing kernel (`fp8_now`) reads 8-bit tiles
-into the 16-bit matrix operands by scalar shared-memory loads, and the e4m3 tensor-core kernel
-runs both dots on fp8 wgmma. One process, every launch at the cases and with the columns of
-dev/bench_fp8_decode.py; `bf16` is the default kernel over a bf16 cache, the ceiling's reference.
+and are split into float16 in registers (`pairs:block_n:warps:stages`, at several launches); the
+dequantizing kernel (`fp8_now`, decode_attention_triton) reads 8-bit tiles into the 16-bit
+matrix operands by scalar shared-memory loads; `bf16` is the default kernel over a bf16 cache,
+the ceiling's reference. One process, at 64 rows x 27,700 and 14,000 keys and 256 rows x 600
+(Qwen2-1.5B's heads, 16-token pages in shuffled order, the engine's split count): each launch's
+median time under a CUDA graph, effective bandwidth (the KV bytes the rows attend to, read once)
+and error against the float32 reference.
 """
 
 from __future__ import annotations
@@ -17,28 +20,23 @@ import sys
 import torch
 import triton
 import triton.testing
-from bench_long_context import HEADS, PAGE, paged_case, rel_err
+from bench_long_context import HEADS, paged_case, rel_err
 
 from minirl_plugins.engines.native.layers import paged_attention as pa
-from minirl_plugins.engines.native.layers.kv_layout import transposed_pages
 
 CASES = ((64, 27700), (64, 14000), (256, 600))
 
 
 PAIRS = [(32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 3), (64, 8, 3)]
-LAUNCHES = [("bf16", None), ("fp8_now", None), ("e4m3_vt:128:8:3", None)]
+LAUNCHES = [("bf16", None), ("fp8_now", None)]
 LAUNCHES += [(f"pairs:{bn}:{w}:{s}", dict(block_n=bn, num_warps=w, num_stages=s)) for bn, w, s in PAIRS]
 
 
 def launch_fn(name: str, cfg, qkv, kc, vc, meta):
-    """The decode attention call that `name` names (vc: the token-major value cache)."""
+    """The decode attention call that `name` names."""
     args = (qkv, kc, vc, meta, HEADS, 128**-0.5)
     if name in ("bf16", "fp8_now"):
         return lambda: pa.decode_attention_triton(*args)
-    if name.startswith("e4m3"):
-        vt = transposed_pages(vc, PAGE)
-        e4m3 = dict(block_n=128, num_warps=8, num_stages=3)
-        return lambda: pa.decode_attention_e4m3(qkv, kc, vt, meta, HEADS, 128**-0.5, config=e4m3)
     return lambda: pa.decode_attention_fp8_pairs(*args, config=cfg)
 
 

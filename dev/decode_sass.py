@@ -2,7 +2,7 @@
 registers, local-memory stack (spills), and the main loop's instructions per key and KV head.
 
     python3 dev/decode_sass.py                                  # the fp8 and bf16 launches the sweep times
-    python3 dev/decode_sass.py --kernel tokens_major --kv fp8 --block-n 64 --warps 4 --stages 3
+    python3 dev/decode_sass.py --kernel pairs --kv fp8 --block-n 64 --warps 4 --stages 2
 
 Triton compiles to PTX and its bundled ptxas to SASS (triton/backends/nvidia/bin), with the
 16-byte divisibility the JIT would see for these pointers and strides at run time (without it the
@@ -10,11 +10,12 @@ loads do not vectorise and the counts mean nothing). The loop's length in instru
 times the warps, over the keys a trip reads, is the issue cost per (key, KV head): at 4 warp
 instructions per clock per multiprocessor, 132 of them at 1.98 GHz, 64 rows x 27,700 keys x 2 KV
 heads take (count x 3.55M / 1.05e12) seconds at full issue rate. Also printed: the matrix
-instructions (HMMA: mma.sync; HGMMA: Hopper's wgmma; QGMMA: its fp8 form), the conversions to
-and from fp8 (F2FP), the global loads (LDGSTS: asynchronous copies into shared memory, with their
-width) and local-memory traffic (STL/LDL: spills). Kernels: the bf16/dequantizing one
-(`default`), its keys-first variant (`tokens_major`), and the e4m3 tensor-core kernel over
-page-transposed values (`e4m3`) or token-major ones (`e4m3_token_major_v`).
+instructions (HMMA: mma.sync; HGMMA: Hopper's wgmma), the conversions to and from fp8 (F2FP),
+byte permutes (PRMT), the global loads (LDGSTS: asynchronous copies into shared memory, with
+their width), the shared-memory matrix loads (LDSM: ldmatrix) and local-memory traffic (STL/LDL:
+spills). Kernels: the bf16/dequantizing one (`default`), its keys-first variant
+(`tokens_major`), and the one that reads an 8-bit cache as int16 pairs of head dims (`pairs`,
+decode_attention_fp8_pairs; fp8 only).
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ from minirl_plugins.engines.native.layers import paged_attention as pa
 KERNELS = {
     "default": pa._decode_kernel,
     "tokens_major": pa._decode_kernel_tokens_major,
-    "e4m3": pa._decode_kernel_e4m3,  # values page-transposed (V_T), as the engine lays them out for it
-    "e4m3_token_major_v": pa._decode_kernel_e4m3,  # V_T off: values transposed in registers
+    "pairs": pa._decode_kernel_fp8_pairs,  # the cache viewed as int16, the pairs split by inline PTX
 }
 KV = {"fp8": "fp8e4nv", "bf16": "bf16"}
 SIGNATURE = {
@@ -57,27 +57,29 @@ SIGNATURE = {
 }
 DIVISIBLE = [k for k in SIGNATURE if k != "scale"]
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-SHOWN = ("QGMMA", "HGMMA", "HMMA", "F2FP", "LDGSTS", "LDG", "STL", "LDL", "MUFU")
+SHOWN = ("HGMMA", "HMMA", "F2FP", "PRMT", "LDGSTS", "LDG", "LDSM", "STL", "LDL", "MUFU")
+
+
+def kernel_args(name: str, kv: str, block_n: int) -> tuple[str, dict]:
+    """The cache pointers' element type and the kernel's constexprs: the pairs kernel reads an
+    8-bit cache as int16 (e4m3, its pairs split by inline PTX); the default one reads `kv` as it is."""
+    consts = dict(H=12, D=128, G=6, BLOCK_G=16, BLOCK_N=block_n, PAGE=16, SPLITS=16, DIRECT=False)
+    if name == "pairs":
+        assert kv == "fp8", "the pairs kernel reads an 8-bit cache"
+        return "i16", dict(consts, ASM=True, E5M2=False)
+    return KV[kv], dict(consts, PRECISION="tf32", KV_F16=kv == "fp8")
 
 
 def compile_sass(name: str, kv: str, block_n: int, warps: int, stages: int) -> tuple[str, str]:
-    kernel, e4m3 = KERNELS[name], name.startswith("e4m3")
-    sig = dict(SIGNATURE, k_ptr=f"*{KV[kv]}", v_ptr=f"*{KV[kv]}")
-    consts = dict(H=12, D=128, G=6, BLOCK_G=16, BLOCK_N=block_n, PAGE=16, SPLITS=16, DIRECT=False)
-    if e4m3:  # its signature has the value pages' stride after the slots'
-        items = list(sig.items())
-        at = list(sig).index("stride_slot") + 1
-        sig = dict(items[:at] + [("stride_vpage", "i32")] + items[at:])
-        consts.update(V_T=name == "e4m3")
-    else:
-        consts.update(PRECISION="tf32", KV_F16=kv == "fp8")
+    kv_type, consts = kernel_args(name, kv, block_n)
+    sig = dict(SIGNATURE, k_ptr=f"*{kv_type}", v_ptr=f"*{kv_type}")
     sig.update({k: "constexpr" for k in consts})
     names = list(sig)
     src = ASTSource(
-        fn=kernel,
+        fn=KERNELS[name],
         signature=sig,
         constexprs={(names.index(k),): v for k, v in consts.items()},
-        attrs={(names.index(k),): [["tt.divisibility", 16]] for k in [*DIVISIBLE, "stride_vpage"] if k in names},
+        attrs={(names.index(k),): [["tt.divisibility", 16]] for k in DIVISIBLE},
     )
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -140,10 +142,7 @@ def main() -> None:
             ("default", "fp8", 128, 4, 3),
             ("tokens_major", "fp8", 64, 4, 3),
             ("tokens_major", "fp8", 128, 8, 3),
-            ("e4m3", "fp8", 64, 4, 3),
-            ("e4m3", "fp8", 128, 4, 3),
-            ("e4m3", "fp8", 128, 8, 3),
-            ("e4m3_token_major_v", "fp8", 64, 4, 3),
+            ("pairs", "fp8", 64, 4, 2),
         ]
     print("| kernel | kv | block_n | warps | stages | registers | stack B | loop instr/warp | per key+head | mix |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")

@@ -181,7 +181,7 @@ def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch, kv):
     rollout = types.SimpleNamespace(kv_cache_dtype=kv)
     ref = build_native_engine(rollout, engine_context(cfg, actor=hf, page_size=4)).generate(prompts, params)
 
-    def triton_ops(device, dtype, use_triton=True, kv_dtype=None, cache_shape=None):
+    def triton_ops(device, dtype, use_triton=True, kv_dtype=None):
         return ops_mod.Ops(**kernels)
 
     monkeypatch.setattr(engine_mod, "select_ops", triton_ops)
@@ -247,56 +247,3 @@ def test_engine_on_the_fp8_pairs_decode_kernel_generates_what_the_dequantizing_o
 
     assert [c.logprobs[0] for c in got] == [c.logprobs[0] for c in dequantizing]
     assert 0 < drift(got, dequantizing) <= drift(dequantizing, torch_ops)
-
-
-def test_e4m3_decode_kernel_matches_reference(kernels):
-    """decode_attention_e4m3, the engine's first choice over an e4m3 cache: both dots on 8-bit
-    operands (the keys and the page-transposed values as they lie, the query and the
-    probabilities split in two e4m3 parts) stay within the half-precision tolerance, at every
-    block size and split count the check covers."""
-    from minirl_plugins.engines.native.layers import paged_attention
-
-    with interpreter_fixes():
-        paged_attention.check_decode_attention_e4m3(
-            paged_attention.decode_attention_e4m3, torch.device("cpu"), torch.bfloat16
-        )
-
-
-def test_engine_on_the_e4m3_decode_kernel_generates_what_the_bf16_kernels_do(kernels, monkeypatch):
-    """The whole bf16 engine over an e4m3 cache wired as select_ops wires it on CUDA: the
-    rope-and-store kernel writes values page-transposed, decode_attention_e4m3 reads them, and the
-    samples of a prompt share its pages. Against the same kernels with the bf16-dequantizing
-    decode attention (token-major cache): the same greedy tokens, the same first log-prob (the
-    prefill does not read the cache), and later log-probs no further apart than two bf16
-    implementations of the same attention are (those kernels against the torch ops)."""
-    import types
-
-    from minirl_plugins.engines.native import build_native_engine
-    from minirl_plugins.engines.native.engine import engine as engine_mod
-    from minirl_plugins.engines.native.layers import paged_attention
-    from minirl_plugins.engines.native.layers.meta import Heads
-    from tests.tiny_models import engine_context, tiny_config, tiny_hf_model
-
-    cfg = tiny_config("qwen3", num_attention_heads=4, num_key_value_heads=1, head_dim=32)
-    hf = tiny_hf_model(cfg, seed=4, std=0.2).to(torch.bfloat16)
-    assert paged_attention.e4m3_decode_fits(Heads(4, 1, 32), 8)
-    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=8, ignore_eos=True)
-    prompts = [[1, 2, 3, 4, 5], list(range(40, 71))]
-    rollout = types.SimpleNamespace(kv_cache_dtype="fp8")
-
-    def generate(ops):
-        monkeypatch.setattr(engine_mod, "select_ops", lambda *args: ops)
-        with interpreter_fixes():
-            ctx = engine_context(cfg, actor=hf, dtype=torch.bfloat16, page_size=8)
-            return build_native_engine(rollout, ctx).generate(prompts, params)
-
-    e4m3 = ops_mod.Ops(**kernels)
-    e4m3.decode_attention, e4m3.v_transposed = paged_attention.decode_attention_e4m3, True
-    torch_ops, bf16, got = generate(ops_mod.Ops()), generate(ops_mod.Ops(**kernels)), generate(e4m3)
-    assert [c.token_ids for c in got] == [c.token_ids for c in bf16]
-
-    def drift(xs, ys):
-        return max(abs(a - b) for x, y in zip(xs, ys) for a, b in zip(x.logprobs, y.logprobs))
-
-    assert [c.logprobs[0] for c in got] == [c.logprobs[0] for c in bf16]
-    assert 0 < drift(got, bf16) <= drift(bf16, torch_ops)

@@ -37,8 +37,7 @@ class NativeEngine:
         self.cfg, self.device, self.dtype = cfg, torch.device(ctx.device), ctx.dtype
         self.eos_ids = frozenset(ctx.eos_token_ids or ())
         self.spec = ModelSpec.from_hf_config(ctx.model_config)
-        shape = (self.spec.heads, cfg.page_size)
-        self.ops = select_ops(self.device, self.dtype, cfg.use_triton, cfg.kv_cache_dtype, shape)
+        self.ops = select_ops(self.device, self.dtype, cfg.use_triton, cfg.kv_cache_dtype)
         with torch.device(self.device):
             self.model = DecoderLM(self.spec, self.ops, self.dtype).eval()
         self._init_weights(ctx)

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 from minirl.kernels.selfcheck import expect_near
 from minirl.models.varlen import varlen_attention
-from minirl_plugins.engines.native.layers.kv_layout import read_rows
 from minirl_plugins.engines.native.layers.meta import Heads, StepMeta
 
 
@@ -88,8 +87,8 @@ def extend_attention_flash(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, 
 
 def _context(k_cache, v_cache, meta: StepMeta, dtype):
     """The keys and values [M, Hk, D] of every context position, in the compute dtype (an 8-bit
-    cache holds them with scale 1), from either value layout (kv_layout)."""
-    return read_rows(k_cache, meta.ctx_slots_M).to(dtype), read_rows(v_cache, meta.ctx_slots_M).to(dtype)
+    cache holds them with scale 1)."""
+    return k_cache[meta.ctx_slots_M].to(dtype), v_cache[meta.ctx_slots_M].to(dtype)
 
 
 def check_extend_attention(fn, device, dtype, kv_dtype=None) -> None:

@@ -17,7 +17,6 @@ import torch
 from minirl.kernels.selfcheck import self_check
 from minirl.models.varlen import FLASH_DTYPES
 from minirl_plugins.engines.native.layers import activation, attention, jit, norm, paged_attention, rotary, sampling
-from minirl_plugins.engines.native.layers.meta import Heads
 
 
 @dataclass
@@ -30,9 +29,7 @@ class Ops:
     extend_attention: Callable = attention.extend_attention
     decode_attention: Callable = paged_attention.decode_attention
     fast_sample: Callable | None = None  # (logits, params, seed) -> (tokens, logprobs); sampling.fast_sample
-    chosen: dict = field(default_factory=dict)  # op -> "triton" | "triton_e4m3" | ..., where not the reference
-    # the value cache page-transposed (kv_layout), as decode_attention_e4m3 reads it
-    v_transposed: bool = False
+    chosen: dict = field(default_factory=dict)  # op -> "triton" | "triton_fp8_pairs" | ..., where not the reference
 
     @property
     def graphable(self) -> bool:
@@ -59,14 +56,9 @@ FP8_PAIRS_DECODE = (paged_attention.decode_attention_fp8_pairs, paged_attention.
 
 
 def select_ops(
-    device: torch.device,
-    dtype: torch.dtype,
-    use_triton: bool = True,
-    kv_dtype: torch.dtype | None = None,
-    cache_shape: tuple[Heads, int] = (paged_attention.CHECK_HEADS, 16),
+    device: torch.device, dtype: torch.dtype, use_triton: bool = True, kv_dtype: torch.dtype | None = None
 ) -> Ops:
-    """kv_dtype: the KV cache's (rollout.kv_cache_dtype), when it is not `dtype`; cache_shape: a
-    layer's heads and the page size (whether the e4m3 decode kernel fits them)."""
+    """kv_dtype: the KV cache's (rollout.kv_cache_dtype), when it is not `dtype`."""
     ops = Ops()
     if device.type != "cuda":
         return ops
@@ -95,5 +87,4 @@ def select_ops(
             continue
         setattr(ops, name, fn)
         ops.chosen[name] = label
-    ops.v_transposed = ops.chosen.get("decode_attention") == "triton_e4m3"
     return ops

@@ -18,21 +18,19 @@ import torch.nn.functional as F
 
 from minirl.kernels.selfcheck import expect_near
 from minirl_plugins.engines.native.layers.jit import jit, tl, triton
-from minirl_plugins.engines.native.layers.kv_layout import read_rows, transposed_pages
 from minirl_plugins.engines.native.layers.meta import Heads, StepMeta
 
 
 def decode_attention(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale: float):
-    """One query per row over its cached keys: gather the rows' pages, mask, SDPA (either value
-    layout, kv_layout)."""
+    """One query per row over its cached keys: gather the rows' pages, mask, SDPA."""
     h, hk, d = heads
     q = qkv[:, : h * d].view(-1, h, 1, d)
     max_ctx = meta.max_ctx or int(meta.ctx_lens_B.max())
     pos_T = torch.arange(max_ctx, device=qkv.device)
     pages_BT = meta.page_table[meta.rows_B][:, pos_T // meta.page_size].long()
     slots_BT = pages_BT * meta.page_size + pos_T % meta.page_size
-    k = read_rows(k_cache, slots_BT).to(q.dtype).transpose(1, 2)  # B Hk T D
-    v = read_rows(v_cache, slots_BT).to(q.dtype).transpose(1, 2)
+    k = k_cache[slots_BT].to(q.dtype).transpose(1, 2)  # B Hk T D
+    v = v_cache[slots_BT].to(q.dtype).transpose(1, 2)
     mask = (pos_T[None, :] < meta.ctx_lens_B[:, None])[:, None, None, :]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=h != hk)
     return o.reshape(-1, h * d)
@@ -251,103 +249,6 @@ def _decode_kernel_tokens_major(
 
 
 @jit
-def _decode_kernel_e4m3(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    pt_ptr,
-    rows_ptr,
-    lens_ptr,
-    o_ptr,
-    lse_ptr,
-    stride_q,
-    stride_slot,
-    stride_vpage,
-    stride_pt,
-    stride_o,
-    scale,
-    min_chunk,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    G: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr,
-    SPLITS: tl.constexpr,
-    DIRECT: tl.constexpr,
-    V_T: tl.constexpr,
-):
-    """Decode attention over an e4m3 cache with both dots on fp8 tensor cores, nothing upcast.
-    Keys first: scores^T [BLOCK_N, BLOCK_G] = K Q^T, out^T [D, BLOCK_G] = V^T P^T, so the 8-bit
-    keys and values go from global to shared memory by asynchronous copies and straight into the
-    matrix instructions. Both are K-major operands, as fp8 wgmma requires: the keys' rows have D
-    contiguous; the values are read transposed, from pages laid out [Hk, D, PAGE] (V_T; else from
-    the token-major cache, transposed through registers). The other operand of each dot is split
-    in two e4m3 parts, hi + lo/16 (the query scaled per head to |q| <= 256, the probabilities
-    scaled by 256), which keeps about bfloat16's precision. Addresses are formed per page, not
-    per token, so the loads stay 16 bytes wide. Scores are kept in log2 units (exp2)."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    row = tl.load(rows_ptr + b)
-    length = tl.load(lens_ptr + b)
-    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, D)
-    n = tl.arange(0, BLOCK_N)
-    heads = kvh * G + g
-    qf = tl.load(q_ptr + b * stride_q + heads[:, None] * D + d[None, :], mask=g[:, None] < G, other=0.0).to(tl.float32)
-    q_scale = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 256.0
-    q_n = qf / q_scale[:, None]
-    q_hi = q_n.to(tl.float8e4nv)
-    hi_t = tl.trans(q_hi)  # D x BLOCK_G
-    lo_t = tl.trans(((q_n - q_hi.to(tl.float32)) * 16.0).to(tl.float8e4nv))
-    s_scale = q_scale * (scale * 1.4426950408889634)
-    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc_t = tl.zeros([D, BLOCK_G], tl.float32)
-    NP: tl.constexpr = BLOCK_N // PAGE
-    pi = tl.arange(0, NP)
-    o = tl.arange(0, PAGE)
-    for t0 in range(start, end, BLOCK_N):  # t0 is a multiple of BLOCK_N, so of PAGE
-        used = t0 + pi * PAGE < end  # whole pages: the loads stay 16 bytes wide
-        pages = tl.load(pt_ptr + row * stride_pt + t0 // PAGE + pi, mask=used, other=0).to(tl.int64)
-        k_off = (pages * (PAGE * stride_slot))[:, None, None] + (o * stride_slot)[None, :, None] + kvh * D
-        k_mask = used[:, None, None]
-        k8 = tl.reshape(tl.load(k_ptr + k_off + d[None, None, :], mask=k_mask, other=0.0), (BLOCK_N, D))
-        s_t = (tl.dot(k8, hi_t) + tl.dot(k8, lo_t) * 0.0625) * s_scale[None, :]
-        s_t = tl.where((t0 + n < end)[:, None], s_t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
-        alpha = tl.exp2(m_i - m_new)
-        p_t = tl.exp2(s_t - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p_t, axis=0)
-        p_s = p_t * 256.0
-        p_hi = p_s.to(tl.float8e4nv)
-        p_lo = ((p_s - p_hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
-        if V_T:
-            v_page = pages * stride_vpage + kvh * D * PAGE
-            v_off = v_page[None, :, None] + (d * PAGE)[:, None, None] + o[None, None, :]
-            v_t = tl.reshape(tl.load(v_ptr + v_off, mask=used[None, :, None], other=0.0), (D, BLOCK_N))
-        else:
-            v8 = tl.load(v_ptr + k_off + d[None, None, :], mask=k_mask, other=0.0)
-            v_t = tl.trans(tl.reshape(v8, (BLOCK_N, D)))
-        acc_t = acc_t * alpha[None, :] + tl.dot(v_t, p_hi) + tl.dot(v_t, p_lo) * 0.0625
-        m_i = m_new
-    out = tl.trans(acc_t / (tl.maximum(l_i, 1e-30) * 256.0)[None, :])
-    hmask = (g[:, None] < G) & (split < splits)
-    if DIRECT:
-        tl.store(o_ptr + b * stride_o + heads[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=hmask)
-    else:
-        part = (b * H + heads) * SPLITS + split
-        tl.store(o_ptr + part[:, None] * D + d[None, :], out, mask=hmask)
-        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-        tl.store(lse_ptr + part, lse, mask=(g < G) & (split < splits))
-
-
-@jit
 def _merge_kernel(
     part_ptr, lse_ptr, lens_ptr, o_ptr, stride_o, min_chunk, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr
 ):
@@ -431,61 +332,6 @@ def _split_k(qkv, meta: StepMeta, heads: Heads, min_chunk: int, launch) -> torch
     if splits > 1:
         _merge_kernel[(b, h)](part, lse, meta.ctx_lens_B, out, out.stride(0), min_chunk, H=h, D=d, SPLITS=splits)
     return out
-
-
-E4M3_DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "min_chunk": 256}
-
-
-def e4m3_decode_fits(heads: Heads, page_size: int) -> bool:
-    """The shapes _decode_kernel_e4m3 compiles for: a power-of-two page of at most 64 tokens (a
-    block of keys holds whole pages), a power-of-two head dim of at least 32 (fp8 tensor cores
-    reduce over 32), at most 16 query heads per KV head."""
-    h, hk, d = heads
-    return _pow2(page_size) and page_size <= 64 and _pow2(d) and d >= 32 and h // hk <= 16
-
-
-def _pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
-def decode_attention_e4m3(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale: float, config=None):
-    """decode_attention over an e4m3 cache by _decode_kernel_e4m3: v_cache either token-major
-    [slots, Hk, D] like the keys, or page-transposed [pages, Hk, D, page] (read as it lies)."""
-    (h, hk, d), b, splits = heads, qkv.shape[0], meta.num_splits
-    cfg = {**E4M3_DECODE_CONFIG, **(config or {})}
-    v_t = v_cache.dim() == 4
-
-    def launch_kernel(part, lse, stride_o):
-        _decode_kernel_e4m3[(b, hk, splits)](
-            qkv,
-            k_cache,
-            v_cache,
-            meta.page_table,
-            meta.rows_B,
-            meta.ctx_lens_B,
-            part,
-            lse,
-            qkv.stride(0),
-            k_cache.stride(0),
-            v_cache.stride(0) if v_t else 0,
-            meta.page_table.stride(0),
-            stride_o,
-            scale,
-            cfg["min_chunk"],
-            H=h,
-            D=d,
-            G=h // hk,
-            BLOCK_G=max(16, triton.next_power_of_2(h // hk)),
-            BLOCK_N=max(cfg["block_n"], meta.page_size),
-            PAGE=meta.page_size,
-            SPLITS=splits,
-            DIRECT=splits == 1,
-            V_T=v_t,
-            num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
-        )
-
-    return _split_k(qkv, meta, heads, cfg["min_chunk"], launch_kernel)
 
 
 # An 8-bit cache read as 16-bit pairs (decode_attention_fp8_pairs)
@@ -735,16 +581,3 @@ def check_decode_attention(fn, device, dtype, kv_dtype=None, configs=None) -> No
         got = fn(qkv, kc, vc, meta, CHECK_HEADS, 128**-0.5, **({"config": config} if config else {}))
         ref = decode_attention(qkv, kc, vc, meta, CHECK_HEADS, 128**-0.5)
         expect_near(got, ref, dtype, f"decode_attention splits={splits}")
-
-
-def check_decode_attention_e4m3(fn, device, dtype, kv_dtype=None, configs=None) -> None:
-    """fn (decode_attention_e4m3) against the reference over an e4m3 cache whose values are
-    page-transposed, as the engine lays them out for it, at its block sizes and split counts."""
-    default = [(1, None), (4, None), (8, {"min_chunk": 16}), (1, {"block_n": 128}), (4, {"block_n": 32})]
-    for splits, config in configs or default:
-        qkv, kc, vc, meta = random_paged_case(device, dtype, kv_dtype=torch.float8_e4m3fn)
-        meta.num_splits = splits
-        vt = transposed_pages(vc, meta.page_size)
-        got = fn(qkv, kc, vt, meta, CHECK_HEADS, 128**-0.5, **({"config": config} if config else {}))
-        ref = decode_attention(qkv, kc, vt, meta, CHECK_HEADS, 128**-0.5)
-        expect_near(got, ref, dtype, f"decode_attention_e4m3 splits={splits}")

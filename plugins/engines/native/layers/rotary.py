@@ -16,7 +16,6 @@ from minirl.errors import UserError
 from minirl.kernels.selfcheck import expect_near
 from minirl_plugins.engines.native.layers.attention import split_qkv
 from minirl_plugins.engines.native.layers.jit import jit, tl
-from minirl_plugins.engines.native.layers.kv_layout import transposed_pages, write_rows
 from minirl_plugins.engines.native.layers.meta import Heads
 from minirl_plugins.engines.native.layers.norm import rmsnorm
 
@@ -72,14 +71,13 @@ def _rotate(x, cos, sin):
 def rope_store(
     qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, heads: Heads, q_norm=None, k_norm=None, eps=1e-6
 ):
-    """In place on qkv [N, (H + 2Hk)·D]: (q/k norm,) rotary on q and k; k and v written to the
-    cache (v_cache in either layout, kv_layout)."""
+    """In place on qkv [N, (H + 2Hk)·D]: (q/k norm,) rotary on q and k; k and v written to the cache."""
     q, k, v = split_qkv(qkv, heads)  # views: rotated in place
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     for x, norm in ((q, q_norm), (k, k_norm)):
         x.copy_(_rotate(x if norm is None else rmsnorm(x, norm, eps), c, s))
     k_cache[slot_mapping] = to_cache(k, k_cache.dtype)
-    write_rows(v_cache, slot_mapping, to_cache(v, v_cache.dtype))
+    v_cache[slot_mapping] = to_cache(v, v_cache.dtype)
 
 
 def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -109,7 +107,6 @@ def _rope_store_kernel(
     kn_ptr,
     stride_tok,
     stride_slot,
-    stride_vpage,
     eps,
     H: tl.constexpr,
     HK: tl.constexpr,
@@ -117,10 +114,8 @@ def _rope_store_kernel(
     HALF: tl.constexpr,
     QK_NORM: tl.constexpr,
     KV_MAX: tl.constexpr,
-    V_PAGE: tl.constexpr,
 ):
-    # KV_MAX > 0: an 8-bit float cache, written with scale 1 and clamped to its largest value;
-    # V_PAGE > 0: values page-transposed [pages, Hk, D, V_PAGE] (kv_layout), else like the keys
+    # KV_MAX > 0: an 8-bit float cache, written with scale 1 and clamped to its largest value
     tok = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads
     offs = tl.arange(0, HALF)
@@ -154,14 +149,8 @@ def _rope_store_kernel(
         tl.store(k_cache_ptr + dst + offs, _to_cache(o1, kv_t, KV_MAX))
         tl.store(k_cache_ptr + dst + HALF + offs, _to_cache(o2, kv_t, KV_MAX))
         v = base + HK * D
-        if V_PAGE > 0:
-            v_dst = (slot // V_PAGE) * stride_vpage + (head - H) * D * V_PAGE + slot % V_PAGE
-            v_step = V_PAGE
-        else:
-            v_dst = dst
-            v_step = 1
-        tl.store(v_cache_ptr + v_dst + offs * v_step, _to_cache(tl.load(v + offs), kv_t, KV_MAX))
-        tl.store(v_cache_ptr + v_dst + (HALF + offs) * v_step, _to_cache(tl.load(v + HALF + offs), kv_t, KV_MAX))
+        tl.store(v_cache_ptr + dst + offs, _to_cache(tl.load(v + offs), kv_t, KV_MAX))
+        tl.store(v_cache_ptr + dst + HALF + offs, _to_cache(tl.load(v + HALF + offs), kv_t, KV_MAX))
 
 
 @jit
@@ -190,7 +179,6 @@ def rope_store_triton(
         k_norm if norm else qkv,
         qkv.stride(0),
         k_cache.stride(0),
-        v_cache.stride(0),
         eps,
         H=h,
         HK=hk,
@@ -198,15 +186,13 @@ def rope_store_triton(
         HALF=d // 2,
         QK_NORM=norm,
         KV_MAX=cache_limit(k_cache.dtype),
-        V_PAGE=v_cache.shape[-1] if v_cache.dim() == 4 else 0,
     )
 
 
 def check_rope_store(fn, device, dtype, kv_dtype=None) -> None:
-    """fn against rope_store, with and without q/k norms, the values token-major and
-    page-transposed (kv_layout)."""
+    """fn against rope_store, with and without q/k norms."""
     n, h, hk, d, slots = 29, 6, 2, 128, 64
-    for norm, v_page in ((False, 0), (True, 0), (True, 16)):
+    for norm in (False, True):
         qkv = torch.randn(n, (h + 2 * hk) * d, device=device, dtype=dtype)
         pos = torch.randint(0, 100, (n,), device=device)
         ang = torch.rand(100, d // 2, device=device) * 6
@@ -217,7 +203,7 @@ def check_rope_store(fn, device, dtype, kv_dtype=None) -> None:
         outs = []
         for f in (fn, rope_store):
             buf, kc = qkv.clone(), torch.zeros(slots, hk, d, device=device, dtype=kv_dtype or dtype)
-            vc = transposed_pages(torch.zeros_like(kc), v_page) if v_page else torch.zeros_like(kc)
+            vc = torch.zeros_like(kc)
             f(buf, pos, ang.cos(), ang.sin(), slot, kc, vc, Heads(h, hk, d), qw, kw, 1e-6)
             outs.append((buf, kc, vc))
         for got, ref in zip(outs[0], outs[1]):

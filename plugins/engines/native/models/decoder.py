@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minirl_plugins.engines.native.layers.kv_layout import layer_values
 from minirl_plugins.engines.native.layers.meta import StepMeta
 from minirl_plugins.engines.native.layers.ops import Ops
 from minirl_plugins.engines.native.models.spec import ModelSpec
@@ -63,8 +62,7 @@ class Attention(nn.Module):
     def forward(self, x_NE, positions_N, meta: StepMeta, rope: tuple[torch.Tensor, torch.Tensor]):
         s, ops, heads = self.spec, self.ops, self.spec.heads
         qkv = F.linear(x_NE, self.qkv_weight, self.qkv_bias)
-        k_cache = meta.kv_cache[0, self.layer]
-        v_cache = layer_values(meta.kv_cache, self.layer, meta.page_size, ops.v_transposed)
+        k_cache, v_cache = meta.kv_cache[0, self.layer], meta.kv_cache[1, self.layer]
         norms = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
         ops.rope_store(qkv, positions_N, *rope, meta.slot_mapping_N, k_cache, v_cache, heads, *norms, s.rms_norm_eps)
         if meta.ctx_slots_M is not None:
