@@ -67,25 +67,14 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.float() - ref.float()).norm() / ref.float().norm())
 
 
-DECODE_LAUNCHES = (  # block_n, warps, stages, tokens_major, qk_fp8 (an fp8 cache only)
-    (32, 4, 3, False, False),
-    (64, 4, 3, False, False),
-    (128, 4, 3, False, False),
-    (128, 8, 2, False, False),
-    (64, 4, 1, False, False),
-    (128, 4, 1, False, False),
-    (128, 8, 1, False, False),
-    (64, 4, 1, True, False),
-    (64, 4, 3, True, False),
-    (128, 4, 2, True, False),
-    (128, 8, 2, True, False),
-    (64, 4, 1, True, True),
-    (64, 4, 2, True, True),
-    (64, 4, 3, True, True),
-    (64, 8, 2, True, True),
-    (128, 4, 2, True, True),
-    (128, 8, 2, True, True),
-    (128, 8, 3, True, True),
+DECODE_LAUNCHES = (  # block_n, warps, stages
+    (32, 4, 3),
+    (64, 4, 3),
+    (128, 4, 3),
+    (128, 8, 2),
+    (64, 4, 1),
+    (128, 4, 1),
+    (128, 8, 1),
 )
 
 
@@ -95,8 +84,8 @@ KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 def decode_part(
     rows: int, contexts: list[int], splits_list: list[int], kv_names: list[str], launches=DECODE_LAUNCHES
 ) -> list[str]:
-    lines = ["| kv | ctx | splits | block_n | warps | stages | f16 | tokens major | qk fp8 | us | TB/s | rel err |"]
-    lines.append("|---" * 12 + "|")
+    lines = ["| kv | ctx | splits | block_n | warps | stages | f16 | us | TB/s | rel err |"]
+    lines.append("|---" * 10 + "|")
     best = {}
     for kv_dtype in (KV_DTYPES[name] for name in kv_names):
         fp8 = kv_dtype.itemsize == 1
@@ -107,14 +96,11 @@ def decode_part(
             default_splits = pa.num_splits(rows, HEADS.num_kv_heads, qkv.device)
             for splits in [default_splits] + [s for s in splits_list if s != default_splits]:
                 meta.num_splits = splits
-                for block_n, warps, stages, tokens_major, qk_fp8 in launches:
-                    if qk_fp8 and not fp8:
-                        continue
+                for block_n, warps, stages in launches:
                     for f16 in (True, False) if fp8 else (False,):
-                        if fp8 and not f16 and (block_n != 64 or tokens_major):
+                        if fp8 and not f16 and block_n != 64:
                             continue
                         cfg = dict(block_n=block_n, num_warps=warps, num_stages=stages, fp8_f16=f16)
-                        cfg.update(tokens_major=tokens_major, qk_fp8=qk_fp8)
                         case = (qkv, kc, vc, meta, HEADS, 128**-0.5)
                         fn = lambda cfg=cfg, case=case: pa.decode_attention_triton(*case, config=cfg)
                         try:
@@ -126,8 +112,7 @@ def decode_part(
                         tbs = kv_bytes / us / 1e6
                         name = "fp8" if fp8 else "bf16"
                         lines.append(
-                            f"| {name} | {ctx} | {splits} | {block_n} | {warps} | {stages} | {f16} | {tokens_major} "
-                            f"| {qk_fp8} "
+                            f"| {name} | {ctx} | {splits} | {block_n} | {warps} | {stages} | {f16} "
                             f"| {us:.1f} | {tbs:.2f} | {err:.1e} |"
                         )
                         if err < 3e-2 and tbs > best.get((name, ctx), (0,))[0]:
@@ -207,10 +192,9 @@ def first_call_ms(fn, s: int) -> tuple[float, float]:
 
 
 def ncu_part(ctx: int) -> list[str]:
-    """One launch of each kernel to profile (run under ncu -k regex:_decode_kernel)."""
+    """One launch per cache dtype to profile (run under ncu -k regex:_decode_kernel)."""
     for kv_dtype, splits, cfg in (
         (torch.float8_e4m3fn, 16, dict(block_n=128, num_warps=4, num_stages=3, fp8_f16=True)),
-        (torch.float8_e4m3fn, 16, dict(block_n=64, num_warps=4, num_stages=3, fp8_f16=True, tokens_major=True)),
         (torch.bfloat16, 4, dict(block_n=64, num_warps=4, num_stages=3, fp8_f16=False)),
     ):
         qkv, kc, vc, meta = paged_case(64, ctx, kv_dtype)
@@ -285,7 +269,6 @@ def main() -> int:
     p.add_argument("--splits", default="8,16")
     p.add_argument("--seq", default="16384,27700")
     p.add_argument("--kv", default="bf16,fp8", help="KV cache dtypes of the decode part")
-    p.add_argument("--launches", default="all", choices=["all", "qk_fp8"])
     p.add_argument("--out", default=None)
     args = p.parse_args()
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"]
@@ -293,10 +276,7 @@ def main() -> int:
     print(lines[-1], flush=True)
     if "decode" in args.part:
         contexts, splits = [int(c) for c in args.ctx.split(",")], [int(s) for s in args.splits.split(",")]
-        launches = DECODE_LAUNCHES
-        if args.launches == "qk_fp8":  # the unconverted-keys variant, beside the two best of the others
-            launches = [x for x in DECODE_LAUNCHES if x[4] or x in ((128, 4, 3, False, False), (64, 4, 1, True, False))]
-        lines += decode_part(args.rows, contexts, splits, args.kv.split(","), launches)
+        lines += decode_part(args.rows, contexts, splits, args.kv.split(","))
     if "ncu" in args.part:
         ncu_part(int(args.ctx.split(",")[-1]))
     if "attention" in args.part:

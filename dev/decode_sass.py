@@ -13,9 +13,8 @@ heads take (count x 3.55M / 1.05e12) seconds at full issue rate. Also printed: t
 instructions (HMMA: mma.sync; HGMMA: Hopper's wgmma), the conversions to and from fp8 (F2FP),
 byte permutes (PRMT), the global loads (LDGSTS: asynchronous copies into shared memory, with
 their width), the shared-memory matrix loads (LDSM: ldmatrix) and local-memory traffic (STL/LDL:
-spills). Kernels: the bf16/dequantizing one (`default`), its keys-first variant
-(`tokens_major`), and the one that reads an 8-bit cache as int16 pairs of head dims (`pairs`,
-decode_attention_fp8_pairs; fp8 only).
+spills). Kernels: the bf16/dequantizing one (`default`) and the one that reads an 8-bit cache
+as int16 pairs of head dims (`pairs`, decode_attention_fp8_pairs; fp8 only).
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ from minirl_plugins.engines.native.layers import paged_attention as pa
 
 KERNELS = {
     "default": pa._decode_kernel,
-    "tokens_major": pa._decode_kernel_tokens_major,
     "pairs": pa._decode_kernel_fp8_pairs,  # the cache viewed as int16, the pairs split by inline PTX
 }
 KV = {"fp8": "fp8e4nv", "bf16": "bf16"}
@@ -140,8 +138,6 @@ def main() -> None:
             ("default", "bf16", 64, 4, 3),
             ("default", "fp8", 32, 4, 3),
             ("default", "fp8", 128, 4, 3),
-            ("tokens_major", "fp8", 64, 4, 3),
-            ("tokens_major", "fp8", 128, 8, 3),
             ("pairs", "fp8", 64, 4, 2),
         ]
     print("| kernel | kv | block_n | warps | stages | registers | stack B | loop instr/warp | per key+head | mix |")

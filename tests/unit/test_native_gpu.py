@@ -168,16 +168,6 @@ def test_fp8_pairs_decode_kernel_on_cuda(kv_dtype):
     pa.check_decode_attention_fp8_pairs(pa.decode_attention_fp8_pairs, CUDA, torch.bfloat16, kv_dtype)
 
 
-@pytest.mark.parametrize("checks", ["TOKENS_MAJOR_CHECKS", "QK_FP8_CHECKS"])
-def test_keys_first_decode_variants_on_cuda(checks):
-    """The keys-first decode kernel, with converted and with unconverted e4m3 keys (config
-    tokens_major, qk_fp8), compiled for the GPU, computes the reference's attention."""
-    from minirl_plugins.engines.native.layers import paged_attention as pa
-
-    configs = getattr(pa, checks)
-    pa.check_decode_attention(pa.decode_attention_triton, CUDA, torch.bfloat16, torch.float8_e4m3fn, configs=configs)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_continued_requests_equal_fresh_ones_on_cuda(dtype):
     """A request continued over its kept KV cache (extend attention: the flash kernel in bf16, the

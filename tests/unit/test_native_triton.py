@@ -48,32 +48,6 @@ def test_kernel_with_an_fp8_kv_cache_matches_reference(kernels, name, kv_dtype):
     check(name, kernels[name], kv_dtype)
 
 
-@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
-def test_keys_first_decode_kernel_matches_reference(kernels, kv_dtype):
-    """The decode kernel with keys as the dots' first operand (config tokens_major), which the
-    long-context sweep times against the default one, computes the same attention."""
-    from minirl_plugins.engines.native.layers import paged_attention
-
-    configs = paged_attention.TOKENS_MAJOR_CHECKS
-    paged_attention.check_decode_attention(
-        kernels["decode_attention"], torch.device("cpu"), torch.float32, kv_dtype, configs=configs
-    )
-
-
-def test_keys_first_kernel_with_unconverted_fp8_keys_matches_reference(kernels):
-    """config qk_fp8: the scores' dot reads an e4m3 cache's keys as they are, against the query
-    split into two e4m3 parts; in bfloat16 it stays within the half-precision tolerance."""
-    from minirl_plugins.engines.native.layers import paged_attention
-
-    paged_attention.check_decode_attention(
-        kernels["decode_attention"],
-        torch.device("cpu"),
-        torch.bfloat16,
-        torch.float8_e4m3fn,
-        configs=paged_attention.QK_FP8_CHECKS,
-    )
-
-
 def test_self_check_accepts_a_kernel_and_names_why_it_rejects_one(kernels):
     """select_ops' verdict (minirl.kernels.selfcheck): None for a kernel that matches its
     reference; for one that is off, the op and its error; for one that raises, the error."""

@@ -46,8 +46,6 @@ DECODE_CONFIG = {
     "num_stages": 2,
     "min_chunk": 256,
     "fp8_f16": False,
-    "tokens_major": False,
-    "qk_fp8": False,
 }
 # An fp8 cache: float16 dots over 32-key blocks in three stages, the fastest at both swept shapes
 # (40.5 us against the bf16 settings' 62.0 at batch 256 x context 600; docs/benchmarks-history.md).
@@ -155,100 +153,6 @@ def _decode_kernel(
 
 
 @jit
-def _decode_kernel_tokens_major(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    pt_ptr,
-    rows_ptr,
-    lens_ptr,
-    o_ptr,
-    lse_ptr,
-    stride_q,
-    stride_slot,
-    stride_pt,
-    stride_o,
-    scale,
-    min_chunk,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    G: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr,
-    SPLITS: tl.constexpr,
-    DIRECT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    KV_F16: tl.constexpr,
-    QK_FP8: tl.constexpr,
-):
-    """_decode_kernel with the keys as the dots' first operand: scores^T [BLOCK_N, BLOCK_G] =
-    K Q^T and out^T [D, BLOCK_G] = V^T P^T, so a block of keys fills the M side of the matrix
-    instruction (Hopper's wgmma takes M >= 64 with the operand converted in registers) and the
-    query group, padded to 16, sits on the narrow N side. QK_FP8 (an e4m3 cache): the scores'
-    dot reads the 8-bit keys as they are, against the query split in two e4m3 parts (hi + lo/16,
-    scaled per head so |q| <= 256: about bfloat16's precision), so only the values are converted."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    row = tl.load(rows_ptr + b)
-    length = tl.load(lens_ptr + b)
-    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, D)
-    n = tl.arange(0, BLOCK_N)
-    heads = kvh * G + g
-    q = tl.load(q_ptr + b * stride_q + heads[:, None] * D + d[None, :], mask=g[:, None] < G, other=0.0)
-    if KV_F16:
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-    q_t = tl.trans(q)  # D x BLOCK_G
-    if QK_FP8:
-        qf = q.to(tl.float32)
-        q_scale = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 256.0
-        q_n = qf / q_scale[:, None]
-        q_hi = q_n.to(tl.float8e4nv)
-        hi_t = tl.trans(q_hi)
-        lo_t = tl.trans(((q_n - q_hi.to(tl.float32)) * 16.0).to(tl.float8e4nv))
-        s_scale = q_scale * scale
-    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc_t = tl.zeros([D, BLOCK_G], tl.float32)
-    for t0 in range(start, end, BLOCK_N):
-        tok = t0 + n
-        valid = tok < end
-        page = tl.load(pt_ptr + row * stride_pt + tok // PAGE, mask=valid, other=0)
-        slot = page.to(tl.int64) * PAGE + tok % PAGE
-        kv_off = slot[:, None] * stride_slot + kvh * D + d[None, :]
-        if QK_FP8:
-            k8 = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
-            s_t = tl.dot(k8, hi_t) + tl.dot(k8, lo_t) * 0.0625
-            s_t = s_t * s_scale[None, :]  # BLOCK_N x BLOCK_G
-        else:
-            k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
-            s_t = tl.dot(k, q_t, input_precision=PRECISION).to(tl.float32) * scale  # BLOCK_N x BLOCK_G
-        v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
-        s_t = tl.where(valid[:, None], s_t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
-        alpha = tl.exp(m_i - m_new)
-        p_t = tl.exp(s_t - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p_t, axis=0)
-        acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p_t.to(v.dtype), input_precision=PRECISION).to(tl.float32)
-        m_i = m_new
-    out = tl.trans(acc_t / tl.maximum(l_i, 1e-30)[None, :])
-    hmask = (g[:, None] < G) & (split < splits)
-    if DIRECT:
-        tl.store(o_ptr + b * stride_o + heads[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=hmask)
-    else:
-        part = (b * H + heads) * SPLITS + split
-        tl.store(o_ptr + part[:, None] * D + d[None, :], out, mask=hmask)
-        lse = m_i + tl.log(l_i)
-        tl.store(lse_ptr + part, lse, mask=(g < G) & (split < splits))
-
-
-@jit
 def _merge_kernel(
     part_ptr, lse_ptr, lens_ptr, o_ptr, stride_o, min_chunk, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr
 ):
@@ -268,12 +172,6 @@ def _merge_kernel(
     tl.store(o_ptr + b * stride_o + h * D + d, out.to(o_ptr.dtype.element_ty))
 
 
-def _keys_first_args(cfg: dict, k_cache: torch.Tensor) -> dict:
-    if not cfg["tokens_major"]:
-        return {}
-    return {"QK_FP8": bool(cfg["qk_fp8"]) and k_cache.dtype == torch.float8_e4m3fn}
-
-
 def decode_attention_triton(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale: float, config=None):
     """decode_attention in split-K Triton kernels; `config` overrides launch settings (the sweep)."""
     (h, hk, d), b, splits = heads, qkv.shape[0], meta.num_splits
@@ -281,10 +179,9 @@ def decode_attention_triton(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads,
     fp8 = k_cache.dtype.itemsize == 1
     launch = FP8_DECODE_CONFIG if fp8 else {"block_n": decode_block_n(b * hk * splits, qkv.device)}
     cfg = {**DECODE_CONFIG, **launch, **(config or {})}
-    kernel = _decode_kernel_tokens_major if cfg["tokens_major"] else _decode_kernel
 
     def launch_kernel(part, lse, stride_o):
-        kernel[(b, hk, splits)](
+        _decode_kernel[(b, hk, splits)](
             qkv,
             k_cache,
             v_cache,
@@ -309,7 +206,6 @@ def decode_attention_triton(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads,
             DIRECT=splits == 1,
             PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
             KV_F16=fp8 and bool(cfg["fp8_f16"]) and qkv.dtype == torch.bfloat16,
-            **_keys_first_args(cfg, k_cache),
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
         )
@@ -555,16 +451,6 @@ def random_paged_case(device, dtype, b=5, heads=CHECK_HEADS, page=16, max_len=30
         max_ctx=int(lens.max()),
     )
     return qkv, kc, vc, meta
-
-
-# The keys-first kernel (not used by default: dev/bench_long_context.py times it against the other)
-TOKENS_MAJOR_CHECKS = [(1, {"tokens_major": True, "block_n": 64}), (4, {"tokens_major": True, "block_n": 64})]
-# ... and its e4m3 variant whose scores' dot reads the 8-bit keys unconverted (checked in bf16;
-# experimental: at 64 rows x 27,700 keys a 1-stage launch faulted on the H200, docs/benchmarks.md)
-QK_FP8_CHECKS = [
-    (1, {"tokens_major": True, "block_n": 64, "qk_fp8": True}),
-    (4, {"tokens_major": True, "qk_fp8": True}),
-]
 
 
 def check_decode_attention(fn, device, dtype, kv_dtype=None, configs=None) -> None:
