@@ -11,7 +11,7 @@ import torch
 from minirl_plugins.engines.native import build_native_engine
 from minirl_plugins.engines.native.layers import sampling
 from minirl_plugins.engines.native.layers.ops import select_ops
-from minirl_plugins.engines.native.layers.paged_attention import decode_block_n
+from minirl_plugins.engines.native.layers.paged_attention import decode_attention_triton, decode_block_n
 from tests.tiny_models import PROMPTS, engine_context, greedy, hf_greedy, tiny_config, tiny_hf_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -134,11 +134,13 @@ def test_kernels_pass_self_checks_with_an_fp8_kv_cache(kv_dtype):
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2"])
 def test_an_fp8_cache_decodes_through_the_pairs_kernel(kv_dtype):
     """rollout.kv_cache_dtype = fp8 / fp8_e5m2 in bf16: decode_attention_fp8_pairs passes its
-    self-check and is chosen, and an engine decoding with it (CUDA graphs) follows the greedy
-    continuations of one that reads the same 8-bit cache through the torch reference: the two
-    round differently, so a near tie may flip a token and the continuations part there; until
-    they part, the log-probs agree to 0.05, and on average they part after more than half the
-    tokens."""
+    self-check and is chosen, and an engine decoding with it (CUDA graphs) generates what the same
+    engine does with the dequantizing decode kernel over the same cache: the same greedy tokens,
+    the same first log-prob (the prefill reads no cache), and later ones within 0.25. The two
+    kernels sum in different orders, and the std-0.2 model feeds each step's rounding into the
+    next: 0.06-0.11 apart after 25 steps, measured. Both kernels are equally far from the torch
+    reference engine (0.29 over e4m3, 0.16 over e5m2, to the same digits; dev/check_fp8_drift.py),
+    so that distance is the rest of the fp8 path's, not the decode kernel's."""
     fmt = torch.float8_e4m3fn if kv_dtype == "fp8" else torch.float8_e5m2
     ops = select_ops(CUDA, torch.bfloat16, kv_dtype=fmt)
     assert ops.chosen["decode_attention"] == "triton_fp8_pairs", ops.chosen
@@ -146,17 +148,15 @@ def test_an_fp8_cache_decodes_through_the_pairs_kernel(kv_dtype):
     hf = tiny_hf_model(cfg, seed=2, std=0.2, device="cuda", dtype=torch.bfloat16)
     rollout = SimpleNamespace(kv_cache_dtype=kv_dtype)
     ctx = dict(actor=hf, device="cuda", dtype=torch.bfloat16, num_kv_pages=512)
-    fast = build_native_engine(rollout, engine_context(cfg, **ctx))
-    ref = build_native_engine(rollout, engine_context(cfg, use_triton=False, **ctx))
+    fast, dequantizing = (build_native_engine(rollout, engine_context(cfg, **ctx)) for _ in range(2))
     assert fast.ops.chosen["decode_attention"] == "triton_fp8_pairs"
-    got, want = (e.generate(PROMPTS, greedy(n=2, max_new=32)) for e in (fast, ref))
-    assert fast.runner.graphs
-    shared = []
+    dequantizing.ops.decode_attention = decode_attention_triton
+    got, want = (e.generate(PROMPTS, greedy(n=2, max_new=32)) for e in (fast, dequantizing))
+    assert fast.runner.graphs and dequantizing.runner.graphs
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.logprobs[0] for c in got] == [c.logprobs[0] for c in want]
     for g, w in zip(got, want):
-        same = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b), len(w.token_ids))
-        torch.testing.assert_close(torch.tensor(g.logprobs[:same]), torch.tensor(w.logprobs[:same]), atol=0.05, rtol=0)
-        shared.append(same / len(w.token_ids))
-    assert sum(shared) / len(shared) > 0.5, shared
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=0.25, rtol=0)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
