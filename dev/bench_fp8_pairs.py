@@ -1,6 +1,7 @@
 """Decode attention over an fp8 (e4m3) cache read as 16-bit pairs, against the other kernels.
 
     python3 dev/bench_fp8_pairs.py
+    python3 dev/bench_fp8_pairs.py --splits 0,6,8     # each launch also at 6 and 8 splits
 
 decode_attention_fp8_pairs (paged_attention) views the cache as int16, two e4m3 values of
 adjacent head dims per element, so its tiles move like a bf16 cache's (128-bit copies, ldmatrix)
@@ -15,6 +16,8 @@ and error against the float32 reference.
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import sys
 
 import torch
@@ -41,14 +44,17 @@ def launch_fn(name: str, cfg, qkv, kc, vc, meta):
 
 
 def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--splits", default="0", help="split-K counts, comma-separated (0: the engine's)")
+    splits = [int(x) for x in p.parse_args().splits.split(",")]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     rows = ["| launch | rows x keys | splits | us | TB/s | rel err |", "|---|---|---:|---:|---:|---:|"]
     for rows_n, ctx in CASES:
         cases = {dt: paged_case(rows_n, ctx, dt) for dt in (torch.bfloat16, torch.float8_e4m3fn)}
-        for name, cfg in LAUNCHES:
+        for (name, cfg), split in itertools.product(LAUNCHES, splits):
             kv_dtype = torch.bfloat16 if name == "bf16" else torch.float8_e4m3fn
             qkv, kc, vc, meta = cases[kv_dtype]
-            meta.num_splits = pa.num_splits(rows_n, HEADS.num_kv_heads, qkv.device)
+            meta.num_splits = split or pa.num_splits(rows_n, HEADS.num_kv_heads, qkv.device)
             try:
                 fn = launch_fn(name, cfg, qkv, kc, vc, meta)
                 ref = pa.decode_attention(qkv.float(), kc, vc, meta, HEADS, 128**-0.5)
