@@ -11,7 +11,10 @@ w3 = 256 x 100 x 1024 (the generation of the 32 x 8 x 1,024 training workload of
 Multi-turn (--multi-turn): 256 samples x 3 assistant turns x 256 tokens with 64-token tool replies
 between the turns, through the agent-loop path (minirl.agent: one loop per sample, the engine
 keeping each conversation's KV cache), against one 768-token turn per sample (the same model
-tokens, the same path); reported: model tokens per second of each and their ratio.
+tokens, the same path); reported: model tokens per second of each and their ratio. Then with each
+tool call waiting 0.5 s, at equal turn lengths (every sample reaches its tool at the same step)
+and staggered ones (128/256/384 tokens rotated over the samples, the same 768 per sample): how
+long the engine sat idle while a tool was out.
 
 Decode roofline: every decode step must read all weights it multiplies with (every parameter
 except the input embedding table, of which it reads one row per sequence) plus the live KV cache
@@ -168,10 +171,18 @@ def roofline(engine, records, weight_bytes, device) -> dict:
 
 class FixedTurns:
     """A bench agent loop: `turns` model turns of `tokens` each (EOS ignored), `tool` token ids
-    (fixed random ones, mask 0) between them, `tool_s` seconds of tool wait before each."""
+    (fixed random ones, mask 0) between them, `tool_s` seconds of tool wait before each.
+    stagger: sample i's turns take (1/2, 1, 3/2, then again) x `tokens` rotated by i, the same
+    model tokens per sample, so the samples reach their tools at different steps."""
 
-    def __init__(self, turns: int, tokens: int, tool: list[int], tool_s: float = 0.0):
-        self.turns, self.tokens, self.tool, self.tool_s = turns, tokens, tool, tool_s
+    def __init__(self, turns: int, tokens: int, tool: list[int], tool_s: float = 0.0, stagger: bool = False):
+        self.turns, self.tokens, self.tool, self.tool_s, self.stagger = turns, tokens, tool, tool_s, stagger
+
+    def turn_tokens(self, sample, turn: int) -> int:
+        if not self.stagger:
+            return self.tokens
+        shift = int(sample.request_id.split("/")[0]) + turn
+        return self.tokens * (1 + shift % 3) // 2
 
     async def run(self, ctx, sample):
         import asyncio
@@ -181,7 +192,7 @@ class FixedTurns:
         t = Trajectory(list(sample.prompt_ids), assistant_turns=0)
         context = list(sample.prompt_ids)
         for turn in range(self.turns):
-            out = await ctx.generate(sample, context, self.tokens)
+            out = await ctx.generate(sample, context, self.turn_tokens(sample, turn))
             t.response_ids += out.token_ids
             t.response_mask += [1] * len(out.token_ids)
             t.logprobs += out.logprobs
@@ -235,7 +246,8 @@ def run_agents(engine, prompts, loop, device, weight_bytes: int) -> dict:
 
 
 def multi_turn(engine, config, device, weight_bytes: int) -> dict:
-    """256 x 3 turns x 256 tokens, 64-token tool replies; vs one turn of 768. ratio: of the model
+    """256 x 3 turns x 256 tokens, 64-token tool replies; vs one turn of 768; with 0.5 s tools, at
+    equal and at staggered turn lengths (the same tokens per sample). ratio: of the model
     tokens per second; roofline_ratio: of the decode rooflines, what the tool replies' KV alone
     costs (the multi-turn run's later steps read them too)."""
     prompts = prompts_for(256, 100, config.vocab_size, seed=1)
@@ -244,7 +256,9 @@ def multi_turn(engine, config, device, weight_bytes: int) -> dict:
     single = run_agents(engine, prompts, FixedTurns(1, 768, tool), device, weight_bytes)
     multi = run_agents(engine, prompts, FixedTurns(3, 256, tool), device, weight_bytes)
     slow = run_agents(engine, prompts, FixedTurns(3, 256, tool, tool_s=0.5), device, weight_bytes)
+    staggered = run_agents(engine, prompts, FixedTurns(3, 256, tool, tool_s=0.5, stagger=True), device, weight_bytes)
     out = {"single_turn": single, "multi_turn": multi, "multi_turn_tool_0.5s": slow}
+    out["multi_turn_tool_0.5s_staggered"] = staggered
     out["ratio"] = multi["tokens_per_s"] / single["tokens_per_s"]
     out["roofline_ratio"] = single["roofline_s"] / multi["roofline_s"]
     print("multi-turn:", json.dumps(out), flush=True)
@@ -538,13 +552,13 @@ def print_table(r: dict, args) -> None:
             )
     if "multi_turn" in r:
         m = r["multi_turn"]
-        for name in ("single_turn", "multi_turn", "multi_turn_tool_0.5s"):
+        for name in ("single_turn", "multi_turn", "multi_turn_tool_0.5s", "multi_turn_tool_0.5s_staggered"):
             x = m[name]
             device_s = ""
             if "decode_device_s" in x:
                 device_s = f", device: decode {x['decode_device_s']:.2f} s, prefill {x['prefill_device_s']:.2f} s"
             print(
-                f"{name:22} {x['model_tokens']:9d} model tokens in {x['wall_s']:6.2f} s = "
+                f"{name:30} {x['model_tokens']:9d} model tokens in {x['wall_s']:6.2f} s = "
                 f"{x['tokens_per_s']:8.0f} tok/s, {x['cached_tokens']} prompt tokens reused from the KV cache; "
                 f"{x['prefill_steps']} prefill steps, decode roofline {x['roofline_s']:.3f} s "
                 f"({x['roofline_s'] / x['wall_s']:.1%} of wall){device_s}"
@@ -553,11 +567,12 @@ def print_table(r: dict, args) -> None:
             f"multi-turn / single-turn model-token throughput: {m['ratio']:.1%} (their decode rooflines: "
             f"{m['roofline_ratio']:.1%}, the tool replies' KV read by later steps)"
         )
-        slow = m["multi_turn_tool_0.5s"]
-        print(
-            f"0.5 s tools: a tool out for {slow['tool_wall_s']:.2f} s of the run, the engine idle (nothing else to "
-            f"decode) for {slow['engine_idle_on_tools_s']:.2f} s of them"
-        )
+        for name, turns in (("multi_turn_tool_0.5s", "equal turns"), ("multi_turn_tool_0.5s_staggered", "staggered")):
+            slow = m[name]
+            print(
+                f"0.5 s tools, {turns}: a tool out for {slow['tool_wall_s']:.2f} s of the run, the engine idle "
+                f"(nothing else to decode) for {slow['engine_idle_on_tools_s']:.2f} s of them"
+            )
     if r["release"]:
         rel = r["release"]
         print(
