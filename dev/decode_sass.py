@@ -26,6 +26,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -64,7 +65,7 @@ def kernel_args(name: str, kv: str, block_n: int) -> tuple[str, dict]:
     consts = dict(H=12, D=128, G=6, BLOCK_G=16, BLOCK_N=block_n, PAGE=16, SPLITS=16, DIRECT=False)
     if name == "pairs":
         assert kv == "fp8", "the pairs kernel reads an 8-bit cache"
-        return "i16", dict(consts, ASM=True, E5M2=False)
+        return "i16", dict(consts, PTX=pa.PAIRS_PTX[torch.float8_e4m3fn], E5M2=False)
     return KV[kv], dict(consts, PRECISION="tf32", KV_F16=kv == "fp8")
 
 

@@ -174,59 +174,57 @@ def _merge_kernel(
 
 def decode_attention_triton(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale: float, config=None):
     """decode_attention in split-K Triton kernels; `config` overrides launch settings (the sweep)."""
-    (h, hk, d), b, splits = heads, qkv.shape[0], meta.num_splits
-    group = h // hk
     fp8 = k_cache.dtype.itemsize == 1
-    launch = FP8_DECODE_CONFIG if fp8 else {"block_n": decode_block_n(b * hk * splits, qkv.device)}
+    programs = qkv.shape[0] * heads.num_kv_heads * meta.num_splits
+    launch = FP8_DECODE_CONFIG if fp8 else {"block_n": decode_block_n(programs, qkv.device)}
     cfg = {**DECODE_CONFIG, **launch, **(config or {})}
-
-    def launch_kernel(part, lse, stride_o):
-        _decode_kernel[(b, hk, splits)](
-            qkv,
-            k_cache,
-            v_cache,
-            meta.page_table,
-            meta.rows_B,
-            meta.ctx_lens_B,
-            part,
-            lse,
-            qkv.stride(0),
-            k_cache.stride(0),
-            meta.page_table.stride(0),
-            stride_o,
-            scale,
-            cfg["min_chunk"],
-            H=h,
-            D=d,
-            G=group,
-            BLOCK_G=max(16, triton.next_power_of_2(group)),
-            BLOCK_N=cfg["block_n"],
-            PAGE=meta.page_size,
-            SPLITS=splits,
-            DIRECT=splits == 1,
-            PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
-            KV_F16=fp8 and bool(cfg["fp8_f16"]) and qkv.dtype == torch.bfloat16,
-            num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
-        )
-
-    return _split_k(qkv, meta, heads, cfg["min_chunk"], launch_kernel)
+    precision = "ieee" if qkv.dtype == torch.float32 else "tf32"
+    kv_f16 = fp8 and bool(cfg["fp8_f16"]) and qkv.dtype == torch.bfloat16
+    return _split_k(_decode_kernel, qkv, k_cache, v_cache, meta, heads, scale, cfg, PRECISION=precision, KV_F16=kv_f16)
 
 
-def _split_k(qkv, meta: StepMeta, heads: Heads, min_chunk: int, launch) -> torch.Tensor:
-    """The output [B, H·D] of a split-K decode kernel: `launch(part, lse, stride_o)` runs it
-    (meta.num_splits programs per row and KV head); with one split it writes the output directly,
-    with more its partial outputs and log-sum-exps, which _merge_kernel combines."""
-    (h, _, d), b, splits = heads, qkv.shape[0], meta.num_splits
+def _split_k(kernel, qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale: float, cfg: dict, **consts):
+    """The output [B, H·D] of a split-K decode kernel (_decode_kernel's arguments, the caches as
+    the kernel reads them, its own constexprs in `consts`), launched with cfg's block_n, min_chunk,
+    num_warps and num_stages: meta.num_splits programs per row and KV head; with one split it
+    writes the output directly, with more its partial outputs and log-sum-exps, which
+    _merge_kernel combines."""
+    (h, hk, d), b, splits = heads, qkv.shape[0], meta.num_splits
     out = torch.empty(b, h * d, dtype=qkv.dtype, device=qkv.device)
     if splits == 1:
         part, lse = out, out
     else:
         part = torch.empty(b * h * splits, d, dtype=torch.float32, device=qkv.device)
         lse = torch.empty(b * h * splits, dtype=torch.float32, device=qkv.device)
-    launch(part, lse, out.stride(0))
+    kernel[(b, hk, splits)](
+        qkv,
+        k_cache,
+        v_cache,
+        meta.page_table,
+        meta.rows_B,
+        meta.ctx_lens_B,
+        part,
+        lse,
+        qkv.stride(0),
+        k_cache.stride(0),
+        meta.page_table.stride(0),
+        out.stride(0),
+        scale,
+        cfg["min_chunk"],
+        H=h,
+        D=d,
+        G=h // hk,
+        BLOCK_G=max(16, triton.next_power_of_2(h // hk)),
+        BLOCK_N=cfg["block_n"],
+        PAGE=meta.page_size,
+        SPLITS=splits,
+        DIRECT=splits == 1,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+        **consts,
+    )
     if splits > 1:
-        _merge_kernel[(b, h)](part, lse, meta.ctx_lens_B, out, out.stride(0), min_chunk, H=h, D=d, SPLITS=splits)
+        _merge_kernel[(b, h)](part, lse, meta.ctx_lens_B, out, out.stride(0), cfg["min_chunk"], H=h, D=d, SPLITS=splits)
     return out
 
 
@@ -235,46 +233,27 @@ def _split_k(qkv, meta: StepMeta, heads: Heads, min_chunk: int, launch) -> torch
 FP8_PAIRS_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "min_chunk": 256}
 
 
+# Per two int16 elements (four fp8 values): a byte permute gathers their low bytes and their high
+# bytes, and a native conversion (sm_89+) widens each pair to f16x2
+_PAIRS_PTX = """{{
+.reg .b32 t;
+.reg .b16 lo, hi;
+prmt.b32 t, $2, 0, 0x3120;
+mov.b32 {{lo, hi}}, t;
+cvt.rn.f16x2.{fmt}x2 $0, lo;
+cvt.rn.f16x2.{fmt}x2 $1, hi;
+}}"""
+PAIRS_PTX = {torch.float8_e4m3fn: _PAIRS_PTX.format(fmt="e4m3"), torch.float8_e5m2: _PAIRS_PTX.format(fmt="e5m2")}
+
+
 @jit
-def _pairs_to_f16_asm(x, E5M2: tl.constexpr):
-    """int16 pairs of fp8 values -> (the low bytes, the high bytes) in float16: per two pairs one
-    byte permute and two native conversions (sm_89+)."""
-    if E5M2:
+def _pairs_to_f16(x, PTX: tl.constexpr, E5M2: tl.constexpr):
+    """int16 pairs of fp8 values -> (the low bytes, the high bytes) in float16: by PTX (PAIRS_PTX)
+    when given, else (None) by Triton's own byte operations (the interpreter runs no inline PTX)."""
+    if PTX is not None:
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t;
-            .reg .b16 lo, hi;
-            prmt.b32 t, $2, 0, 0x3120;
-            mov.b32 {lo, hi}, t;
-            cvt.rn.f16x2.e5m2x2 $0, lo;
-            cvt.rn.f16x2.e5m2x2 $1, hi;
-            }""",
-            constraints="=r,=r,r",
-            args=[x],
-            dtype=(tl.float16, tl.float16),
-            is_pure=True,
-            pack=2,
+            asm=PTX, constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2
         )
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t;
-        .reg .b16 lo, hi;
-        prmt.b32 t, $2, 0, 0x3120;
-        mov.b32 {lo, hi}, t;
-        cvt.rn.f16x2.e4m3x2 $0, lo;
-        cvt.rn.f16x2.e4m3x2 $1, hi;
-        }""",
-        constraints="=r,=r,r",
-        args=[x],
-        dtype=(tl.float16, tl.float16),
-        is_pure=True,
-        pack=2,
-    )
-
-
-@jit
-def _pairs_to_f16(x, E5M2: tl.constexpr):
-    """_pairs_to_f16_asm in Triton's own byte operations (the interpreter runs no inline PTX)."""
     fp8 = tl.float8e5 if E5M2 else tl.float8e4nv
     lo = (x & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float16)
     hi = ((x >> 8) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float16)
@@ -305,7 +284,7 @@ def _decode_kernel_fp8_pairs(
     PAGE: tl.constexpr,
     SPLITS: tl.constexpr,
     DIRECT: tl.constexpr,
-    ASM: tl.constexpr,
+    PTX: tl.constexpr,
     E5M2: tl.constexpr,
 ):
     """_decode_kernel over an 8-bit cache viewed as int16 [slots, Hk, D/2]: each element holds the
@@ -344,10 +323,7 @@ def _decode_kernel_fp8_pairs(
         slot = page.to(tl.int64) * PAGE + tok % PAGE
         kv_off = slot[:, None] * stride_slot + kvh * D2 + e[None, :]
         k2 = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0)
-        if ASM:
-            k_e, k_o = _pairs_to_f16_asm(k2, E5M2)
-        else:
-            k_e, k_o = _pairs_to_f16(k2, E5M2)
+        k_e, k_o = _pairs_to_f16(k2, PTX, E5M2)
         s = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
         s = tl.where(valid[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -355,10 +331,7 @@ def _decode_kernel_fp8_pairs(
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v2 = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0)
-        if ASM:
-            v_e, v_o = _pairs_to_f16_asm(v2, E5M2)
-        else:
-            v_e, v_o = _pairs_to_f16(v2, E5M2)
+        v_e, v_o = _pairs_to_f16(v2, PTX, E5M2)
         p16 = p.to(tl.float16)
         acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_e)
         acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_o)
@@ -380,41 +353,11 @@ def _decode_kernel_fp8_pairs(
 def decode_attention_fp8_pairs(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale: float, config=None):
     """decode_attention over a token-major 8-bit cache (e4m3 or e5m2) by _decode_kernel_fp8_pairs,
     for a half-precision query (its dots run in float16); `config` overrides launch settings."""
-    (h, hk, d), b, splits = heads, qkv.shape[0], meta.num_splits
     cfg = {**FP8_PAIRS_CONFIG, **(config or {})}
     k2, v2 = k_cache.view(torch.int16), v_cache.view(torch.int16)
-
-    def launch_kernel(part, lse, stride_o):
-        _decode_kernel_fp8_pairs[(b, hk, splits)](
-            qkv,
-            k2,
-            v2,
-            meta.page_table,
-            meta.rows_B,
-            meta.ctx_lens_B,
-            part,
-            lse,
-            qkv.stride(0),
-            k2.stride(0),
-            meta.page_table.stride(0),
-            stride_o,
-            scale,
-            cfg["min_chunk"],
-            H=h,
-            D=d,
-            G=h // hk,
-            BLOCK_G=max(16, triton.next_power_of_2(h // hk)),
-            BLOCK_N=cfg["block_n"],
-            PAGE=meta.page_size,
-            SPLITS=splits,
-            DIRECT=splits == 1,
-            ASM=qkv.device.type == "cuda",
-            E5M2=k_cache.dtype == torch.float8_e5m2,
-            num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
-        )
-
-    return _split_k(qkv, meta, heads, cfg["min_chunk"], launch_kernel)
+    ptx = PAIRS_PTX[k_cache.dtype] if qkv.device.type == "cuda" else None
+    e5m2 = k_cache.dtype == torch.float8_e5m2
+    return _split_k(_decode_kernel_fp8_pairs, qkv, k2, v2, meta, heads, scale, cfg, PTX=ptx, E5M2=e5m2)
 
 
 def check_decode_attention_fp8_pairs(fn, device, dtype, kv_dtype=None, configs=None) -> None:
