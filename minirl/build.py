@@ -29,8 +29,12 @@ def models(pm, cfg: Config, dist: DistContext):
     """(tokenizer, model adapter): the policy loaded once and assembled into the actor by its
     adapter (minirl.adapter: full fine-tuning or LoRA), with a reference when a KL needs one."""
     model, tokenizer = load_model_for_rank(cfg.model, dist, getattr(torch, cfg.model.dtype))  # ranks > 0: meta
-    needs_reference = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    return tokenizer, adapter.assemble(pm, model, cfg, dist, needs_reference)
+    return tokenizer, adapter.assemble(pm, model, cfg, dist, needs_reference(cfg))
+
+
+def needs_reference(cfg: Config) -> bool:
+    """A KL term (the loss's or the reward's) reads the reference policy's log-probs."""
+    return cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
 
 
 def critic(pm, cfg: Config, dist: DistContext, total_steps: int, estimator, say) -> Critic | None:

@@ -14,7 +14,7 @@ import signal
 import torch
 from tqdm import tqdm
 
-from minirl import build
+from minirl import build, precompile
 from minirl.algo.guard import NonFiniteGuard
 from minirl.algo.kl_control import apply_kl_in_reward, build_kl_controller
 from minirl.batch import RolloutBatch
@@ -49,6 +49,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, pm, dist: DistContext, rollouts: Rollouts = collocated):
         self.cfg, self.pm, self.dist = cfg, pm, dist
+        self.precompile = precompile.start(cfg, dist)  # model.precompile: the layers compile ahead, elsewhere
         torch.manual_seed(cfg.trainer.seed + dist.dp_rank)  # sp ranks share a batch: same draws
         self.tokenizer, self.adapter = build.models(pm, cfg, dist)  # full fine-tuning or LoRA
         self.actor = self.adapter.actor
@@ -62,6 +63,7 @@ class Trainer:
         self.critic = build.critic(pm, cfg, dist, self.total_steps, self.estimator, self._print)
         parts = Parts(pm, cfg, dist, self.adapter, self.tokenizer, self.agents, self.loader)
         self.source, self.sync = rollouts(parts)
+        self.precompile.go()  # the engine has sized its KV cache: the twin may take device memory
         if cfg.custom_reward_function.path:
             crf = cfg.custom_reward_function
             self._print(f"reward: {crf.name}() from {crf.path} (custom_reward_function) scores every data_source")
@@ -112,14 +114,16 @@ class Trainer:
             raise
         finally:  # normal end, an exception, or Stopped: nothing the run started outlives it
             self.checkpoints.close()  # a checkpoint write in flight
+            self.precompile.close()
             self.source.close()  # the reward workers, or the rollout ranks
             self.agents.close()
 
     def _fit(self) -> list[dict[str, float]]:
         t = self.cfg.trainer
         self._print(self._batch_line())
-        if self.adapter.describe(t, self.run_dir):
-            self._print(self.adapter.describe(t, self.run_dir))
+        for line in (self.adapter.describe(t, self.run_dir), self.precompile.describe()):
+            if line:
+                self._print(line)
         if self.critic is not None:
             self._print(critic_line(self.cfg, self.critic))
         if self.start_step >= self.total_steps:
@@ -156,16 +160,9 @@ class Trainer:
 
     def _first_step_notes(self, metrics: dict[str, float], step: int) -> None:
         """What this process's first step spent compiling, and (CUDA) what holds the memory."""
-        seconds = metrics.get("compile/seconds", 0.0)
-        if seconds >= 1.0:
-            graphs = int(metrics.get("compile/graphs", 0))
-            self._print(
-                f"compiling: {seconds:.1f} s of step {step}'s {metrics['timing_s/step']:.1f} s ({graphs} graphs; "
-                "model.compile_layers, fused kernels); later steps reuse them"
-            )
-        line = memory_line(metrics)
-        if line:
-            self._print(line)
+        for line in (_compile_note(metrics, step), memory_line(metrics)):
+            if line:
+                self._print(line)
 
     def _is_due(self, freq: int, step: int) -> bool:
         """Every `freq` steps and after the last one; never when freq <= 0."""
@@ -254,6 +251,7 @@ class Trainer:
             with timer.phase("update_weights"):
                 sync_metrics = self.sync.after_update()
         metrics = {**rollout.metrics, **adv_metrics, **critic_metrics, **actor_metrics, **timer.metrics()}
+        metrics.update(self.precompile.metrics())
         return {**metrics, **self._batch_metrics(rollout, timer), **sync_metrics, **self._held_memory()}
 
     def _held_memory(self) -> dict[str, float]:
@@ -279,6 +277,7 @@ class Trainer:
 
     def log_probs(self, model, micro, batch: RolloutBatch) -> torch.Tensor:
         """Per-token log-probs [B, T] of the responses under `model` (old or reference policy)."""
+        self.precompile.before(precompile.NO_GRAD)  # its compiled graphs, or a stop, the first time
         head = logprob_head(self.actor_update.temperature)
         return per_token_pass(model, batch, micro, head, self.dist)
 
@@ -309,6 +308,7 @@ class Trainer:
         return metrics
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
+        self.precompile.before(precompile.UPDATE)  # the first time: its compiled graphs
         self.actor.train()
         metrics = actor_lib.update_actor(self.actor_update, batch, self.dist)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
@@ -379,6 +379,22 @@ class Trainer:
             f"{self.loader.steps_per_epoch} steps/epoch, {self.total_steps} steps"
             f"{_filter_groups_note(self.cfg.algorithm.filter_groups)}{_tis_note(self.cfg)}"
         )
+
+
+def _compile_note(metrics: dict[str, float], step: int) -> str:
+    """The first step's compiling: its seconds and graphs, those inductor's cache held (compiled
+    ahead by minirl.precompile's twin, or by an earlier run), and the wait for the twin."""
+    seconds = metrics.get("compile/seconds", 0.0)
+    if seconds < 1.0:
+        return ""
+    graphs, hits = int(metrics.get("compile/graphs", 0)), int(metrics.get("compile/cache_hits", 0))
+    found = f", {hits} found compiled in inductor's cache" if hits else ""
+    if "compile/precompile_wait_s" in metrics:
+        found += f", {metrics['compile/precompile_wait_s']:.1f} s waited for the second process"
+    return (
+        f"compiling: {seconds:.1f} s of step {step}'s {metrics['timing_s/step']:.1f} s ({graphs} graphs{found}; "
+        "model.compile_layers, fused kernels); later steps reuse them"
+    )
 
 
 def _threads(dist: DistContext) -> str:

@@ -37,7 +37,8 @@ done
 python3 - /tmp/runs "$@" <<'PY'
 import glob, json, os, sys
 keys = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/update_actor", "timing_s/update_weights")
-keys += ("timing_s/step", "perf/mfu/actor", "compile/seconds", "peak_gib")  # peak_gib: the largest memory_gib/<phase>
+keys += ("timing_s/step", "perf/mfu/actor", "compile/seconds", "compile/cache_hits", "compile/precompile_wait_s")
+keys += ("peak_gib",)  # the largest memory_gib/<phase>
 keys += tuple(os.environ.get("EXTRA_KEYS", "").split())  # e.g. timing_s/gen.kv_resume rollout/graph_captures
 print("| variant | step | " + " | ".join(k.split("/")[-1] for k in keys) + " |")
 last = {}

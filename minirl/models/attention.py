@@ -96,6 +96,7 @@ def padding_mask_only(
 # ---------------------------------------------------------------------------------------------
 
 
+@torch.compiler.disable
 def minirl_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [B, H, Q, D]
@@ -107,7 +108,12 @@ def minirl_attention_forward(
     sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' AttentionInterface signature; returns ([B, Q, H, D], no attention weights)."""
+    """transformers' AttentionInterface signature; returns ([B, Q, H, D], no attention weights).
+
+    Always eager: a compiled decoder layer (model.compile_layers) breaks its graph at this call.
+    Inside, there is nothing to fuse (checks, views and the varlen kernel), and compiled it was
+    two more graphs per pass kind, whose input strides (a size-1 batch dimension's, which the
+    graph before it leaves free) made them differ between processes (minirl.precompile)."""
     if dropout:
         raise ValueError(
             f"attn_implementation='minirl' has no attention dropout (got {dropout}); "
@@ -122,15 +128,8 @@ def minirl_attention_forward(
     if cu_S1 is None:
         return _padded_sdpa(query, key, value, attention_mask, scaling), None
     q_NHD, k_NKD, v_NKD = (x[0].transpose(0, 1) for x in (query, key, value))
-    out_NHD = _eager_varlen(q_NHD, k_NKD, v_NKD, cu_S1, max_len, scaling)
+    out_NHD = varlen_attention(q_NHD, k_NKD, v_NKD, cu_S1, int(max_len), scaling)
     return out_NHD.unsqueeze(0), None
-
-
-@torch.compiler.disable
-def _eager_varlen(q_NHD, k_NKD, v_NKD, cu_S1, max_len, scaling):
-    """The varlen kernel always runs eagerly: a
-    compiled decoder layer (model.compile_layers) breaks its graph here."""
-    return varlen_attention(q_NHD, k_NKD, v_NKD, cu_S1, int(max_len), scaling)
 
 
 def _packed_boundaries(query, key, attention_mask, kwargs) -> tuple[torch.Tensor | None, int]:

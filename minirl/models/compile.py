@@ -5,8 +5,9 @@ Inductor fuses the element-wise work between a layer's GEMMs (RMSNorms, rotary e
 SiLU·mul, residual adds). Compiling each layer rather than the model keeps the compile short (all
 layers share one graph, parameters being graph inputs) and leaves FSDP2's hooks, activation
 checkpointing and the varlen attention core (a graph break) outside the graph. Layers compile with
-dynamic shapes: a packed micro-batch's length differs every call. The design at length:
-docs/architecture.md, "Regional compilation".
+dynamic shapes: a packed micro-batch's length differs every call, every size with a symbol of its
+own, float attributes as constants (symbol_per_size). The design at length: docs/architecture.md,
+"Regional compilation"; a second process can compile the graphs ahead (minirl/precompile.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def compile_layers(model: torch.nn.Module, enabled: bool) -> int:
     """
     if not enabled:
         return 0
+    symbol_per_size()
     layers = _layers(model)
     compiled = {}
     for layer in layers:
@@ -45,6 +47,23 @@ def compile_layers(model: torch.nn.Module, enabled: bool) -> int:
         layer.forward = types.MethodType(compiled[cls], layer)
         seq_major_rotary(getattr(layer, "self_attn", None))
     return len(layers)
+
+
+def symbol_per_size() -> None:
+    """Give every dynamic size a symbol of its own and make float attributes constants, in this
+    process's compiles from now on.
+
+    By default two sizes of equal value share one symbol ("duck" shapes): a micro-batch whose
+    longest sequence happens to equal another size (a head dimension, the token count of a
+    one-sequence micro-batch) compiles a graph for the coincidence, the next one without it
+    recompiles, and a graph compiled elsewhere (minirl.precompile's twin) matches only on the
+    same coincidences. Where a graph needs two sizes equal (a broadcast), dynamo still proves it
+    with a guard. A float attribute traced as a tensor input (LoRA's scaling, an addmm alpha)
+    made dynamo compile a partial graph, discard it and start again."""
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.use_duck_shape = False
+    torch._dynamo.config.specialize_float = True
 
 
 def uncompile_layers(model: torch.nn.Module) -> None:

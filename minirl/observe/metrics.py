@@ -16,16 +16,22 @@ from minirl.dist import fault
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "H20": 148e12, "L40S": 362e12}
 
 
-def compile_totals() -> tuple[float, int]:
-    """(seconds, graphs) torch.compile has spent and made in this process so far: dynamo's own
-    account (torch._dynamo.utils, a private module: (0, 0) where it is missing)."""
+def compile_totals() -> tuple[float, int, int, int]:
+    """(seconds, graphs, cache hits, cache misses) of torch.compile in this process so far:
+    dynamo's own account (torch._dynamo.utils, a private module: zeros where it is missing). A
+    hit is a graph AOTAutograd found compiled in inductor's on-disk cache (by another process,
+    e.g. minirl.precompile's twin, or an earlier run), which skips tracing its backward and
+    inductor's work; a miss was compiled here."""
     try:
         from torch._dynamo import utils
     except ImportError:
-        return 0.0, 0
+        return 0.0, 0, 0, 0
     spent = getattr(utils, "calculate_time_spent", dict)()
     seconds = spent.get("total_wall_time", spent.get("entire_frame_compile", 0.0))
-    return float(seconds), int(getattr(utils, "counters", {}).get("stats", {}).get("unique_graphs", 0))
+    counters = getattr(utils, "counters", {})
+    graphs = int(counters.get("stats", {}).get("unique_graphs", 0))
+    aot = counters.get("aot_autograd", {})
+    return float(seconds), graphs, int(aot.get("autograd_cache_hit", 0)), int(aot.get("autograd_cache_miss", 0))
 
 
 class PhaseTimer:
@@ -60,8 +66,9 @@ class PhaseTimer:
     def metrics(self) -> dict[str, float]:
         out = {f"timing_s/{k}": v for k, v in self.seconds.items()}
         out.update({f"memory_gib/{k}": v for k, v in self.peak_gib.items()})
-        (seconds, graphs), (seconds0, graphs0) = compile_totals(), self.compiled_before
-        out.update({"compile/seconds": seconds - seconds0, "compile/graphs": float(graphs - graphs0)})
+        now, before = compile_totals(), self.compiled_before
+        for i, name in enumerate(("seconds", "graphs", "cache_hits", "cache_misses")):
+            out[f"compile/{name}"] = float(now[i] - before[i])
         return out
 
 
