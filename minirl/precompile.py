@@ -14,12 +14,13 @@ TWIN_VOCAB, random weights. A layer's graphs depend on its shapes and dtypes, th
 mode and which tensors need gradients, never on the depth, the vocabulary or the values; three
 layers hold every variant the real model compiles (layer 0, whose input needs no gradient under
 LoRA's frozen embedding; a recomputed layer and a kept one under model.recompute_num_layers). It
-runs the trainer's own passes, in the trainer's order, on one two-sequence micro-batch: the
-gradient-free passes (the prev-log-prob pass unless on-policy, the reference's), then the
-update's forward and backward. The order matters: dynamo makes a stride it saw change between
-two compiles of a function a symbol of its own in the later graphs, so only the same sequence of
-compiles gives the same graphs. Inductor's FX-graph and AOTAutograd caches key a compiled graph by
-the graph and its inputs' metadata, so the trainer then finds each one there.
+runs the trainer's own passes, in the trainer's order, on one two-sequence micro-batch of about
+the trainer's size (twin_tokens says why): the gradient-free passes (the prev-log-prob pass
+unless on-policy, the reference's), then the update's forward and backward. The order matters:
+dynamo makes a stride it saw change between two compiles of a function a symbol of its own in
+the later graphs, so only the same sequence of compiles gives the same graphs. Inductor's
+FX-graph and AOTAutograd caches key a compiled graph by the graph and its inputs' metadata, so
+the trainer then finds each one there.
 
 The hand-over (docs/architecture.md, "Compiling ahead"): the twin starts with the trainer
 (importing torch takes seconds), touches the device only once the engine has sized its KV cache
@@ -58,10 +59,6 @@ from minirl.update.actor import logprob_temperature, on_policy
 TWIN_LAYERS = 3  # layer 0, a recomputed layer, a kept one
 TWIN_VOCAB = 512
 PRECOMPILE_TIMEOUT_S = 900.0  # the longest the trainer waits for the twin, in all
-# the twin's micro-batch: two sequences' (prompt, response) lengths, 29 and 44 tokens (the
-# compiled layers give every size a symbol of its own, so only their being more than 1 matters:
-# minirl.models.compile)
-TWIN_LENGTHS = ((13, 16), (20, 24))
 NO_GRAD, UPDATE = "gradient-free passes", "update"
 _GO, _DONE, _FAILED, _LEAVING = "go", "done", "failed", "leaving"
 
@@ -135,6 +132,8 @@ class Precompile:
             if self.process.is_alive():
                 stop()
                 self.process.join(timeout=10)
+        if not self.failed and os.path.exists(self.log):  # kept only to explain a failure
+            os.remove(self.log)
 
     def _wait_for(self, kind: str) -> None:
         start = time.perf_counter()
@@ -217,14 +216,16 @@ def twin_passes(cfg) -> tuple[str, ...]:
 
 
 def _twin_main(cfg, passes: tuple[str, ...], conn, log: str, parent_pid: int) -> None:
-    """The twin process: its output to `log`, Ctrl-C left to the trainer, below the trainer's priority."""
+    """The twin process: its output to `log`, Ctrl-C left to the trainer. At the trainer's own CPU
+    priority: the trainer waits for it, so a twin starved by other work on the machine (a lower
+    priority, measured: 390 s for 35 s of compiling beside a test run on 2 cores) costs more than
+    it saves."""
     with open(log, "w") as out:
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it ends us
     signal.signal(signal.SIGTERM, _unwind)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
-    os.nice(10)  # the trainer's engine loop and its own compiling come first
     serve(conn, lambda report: run_twin(cfg, passes, report))
 
 
@@ -321,16 +322,34 @@ def _listed(value):
     return sorted(value) if isinstance(value, (set, frozenset, list, tuple)) else value
 
 
-def _batch() -> tuple[list[list[int]], list[list[int]]]:
-    prompts = [[1 + (i % 97) for i in range(p)] for p, _ in TWIN_LENGTHS]
-    responses = [[2 + (i % 89) for i in range(r)] for _, r in TWIN_LENGTHS]
+def twin_tokens(cfg, kind: str) -> int:
+    """About the tokens of the trainer's first micro-batch of `kind`: the pass's token budget
+    (use_dynamic_bsz), else its sequences per micro-batch at full length. A compiled graph
+    carries the sizes it was first run at as its kernels' size hints (block sizes, the configs
+    autotuning picks), and inductor's cache keys ignore them, so the twin runs at the trainer's."""
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if kind == UPDATE:
+        a = cfg.actor
+        return a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else a.ppo_micro_batch_size_per_gpu * seq
+    sees_old = not on_policy(cfg.actor, cfg.data.train_batch_size, cfg.algorithm.use_kl_in_reward)
+    p = cfg.rollout if sees_old else cfg.ref  # the first gradient-free pass
+    return p.log_prob_max_token_len_per_gpu if p.log_prob_use_dynamic_bsz else p.log_prob_micro_batch_size_per_gpu * seq
+
+
+def _batch(tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Two sequences of `tokens` in all (a third and two thirds), each a quarter prompt."""
+    tokens = max(tokens, 8)
+    lengths = (tokens // 3, tokens - tokens // 3)
+    prompt = [max(1, n // 4) for n in lengths]
+    prompts = [[1 + (i % 97) for i in range(p)] for p in prompt]
+    responses = [[2 + (i % 89) for i in range(n - p)] for n, p in zip(lengths, prompt)]
     return prompts, responses
 
 
 def _update_pass(models, cfg, dist: DistContext) -> None:
     """The update's forward and backward (minirl.update.actor: train mode, log-probs and entropies)."""
     actor = models.actor
-    prompts, responses = _batch()
+    prompts, responses = _batch(twin_tokens(cfg, UPDATE))
     actor.train()
     logp, ent = response_logprobs(actor, prompts, responses, logprob_temperature(cfg.rollout), dist.device, True)
     (logp.sum() + ent.sum()).backward()
@@ -340,7 +359,7 @@ def _update_pass(models, cfg, dist: DistContext) -> None:
 
 def _no_grad_passes(models, cfg, dist: DistContext) -> None:
     """The prev-log-prob pass (unless on-policy) and the reference's, as Trainer.log_probs runs them."""
-    prompts, responses = _batch()
+    prompts, responses = _batch(twin_tokens(cfg, NO_GRAD))
     head = logprob_head(logprob_temperature(cfg.rollout))
     with torch.no_grad():
         if not on_policy(cfg.actor, cfg.data.train_batch_size, cfg.algorithm.use_kl_in_reward):

@@ -100,6 +100,29 @@ def test_no_twin_without_compiled_layers_on_several_processes_or_without_caches(
     assert handle.metrics() == {} and handle.describe() == ""
 
 
+def test_the_twin_runs_micro_batches_of_the_trainers_size():
+    """Its graphs keep the sizes they first ran at as their kernels' size hints."""
+    cfg = _cfg(
+        "actor.use_dynamic_bsz=true",
+        "actor.ppo_max_token_len_per_gpu=30000",
+        "rollout.log_prob_use_dynamic_bsz=false",
+        "rollout.log_prob_micro_batch_size_per_gpu=4",
+        "ref.log_prob_use_dynamic_bsz=true",
+        "ref.log_prob_max_token_len_per_gpu=20000",
+        "data.max_prompt_length=100",
+        "data.max_response_length=1000",
+        "actor.ppo_mini_batch_size=4",
+        "data.train_batch_size=8",
+    )
+    assert precompile.twin_tokens(cfg, UPDATE) == 30000
+    assert precompile.twin_tokens(cfg, NO_GRAD) == 4 * 1100  # the prev-log-prob pass comes first
+    on_policy = _cfg("actor.ppo_mini_batch_size=8", "data.train_batch_size=8", "ref.log_prob_use_dynamic_bsz=true")
+    assert precompile.twin_tokens(on_policy, NO_GRAD) == on_policy.ref.log_prob_max_token_len_per_gpu  # the reference's
+    for tokens in (8, 9, 4400, 30000):
+        prompts, responses = precompile._batch(tokens)
+        assert len(prompts) == 2 and sum(map(len, prompts + responses)) == tokens and min(map(len, prompts)) >= 1
+
+
 # ---------------------------------------------------------------------------------------------
 # the hand-over
 # ---------------------------------------------------------------------------------------------
