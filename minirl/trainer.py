@@ -277,7 +277,7 @@ class Trainer:
 
     def log_probs(self, model, micro, batch: RolloutBatch) -> torch.Tensor:
         """Per-token log-probs [B, T] of the responses under `model` (old or reference policy)."""
-        self.precompile.before(precompile.NO_GRAD)  # its compiled graphs, or a stop, the first time
+        self.precompile.wait()  # the first time: until the twin compiled the layers' graphs
         head = logprob_head(self.actor_update.temperature)
         return per_token_pass(model, batch, micro, head, self.dist)
 
@@ -308,7 +308,7 @@ class Trainer:
         return metrics
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        self.precompile.before(precompile.UPDATE)  # the first time: its compiled graphs
+        self.precompile.wait()  # the first time: until the twin compiled the layers' graphs
         self.actor.train()
         metrics = actor_lib.update_actor(self.actor_update, batch, self.dist)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]

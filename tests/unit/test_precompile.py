@@ -94,8 +94,7 @@ def test_no_twin_without_compiled_layers_on_several_processes_or_without_caches(
         handle = precompile.start(on, CPU)
     assert handle.process is None  # and the trainer's calls do nothing
     handle.go()
-    handle.before(NO_GRAD)
-    handle.before(UPDATE)
+    handle.wait()
     handle.close()
     assert handle.metrics() == {} and handle.describe() == ""
 
@@ -163,6 +162,9 @@ class ScriptedTwin:
                 raise RuntimeError(f"inductor blew up in the {kind}")
             report(kind)
 
+    def update_never_ran(self) -> bool:
+        return UPDATE not in self.ran
+
     # the multiprocessing.Process interface Precompile uses
     def is_alive(self) -> bool:
         return self.thread.is_alive()
@@ -182,21 +184,20 @@ def _released_later(twin: ScriptedTwin, kind: str, after_s: float = 0.2) -> None
     threading.Timer(after_s, twin.release[kind].set).start()
 
 
-def test_the_trainer_waits_for_each_pass_the_twin_is_compiling():
-    """The trainer reaches its gradient-free pass while the twin still compiles those graphs: it
-    waits for them (the twin is ahead), then for the update's, after which the twin leaves."""
+def test_the_trainer_waits_until_the_twin_compiled_every_pass():
+    """The trainer reaches its first compiled pass while the twin still compiles: it waits for
+    all of the twin's passes (their graphs and its device memory are then done with), once."""
     twin = ScriptedTwin()
     twin.handle.go()
     _wait_until(lambda: twin.ran == [NO_GRAD])
-    _released_later(twin, NO_GRAD)
-    twin.handle.before(NO_GRAD)
-    assert twin.handle.finished == [NO_GRAD] and twin.handle.waited_s > 0.1
+    _released_later(twin, NO_GRAD, 0.2)
+    _released_later(twin, UPDATE, 0.4)
     assert twin.handle.metrics() == {}  # not before the twin is done with
-    _released_later(twin, UPDATE)
-    twin.handle.before(UPDATE)
-    assert twin.handle.finished == [NO_GRAD, UPDATE] and twin.handle.waited_s > 0.2
-    assert twin.handle.metrics()["compile/precompile_passes"] == 2 and twin.handle.metrics() == {}  # once
+    twin.handle.wait()
+    assert twin.handle.finished == [NO_GRAD, UPDATE] and twin.handle.waited_s > 0.3
     assert twin.exitcode == 0 and not twin.killed  # it left by itself
+    twin.handle.wait()  # later passes: nothing to wait for
+    assert twin.handle.metrics()["compile/precompile_passes"] == 2 and twin.handle.metrics() == {}  # once
 
 
 def test_a_twin_that_is_done_costs_no_wait():
@@ -205,8 +206,7 @@ def test_a_twin_that_is_done_costs_no_wait():
     for event in twin.release.values():
         event.set()
     _wait_until(lambda: twin.exitcode == 0)
-    twin.handle.before(NO_GRAD)
-    twin.handle.before(UPDATE)
+    twin.handle.wait()
     assert twin.handle.finished == [NO_GRAD, UPDATE] and twin.handle.waited_s < 0.05
 
 
@@ -214,19 +214,18 @@ def test_a_failing_twin_costs_one_notice_and_no_further_wait(capsys):
     twin = ScriptedTwin(fail_in=NO_GRAD)
     twin.handle.go()
     _released_later(twin, NO_GRAD)
-    twin.handle.before(NO_GRAD)
+    twin.handle.wait()
     note = capsys.readouterr().err
     assert "failed: RuntimeError: inductor blew up in the gradient-free passes" in note and "twin.log" in note
-    waited = twin.handle.waited_s
-    twin.handle.before(UPDATE)  # nothing more to wait for
-    assert twin.handle.waited_s == waited and capsys.readouterr().err == ""  # one notice
+    twin.handle.wait()  # nothing more to wait for, nothing more said
+    assert capsys.readouterr().err == "" and twin.update_never_ran()
     assert twin.handle.failed and twin.handle.metrics()["compile/precompile_passes"] == 0
 
 
 def test_a_twin_that_dies_without_a_word_is_noticed(capsys):
-    twin = ScriptedTwin(die_in=UPDATE)
+    twin = ScriptedTwin(die_in=NO_GRAD)
     twin.handle.go()
-    twin.handle.before(UPDATE)
+    twin.handle.wait()
     assert twin.handle.failed and "before it finished" in capsys.readouterr().err
 
 
@@ -234,7 +233,7 @@ def test_a_twin_past_the_timeout_is_stopped(monkeypatch, capsys):
     monkeypatch.setattr(precompile, "PRECOMPILE_TIMEOUT_S", 0.3)
     twin = ScriptedTwin()
     twin.handle.go()
-    twin.handle.before(UPDATE)  # the update's pass is never released
+    twin.handle.wait()  # its passes are never released
     assert twin.handle.failed and twin.killed and "still compiling after" in capsys.readouterr().err
     assert 0.25 < twin.handle.waited_s < 5
 
