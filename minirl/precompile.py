@@ -1,4 +1,4 @@
-"""Compiling ahead (model.precompile): with model.compile_layers on one process, a second process
+"""Compiling ahead (model.precompile): with model.compile_layers on one CUDA process, a second process
 compiles the decoder layers' graphs into inductor's on-disk caches while this one builds its
 rollout engine and generates step 1's rollouts; this process's first passes then load the graphs
 instead of compiling them. Nothing else changes: a graph from the cache is the graph this process
@@ -58,6 +58,8 @@ from minirl.update.actor import logprob_temperature, on_policy
 TWIN_LAYERS = 3  # layer 0, a recomputed layer, a kept one
 TWIN_VOCAB = 512
 PRECOMPILE_TIMEOUT_S = 300.0  # the longest the trainer waits (step 1 compiled for 38-56 s on the H200)
+# where generating is device work, which the twin's host work can overlap (tests add the CPU)
+OVERLAPPING_DEVICES = ("cuda",)
 NO_GRAD, UPDATE = "gradient-free passes", "update"
 _GO, _DONE, _FAILED, _LEAVING = "go", "done", "failed", "leaving"
 
@@ -68,6 +70,8 @@ def reason_off(cfg, dist: DistContext) -> str:
         return "off"
     if dist.world_size != 1:
         return "several processes (each rank compiles its own)"
+    if dist.device.type not in OVERLAPPING_DEVICES:
+        return f"a {dist.device.type} run: generating is host work there too, so there is nothing to overlap"
     from torch._functorch import config as aot_config
     from torch._inductor import config as inductor_config
 

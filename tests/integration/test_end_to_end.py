@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from minirl import precompile
 from tests.integration.conftest import run_job
 
 PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
@@ -97,12 +98,13 @@ def test_saved_checkpoint_loads_back_with_the_trained_weights(tmp_path, data_dir
     assert tokenizer.decode(tokenizer.encode("copy 7")) == "copy 7"
 
 
-def test_compiled_layers_through_the_loop_match_eager(tmp_path, data_dir):
+def test_compiled_layers_through_the_loop_match_eager(tmp_path, data_dir, monkeypatch):
     """model.compile_layers through the real loop (compiled actor and reference, the prev-log-prob
     pass, two mini-batches, the hf engine's eager copy): the same metrics as the eager run, to
     float32 rounding; step 1 logs its compiling and step 2 compiles nothing new."""
     overrides = ["trainer.total_training_steps=2", "rollout.name=hf", "actor.ppo_mini_batch_size=8"]
     eager = run_job(tmp_path / "eager", data_dir, overrides)
+    monkeypatch.setattr(precompile, "OVERLAPPING_DEVICES", ("cuda", "cpu"))  # its twin, as on a GPU
     torch._dynamo.reset()  # an earlier test in this process may have compiled these layers: compile afresh
     compiled = run_job(tmp_path / "compiled", data_dir, [*overrides, "model.compile_layers=true"])
     assert len(compiled) == 2 and compiled[0]["actor/kl_loss"] > 0  # the second mini-batch's actor moved
