@@ -1,7 +1,8 @@
-"""Compiling ahead (model.precompile, minirl/precompile.py) with the real twin on the CPU: every
+"""Compiling ahead (model.precompile, minirl/precompile.py) with the real twin: on the CPU, every
 graph the trainer compiles in step 1 is one the twin left in inductor's cache, for a model deeper
 than the twin (recomputed and kept layers, a reference) and for LoRA (layer 0's own variant), and
-a run that loads them computes what a run that compiles them does, bit for bit.
+a run that loads them computes what a run that compiles them does, bit for bit; on a GPU (the
+`gpu` marker), a run with its twin finds all of them.
 
 Each run is a fresh process with its own TORCHINDUCTOR_CACHE_DIR, so nothing is found in memory."""
 
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.integration.conftest import ROOT, cli_args
 
@@ -29,8 +31,6 @@ TWIN = (
 @pytest.fixture(scope="module")
 def deep_model(tmp_path_factory) -> Path:
     """The tiny preset with four decoder layers (the twin has three), as a Hugging Face directory."""
-    import torch
-
     from minirl.models.loading import random_model
     from minirl.models.presets import preset_config
     from minirl.models.tokenizers import byte_tokenizer
@@ -50,8 +50,10 @@ def _twin(cache: Path, overrides: list[str]) -> None:
     subprocess.run(cmd, env=_env(cache), cwd=ROOT, check=True, timeout=900, capture_output=True)
 
 
-def _job(run_root: Path, cache: Path, train_file: Path, overrides: list[str]) -> dict:
-    args = cli_args(run_root, train_file, *overrides, "trainer.experiment_name=run", "model.precompile=false")
+def _job(run_root: Path, cache: Path, train_file: Path, overrides: list[str], precompile: bool = False) -> dict:
+    args = cli_args(
+        run_root, train_file, *overrides, "trainer.experiment_name=run", f"model.precompile={str(precompile).lower()}"
+    )
     done = subprocess.run(
         [sys.executable, "-m", "minirl", *args], env=_env(cache), cwd=ROOT, capture_output=True, text=True, timeout=900
     )
@@ -83,3 +85,18 @@ def test_the_twin_compiles_every_graph_of_a_lora_run(tmp_path, data_dir):
     _twin(tmp_path / "cache", overrides)
     warm = _job(tmp_path / "warm", tmp_path / "cache", data_dir / "copy" / "train.parquet", overrides)
     assert warm["compile/cache_misses"] == 0 and warm["compile/cache_hits"] >= 6, warm
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_run_finds_every_graph_its_twin_compiled(tmp_path, data_dir):
+    """The hand-over in a run on a GPU, at the 1.5B shape: FSDP2 on a one-rank group, bf16
+    matmuls over float32 masters, the fused MLP in the gradient-free passes, LoRA (its own
+    reference and layer 0), 7 layers recomputed and the rest kept. The trainer waited for the
+    twin's two passes and compiled nothing itself."""
+    overrides = [*STEP, "trainer.device=cuda", "model.preset=qwen2-1.5b", "model.fused_mlp=true"]
+    overrides += ["model.lora_rank=8", "model.lora_alpha=16", "model.enable_gradient_checkpointing=true"]
+    overrides += ["model.recompute_num_layers=7", "rollout.gpu_memory_utilization=0.3"]
+    run = _job(tmp_path / "run", tmp_path / "cache", data_dir / "copy" / "train.parquet", overrides, precompile=True)
+    assert run["compile/precompile_passes"] == 2, run
+    assert run["compile/cache_misses"] == 0 and run["compile/cache_hits"] >= 6, run
