@@ -46,6 +46,7 @@ import torch
 from minirl import adapter, build
 from minirl.dist import spmd
 from minirl.dist.context import DistContext
+from minirl.dist.launchers.spawn import exit_with_parent
 from minirl.errors import describe
 from minirl.forward.packed import logprob_head, packed_forward, response_logprobs
 from minirl.models import assembly, lora
@@ -209,8 +210,14 @@ def start(cfg, dist: DistContext) -> Precompile:
 
 def twin_passes(cfg) -> tuple[str, ...]:
     """The passes whose graphs the twin compiles, in the trainer's order."""
-    sees_no_grad = not on_policy(cfg.actor, cfg.data.train_batch_size, cfg.algorithm.use_kl_in_reward)
-    return ((NO_GRAD,) if sees_no_grad or build.needs_reference(cfg) else ()) + (UPDATE,)
+    no_grad = _prev_log_prob_pass(cfg) or build.needs_reference(cfg)
+    return ((NO_GRAD,) if no_grad else ()) + (UPDATE,)
+
+
+def _prev_log_prob_pass(cfg) -> bool:
+    """The trainer runs the prev-log-prob pass (one process: its rollouts are its own, so only
+    the on-policy shortcut skips it; Trainer.on_policy)."""
+    return not on_policy(cfg.actor, cfg.data.train_batch_size, cfg.algorithm.use_kl_in_reward)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,7 +235,7 @@ def _twin_main(cfg, passes: tuple[str, ...], conn, log: str, parent_pid: int) ->
         os.dup2(out.fileno(), 2)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it ends us
     signal.signal(signal.SIGTERM, _unwind)
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
     serve(conn, lambda report: run_twin(cfg, passes, report))
 
 
@@ -249,12 +256,6 @@ def _unwind(signum, frame) -> None:
     """SIGTERM from the trainer: leave through the interpreter's exit, which shuts the compile
     workers down (a SIGKILL would leave their semaphores to the resource tracker's warning)."""
     raise SystemExit(0)
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
-    os._exit(1)
 
 
 def run_twin(cfg, passes: tuple[str, ...], report=lambda kind: None) -> None:
@@ -334,8 +335,7 @@ def twin_tokens(cfg, kind: str) -> int:
     if kind == UPDATE:
         a = cfg.actor
         return a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else a.ppo_micro_batch_size_per_gpu * seq
-    sees_old = not on_policy(cfg.actor, cfg.data.train_batch_size, cfg.algorithm.use_kl_in_reward)
-    p = cfg.rollout if sees_old else cfg.ref  # the first gradient-free pass
+    p = cfg.rollout if _prev_log_prob_pass(cfg) else cfg.ref  # the first gradient-free pass
     return p.log_prob_max_token_len_per_gpu if p.log_prob_use_dynamic_bsz else p.log_prob_micro_batch_size_per_gpu * seq
 
 
@@ -365,7 +365,7 @@ def _no_grad_passes(models, cfg, dist: DistContext) -> None:
     prompts, responses = _batch(twin_tokens(cfg, NO_GRAD))
     head = logprob_head(logprob_temperature(cfg.rollout))
     with torch.no_grad():
-        if not on_policy(cfg.actor, cfg.data.train_batch_size, cfg.algorithm.use_kl_in_reward):
+        if _prev_log_prob_pass(cfg):
             packed_forward(models.actor, prompts, responses, dist.device, head)
             assembly.reshard(models.actor)
         if models.reference is not None:

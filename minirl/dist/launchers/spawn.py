@@ -70,7 +70,7 @@ def _worker_main(fn, rank: int, args: tuple, env: dict[str, str], error_dir: str
     # a rank killed by a fatal signal (SIGSEGV, SIGABRT from C++) prints every thread's Python
     # stack first: the report then names the rank, and its stderr says where it was
     faulthandler.enable(all_threads=True)
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
         fn(rank, *args)
     except BaseException as exc:  # noqa: BLE001 - report everything, the parent decides what to show
@@ -100,8 +100,9 @@ def _write_error(error_dir: str, rank: int, report: Report) -> None:
     os.replace(path + ".tmp", path)  # the supervisor never reads half a report
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """A worker whose supervisor died (kill -9) must not live on holding a GPU."""
+def exit_with_parent(parent_pid: int) -> None:
+    """A worker whose supervisor died (kill -9) must not live on holding a GPU (a thread's target:
+    the rank workers', minirl.precompile's twin's)."""
     while os.getppid() == parent_pid:
         time.sleep(1.0)
     os._exit(1)
