@@ -22,8 +22,8 @@ class ModelConfig:
     recompute_num_layers: int = -1
     attn_implementation: str = "minirl"  # minirl (packed varlen) | sdpa | eager
     compile_layers: bool = False  # torch.compile each decoder layer (actor and reference): fuses the element-wise work
-    # with compile_layers on one process: a second process compiles the layers' graphs into inductor's
-    # cache while this one builds its engine and generates, so step 1 loads them (minirl/precompile.py)
+    # with compile_layers on one CUDA process: a second process compiles the layers' graphs into
+    # inductor's cache while this one builds its engine and generates; step 1 loads them (minirl/precompile.py)
     precompile: bool = True
     fused_mlp: bool = False  # SiLU·mul in the gate/up GEMM's epilogue in gradient-free forwards (Hopper GPUs)
     seed: int = 0  # seed of the random weights of a preset (and of fresh LoRA adapters)
