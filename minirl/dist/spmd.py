@@ -9,6 +9,7 @@ out after trainer.collective_timeout_s: a rank that dies or hangs is an error on
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -130,6 +131,14 @@ def shutdown() -> None:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports the OS calls free now: every socket stays bound until all n are chosen, so
+    two calls in a row cannot hand out the same port (the OS may reuse a just-closed one)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]

@@ -190,3 +190,15 @@ def test_one_rank_group_runs_the_sharded_path(monkeypatch):
         assert h.max_param_err(actor, plain) < 1e-6
     finally:
         spmd.shutdown()
+
+
+def test_ports_chosen_together_are_distinct_and_free():
+    """The OS may hand a just-released port out again: ports chosen one after another for the
+    same job (the master's and the link's, an engine's and its NCCL's) once collided in CI."""
+    import socket
+
+    ports = spmd.free_ports(64)
+    assert len(set(ports)) == 64
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))

@@ -25,7 +25,7 @@ from typing import Any
 
 from minirl.dist.launchers import EXIT_CRASH, Report, print_report, report_of
 from minirl.dist.signals import SignalHandler
-from minirl.dist.spmd import free_port
+from minirl.dist.spmd import free_ports
 
 _STOP_GRACE_S = 5.0  # how long a stopped worker may take to exit before it is killed
 
@@ -36,8 +36,9 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple = ()) -> int:
     must pickle (a module-level function; a frozen config does)."""
     ctx = multiprocessing.get_context("spawn")  # fork would copy CUDA and thread state
     error_dir = tempfile.mkdtemp(prefix="minirl-errors-")
-    world_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "0"}
-    world_env["MINIRL_LINK_PORT"] = str(free_port())  # an asynchronous job's link (minirl.dist.link)
+    master_port, link_port = free_ports(2)  # the link: an asynchronous job's (minirl.dist.link)
+    world_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "NODE_RANK": "0"}
+    world_env["MINIRL_LINK_PORT"] = str(link_port)
     world_env.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     procs = [
         ctx.Process(

@@ -22,7 +22,7 @@ from typing import Iterable
 
 import torch
 
-from minirl.dist.spmd import free_port
+from minirl.dist.spmd import free_ports
 from minirl.models.assembly import full_weights
 from minirl.protocols import Completion, EngineContext, SamplingParams, TurnOutput, generate_batch
 from minirl_plugins.engines.sglang.api import SGLangAPI, unsupported
@@ -143,6 +143,7 @@ class SGLangEngine:
 def server_kwargs(rollout_cfg, ctx: EngineContext, api: SGLangAPI, model_dir: str, memory_saver: bool) -> dict:
     """Engine(**kwargs): every key is checked against the installed ServerArgs' fields."""
     device = torch.device(ctx.device)
+    port, nccl_port = free_ports(2)  # each rank's engine needs its own: fixed ports collide
     kwargs = {
         "model_path": model_dir,
         "skip_tokenizer_init": True,
@@ -153,8 +154,8 @@ def server_kwargs(rollout_cfg, ctx: EngineContext, api: SGLangAPI, model_dir: st
         "tp_size": 1,
         "base_gpu_id": device.index or 0,  # in the rank's CUDA_VISIBLE_DEVICES numbering
         "random_seed": int(ctx.extra.get("seed", 0)),
-        "port": free_port(),  # each rank's engine needs its own: fixed ports collide
-        "nccl_port": free_port(),
+        "port": port,
+        "nccl_port": nccl_port,
         "log_level": "error",
         "disable_cuda_graph": bool(getattr(rollout_cfg, "enforce_eager", False)),
         "context_length": int(ctx.extra.get("max_model_len", ctx.model_config.max_position_embeddings)),
