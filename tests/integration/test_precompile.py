@@ -42,7 +42,11 @@ def deep_model(tmp_path_factory) -> Path:
 
 
 def _env(cache: Path) -> dict[str, str]:
-    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    return {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(cache),
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+    }
 
 
 def _twin(cache: Path, overrides: list[str]) -> None:
