@@ -351,7 +351,7 @@ def test_one_process_weight_sync_reads_the_shards_as_they_lie(one_rank_mesh, mon
     model = _trained_lora(cfg)
     plain = {assembly.hf_name(n): t.clone() for n, t in assembly.full_weights(model)}
     actor = fsdp2.minirl_apply_data_parallel(model=model, cfg=cfg.actor, mesh=one_rank_mesh)
-    params = list(actor.parameters())
+    params = [p for p in actor.parameters() if p.requires_grad]  # the frozen base is not sharded
     assert params and all(hasattr(p, "full_tensor") for p in params)
     gathered = {id(p): p.full_tensor() for p in params}
     calls = []
@@ -387,7 +387,10 @@ def test_lora_holds_its_frozen_embedding_in_the_gather_dtype_with_the_same_resul
     def run(embedding):
         model = _trained_lora(cfg)
         freed = lora.hold_frozen_in(model, torch.bfloat16, embedding=embedding)
-        actor = fsdp2.minirl_apply_data_parallel(model=model, cfg=cfg.actor, mesh=one_rank_mesh)
+        # the frozen base sharded, as across ranks (at world 1 it stays out of FSDP2: next test)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fsdp2, "frozen_outside", lambda *args: set())
+            actor = fsdp2.minirl_apply_data_parallel(model=model, cfg=cfg.actor, mesh=one_rank_mesh)
         logp, _ = response_logprobs(actor, prompts, responses, 0.7, CPU)
         logp.float().sum().backward()
         grads = {n: p.grad.full_tensor() for n, p in actor.named_parameters() if p.requires_grad}
@@ -405,3 +408,48 @@ def test_lora_holds_its_frozen_embedding_in_the_gather_dtype_with_the_same_resul
         model = h.tiny_model()
         LoRAFineTuning.assemble(pm, model, cfg, dist, needs_reference=False)
         assert model.get_input_embeddings().weight.dtype == want_dtype
+
+
+def test_one_process_leaves_a_lora_base_out_of_fsdp2_with_the_same_results(one_rank_mesh):
+    """At world 1 the frozen base of a LoRA actor stays out of FSDP2 (nothing to shard, nothing to
+    reduce; FSDP2 would copy it in and out of its gather buffer twice per micro-batch): plain
+    tensors held in the gather dtype, only the adapters sharded. Log-probs, adapter gradients and
+    an optimizer step equal those of the actor whose base FSDP2 manages, bit for bit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from minirl.models import lora
+    from minirl_plugins.parallel import fsdp2
+
+    cfg = h.config("model.lora_rank=4", "model.lora_alpha=8", "actor.fsdp_config.param_dtype=bfloat16")
+    prompts, responses = h.sequences([5, 8], [6, 3], seed=4)
+    pm = PluginManager(entry_points=False)
+
+    def run(outside: bool):
+        model = _trained_lora(cfg)
+        lora.hold_frozen_in(model, torch.bfloat16, embedding=torch.bfloat16)
+        with pytest.MonkeyPatch.context() as mp:
+            if not outside:
+                mp.setattr(fsdp2, "frozen_outside", lambda *args: set())
+            actor = fsdp2.minirl_apply_data_parallel(model=model, cfg=cfg.actor, mesh=one_rank_mesh)
+        held = {n: (hasattr(p, "full_tensor"), p.requires_grad, p.dtype) for n, p in actor.named_parameters()}
+        optimizer, _ = assembly.build_optimizer(pm, actor, cfg.actor.optim, 10)
+        logp, _ = response_logprobs(actor, prompts, responses, 0.7, CPU)
+        logp.float().sum().backward()
+        grads = {n: p.grad.full_tensor().clone() for n, p in actor.named_parameters() if p.requires_grad}
+        optimizer.step()
+        after, _ = response_logprobs(actor, prompts, responses, 0.7, CPU)
+        return actor, held, logp.detach(), grads, after.detach()
+
+    _, managed, want, want_grads, want_after = run(outside=False)
+    actor, held, got, got_grads, got_after = run(outside=True)
+    assert isinstance(actor, FSDPModule) and all(isinstance(layer, FSDPModule) for layer in fsdp2.decoder_layers(actor))
+    for name, (sharded, trains, dtype) in held.items():
+        assert sharded == lora.is_adapter_param(name) == trains, name
+        assert sharded or dtype == torch.bfloat16, (name, dtype)  # the norms too, as FSDP2 gathers them
+    assert all(sharded for sharded, _, _ in managed.values())
+    assert torch.equal(got, want) and torch.equal(got_after, want_after) and not torch.equal(got_after, got)
+    assert want_grads.keys() == got_grads.keys() and all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+    # a fully trained model (full fine-tuning) and a fully frozen one keep FSDP2's own handling
+    full = h.tiny_model()
+    assert fsdp2.frozen_outside(full, one_rank_mesh, cfg.actor.fsdp_config, torch.bfloat16) == set()
+    assert fsdp2.frozen_outside(full.requires_grad_(False), one_rank_mesh, cfg.actor.fsdp_config, None) == set()
