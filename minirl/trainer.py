@@ -389,8 +389,12 @@ def _compile_note(metrics: dict[str, float], step: int) -> str:
         return ""
     graphs, hits = int(metrics.get("compile/graphs", 0)), int(metrics.get("compile/cache_hits", 0))
     found = f", {hits} found compiled in inductor's cache" if hits else ""
-    if "compile/precompile_wait_s" in metrics:
+    if metrics.get("compile/precompile_wait_s", 0.0) >= 0.1:
         found += f", {metrics['compile/precompile_wait_s']:.1f} s waited for the second process"
+    if metrics.get("compile/precompile_unfinished"):
+        done = int(metrics.get("compile/precompile_passes", 0))
+        total = done + int(metrics["compile/precompile_unfinished"])
+        found += f"; the second process had compiled {done} of {total} passes' graphs when this step needed them"
     return (
         f"compiling: {seconds:.1f} s of step {step}'s {metrics['timing_s/step']:.1f} s ({graphs} graphs{found}; "
         "model.compile_layers, fused kernels); later steps reuse them"

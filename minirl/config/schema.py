@@ -25,6 +25,9 @@ class ModelConfig:
     # with compile_layers on one CUDA process: a second process compiles the layers' graphs into
     # inductor's cache while this one builds its engine and generates; step 1 loads them (minirl/precompile.py)
     precompile: bool = True
+    # how long the first compiled pass waits for a twin still compiling, before it stops the twin and
+    # compiles what the cache lacks itself (0: never waits; what the twin finished is used either way)
+    precompile_wait_s: float = 0.0
     fused_mlp: bool = False  # SiLU·mul in the gate/up GEMM's epilogue in gradient-free forwards (Hopper GPUs)
     seed: int = 0  # seed of the random weights of a preset (and of fresh LoRA adapters)
     # LoRA (minirl[lora], peft; docs/architecture.md): train low-rank adapters, the base weights frozen

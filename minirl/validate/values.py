@@ -62,6 +62,7 @@ RANGES: list[tuple[str, Callable[[Any], bool], str, str]] = [
         (f"{s}.recompute_num_layers", at_least(-1), "must be >= 0 layers, or -1 for every layer", "use -1")
         for s in ("model", "critic.model")
     ],
+    ("model.precompile_wait_s", at_least(0), "must be >= 0 seconds", "use 0 (never wait)"),
     ("data.train_batch_size", at_least(1), "must be at least 1 (prompts per step)", "use e.g. 16"),
     ("data.max_prompt_length", at_least(1), "must be at least 1 token", "use e.g. 512"),
     ("data.max_response_length", at_least(1), "must be at least 1 token", "use e.g. 512"),

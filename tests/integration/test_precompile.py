@@ -97,10 +97,11 @@ def test_on_cuda_the_run_finds_every_graph_its_twin_compiled(tmp_path, data_dir)
     """The hand-over in a run on a GPU, at the 1.5B shape: FSDP2 on a one-rank group, bf16
     matmuls over float32 masters, the fused MLP in the gradient-free passes, LoRA (its own
     reference and layer 0), 7 layers recomputed and the rest kept. The trainer waited for the
-    twin's two passes and compiled nothing itself."""
+    twin's two passes (model.precompile_wait_s: this run's generation is too short to hide them)
+    and compiled nothing itself."""
     overrides = [*STEP, "trainer.device=cuda", "model.preset=qwen2-1.5b", "model.fused_mlp=true"]
     overrides += ["model.lora_rank=8", "model.lora_alpha=16", "model.enable_gradient_checkpointing=true"]
-    overrides += ["model.recompute_num_layers=7", "rollout.gpu_memory_utilization=0.3"]
+    overrides += ["model.recompute_num_layers=7", "rollout.gpu_memory_utilization=0.3", "model.precompile_wait_s=600"]
     run = _job(tmp_path / "run", tmp_path / "cache", data_dir / "copy" / "train.parquet", overrides, precompile=True)
     assert run["compile/precompile_passes"] == 2, run
     assert run["compile/cache_misses"] == 0 and run["compile/cache_hits"] >= 6, run
