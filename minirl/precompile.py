@@ -62,6 +62,7 @@ from minirl.update.actor import logprob_temperature, on_policy
 
 TWIN_LAYERS = 3  # layer 0, a recomputed layer, a kept one
 TWIN_VOCAB = 512
+TWIN_NICENESS = 10  # a twin nobody waits for yields the CPU to the trainer (twin_niceness)
 # where generating is device work, which the twin's host work can overlap (tests add the CPU)
 OVERLAPPING_DEVICES = ("cuda",)
 NO_GRAD, UPDATE = "gradient-free passes", "update"
@@ -241,17 +242,25 @@ def _prev_log_prob_pass(cfg) -> bool:
 
 
 def _twin_main(cfg, passes: tuple[str, ...], conn, log: str, parent_pid: int) -> None:
-    """The twin process: its output to `log`, Ctrl-C left to the trainer. At the trainer's own CPU
-    priority: the trainer waits for it, so a twin starved by other work on the machine (a lower
-    priority, measured: 390 s for 35 s of compiling beside a test run on 2 cores) costs more than
-    it saves."""
+    """The twin process: its output to `log`, Ctrl-C left to the trainer, at twin_niceness."""
     with open(log, "w") as out:
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
+    os.nice(twin_niceness(cfg.model))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it ends us
     signal.signal(signal.SIGTERM, _unwind)
     threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
     serve(conn, lambda report: run_twin(cfg, passes, report))
+
+
+def twin_niceness(model_cfg) -> int:
+    """How much lower the twin's CPU priority is than the trainer's (its compile workers inherit
+    it). A twin the trainer does not wait for (model.precompile_wait_s = 0) only fills cores the
+    trainer leaves idle: it must not take them from the engine's decode loop, whose launches
+    pace the generation it overlaps. One the trainer waits for runs at the trainer's priority:
+    a lower one let other work on the machine starve it (390 s for 35 s of compiling beside a
+    test run on 2 cores), and that wait was the trainer's."""
+    return 0 if model_cfg.precompile_wait_s > 0 else TWIN_NICENESS
 
 
 def serve(conn, run) -> None:

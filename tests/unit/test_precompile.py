@@ -273,3 +273,10 @@ def test_step_ones_compile_note_says_how_far_a_stopped_twin_got():
     waited = {"compile/precompile_wait_s": 31.5, "compile/precompile_passes": 2.0, "compile/precompile_unfinished": 0.0}
     note = _compile_note({**metrics, **waited}, 1)
     assert "31.5 s waited for the second process" in note and "had compiled" not in note
+
+
+def test_a_twin_nobody_waits_for_yields_the_cpu_to_the_trainer():
+    """Not waited for (the default), the twin's compile only fills idle cores, never the decode
+    loop's; waited for, it runs at the trainer's priority (a starved twin would be the trainer's wait)."""
+    assert precompile.twin_niceness(_cfg().model) == precompile.TWIN_NICENESS > 0
+    assert precompile.twin_niceness(_cfg("model.precompile_wait_s=60").model) == 0
