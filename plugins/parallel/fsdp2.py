@@ -120,8 +120,8 @@ def frozen_outside(model: torch.nn.Module, mesh: DeviceMesh, fsdp_cfg, gathered:
 
     One rank has nothing to shard, and a frozen parameter nothing to reduce: FSDP2 would only
     copy it into its all-gather buffer and out again, before the forward and again before the
-    backward of every micro-batch (with LoRA on Qwen2-1.5B, 3 GB twice and about 50 small
-    copies a layer per micro-batch, for nothing). Across ranks the frozen base stays sharded:
+    backward of every micro-batch (with LoRA on Qwen2-1.5B, 3 GB twice and 24 copies a
+    layer per micro-batch, one per frozen tensor and unshard, for nothing). Across ranks the frozen base stays sharded:
     a replica per rank would cost its memory on every GPU."""
     if mesh.size() > 1 or fsdp_cfg.param_offload:
         return set()
