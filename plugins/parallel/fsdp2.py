@@ -69,10 +69,7 @@ def freeze(model: torch.nn.Module, cfg, device_type: str):
     all-gather copies and no hooks around each layer."""
     fsdp_cfg = cfg.fsdp_config
     offload = fsdp_cfg.param_offload or getattr(cfg, "offload", False)
-    dtype = param_dtype(fsdp_cfg, device_type)
-    if dtype is not None:
-        for param in model.parameters():
-            param.data = param.data.to(dtype)
+    store_in(model.parameters(), param_dtype(fsdp_cfg, device_type))
     if tdist.get_world_size() == 1 and not (offload and device_type == "cuda"):
         return None
     return dataclasses.replace(fsdp_cfg, param_offload=offload)
@@ -129,10 +126,15 @@ def frozen_outside(model: torch.nn.Module, mesh: DeviceMesh, fsdp_cfg, gathered:
     if all(p.requires_grad for p in params) or not any(p.requires_grad for p in params):
         return set()
     frozen = {p for p in params if not p.requires_grad}
-    for param in frozen:
-        if gathered is not None and param.is_floating_point() and param.dtype != gathered:
-            param.data = param.data.to(gathered)
+    store_in(frozen, gathered)
     return frozen
+
+
+def store_in(params, dtype: torch.dtype | None) -> None:
+    """Hold each floating parameter in `dtype`, the one every pass computes with (None: as they are)."""
+    for param in params:
+        if dtype is not None and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def apply_fsdp(

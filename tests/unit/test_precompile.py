@@ -209,8 +209,8 @@ def test_the_trainer_waits_until_the_twin_compiled_every_pass():
 def test_a_twin_not_done_when_the_trainer_needs_it_is_stopped_quietly(capsys, done, wait_s):
     """By default (model.precompile_wait_s = 0) the trainer does not wait: a twin still compiling
     is stopped, what it finished is used, and the rest compiles in the trainer (a graph the twin
-    has not finished costs its whole compile either way). Not a failure: no notice, its log
-    removed; the metrics say how far it got. A wait_s waits that long first."""
+    has not finished costs its whole compile either way). Not a failure: no notice; the metrics
+    say how far it got. A wait_s waits that long first."""
     twin = ScriptedTwin(wait_s=wait_s)
     twin.handle.go()
     for kind in done:
