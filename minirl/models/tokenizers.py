@@ -190,6 +190,23 @@ def qwen2_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def decode_batch(tokenizer, ids: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+    """What `tokenizer.batch_decode(ids, skip_special_tokens=...)` returns, from the `tokenizers`
+    library's own batch decode when the tokenizer is a plain fast one: one call for the batch,
+    spread over the machine's cores, where transformers converts every id through Python first
+    and then decodes the sequences one at a time (64 responses of 27,648 tokens: 0.92 s against
+    0.34 s on 2 cores; dev/bench_reward.py). A tokenizer with a decode of its own (a subclass's
+    `_decode`, a slow tokenizer) or that cleans up tokenization spaces goes through batch_decode."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if _plain_fast(tokenizer) else None
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return tokenizer.batch_decode(ids, skip_special_tokens=skip_special_tokens)
+    return backend.decode_batch([list(seq) for seq in ids], skip_special_tokens=skip_special_tokens)
+
+
+def _plain_fast(tokenizer) -> bool:
+    return isinstance(tokenizer, PreTrainedTokenizerFast) and type(tokenizer)._decode is PreTrainedTokenizerFast._decode
+
+
 def convert_qwen2_tokenizer(ranks_path: Path) -> PreTrainedTokenizerFast:
     """tiktoken BPE ranks -> a byte-level `tokenizers` BPE with Qwen2's split and NFC normaliser."""
     ranks = load_tiktoken_ranks(ranks_path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from minirl.models.tokenizers import decode_batch
 from minirl.protocols import Trajectory
 from minirl.reward.manager import RewardResult
 from minirl.reward.metrics import reward_metrics
@@ -18,7 +19,9 @@ def final_turn_ids(t: Trajectory) -> list[int]:
     """The model's last turn: the tokens after the last tool/user token (the whole response of
     a single turn)."""
     mask = t.response_mask
-    last_tool = next((i for i in range(len(mask) - 1, -1, -1) if not mask[i]), -1)
+    if 0 not in mask:  # a single turn (a scan in C, not a Python loop over 28k positions)
+        return t.response_ids
+    last_tool = len(mask) - 1 - mask[::-1].index(0)
     return t.response_ids[last_tool + 1 :]
 
 
@@ -39,7 +42,7 @@ def reward_view(t: Trajectory) -> dict | None:
 
 def rule_scores(rewards, tokenizer, records: list, trajectories: list[Trajectory]) -> RewardResult:
     """The reward of each trajectory's final turn, by its row's data_source (or the custom function)."""
-    texts = tokenizer.batch_decode([final_turn_ids(t) for t in trajectories], skip_special_tokens=True)
+    texts = decode_batch(tokenizer, [final_turn_ids(t) for t in trajectories])
     return rewards.score(records, texts, [reward_view(t) for t in trajectories])
 
 

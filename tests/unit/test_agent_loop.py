@@ -496,6 +496,16 @@ def test_reward_view_and_final_turn():
     assert reward_view(Trajectory([1], [5], [1], [0.0])) is None
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 1), max_size=30))
+def test_final_turn_is_everything_after_the_last_tool_token(mask):
+    """final_turn_ids against its definition: the ids after the last mask-0 position, all of them
+    when there is none (a single turn), none when the response ends in tool tokens."""
+    t = Trajectory([1], list(range(100, 100 + len(mask))), mask, [0.0] * len(mask))
+    last_tool = max((i for i, m in enumerate(mask) if m == 0), default=-1)
+    assert final_turn_ids(t) == t.response_ids[last_tool + 1 :]
+
+
 def test_chat_tokens_stop_at_a_single_token_call_close():
     """A tokenizer whose </tool_call> is one token (Qwen2.5's) stops a turn there."""
     tok = byte_tokenizer()

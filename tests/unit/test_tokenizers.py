@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import unicodedata
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 import minirl.models.tokenizers as toks
@@ -179,3 +182,48 @@ def test_load_tokenizer_errors_name_the_key(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"model\.path = .*does not load"):
         load_tokenizer(ModelConfig(path=str(tmp_path / "empty")))
+
+
+# ---------------------------------------------------------------------------------------------
+# decode_batch: the reward's decode
+# ---------------------------------------------------------------------------------------------
+
+ID_LISTS = st.lists(st.lists(st.integers(0, 151_664), max_size=64), min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ID_LISTS, st.booleans())
+def test_decode_batch_is_batch_decode_for_qwen2(ids, skip):
+    """Any ids (specials, partial UTF-8 byte tokens and empty responses included) decode to the
+    same strings as transformers' batch_decode, with and without the special tokens."""
+    qwen = _QWEN()
+    assert toks.decode_batch(qwen, ids, skip_special_tokens=skip) == qwen.batch_decode(ids, skip_special_tokens=skip)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.integers(0, BYTE_VOCAB_SIZE - 1), max_size=40), min_size=1, max_size=4))
+def test_decode_batch_is_batch_decode_for_the_byte_tokenizer(ids):
+    tok = _BYTE()
+    assert toks.decode_batch(tok, ids) == tok.batch_decode(ids, skip_special_tokens=True)
+
+
+def test_decode_batch_defers_to_a_tokenizer_with_its_own_decode():
+    """A subclass's _decode or cleaned-up spaces are transformers' to apply: decode_batch gives
+    what batch_decode gives, not the backend's raw text."""
+
+    class Shouting(type(byte_tokenizer())):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=byte_tokenizer().backend_tokenizer)
+    ids = [list(b"hello"), list(b"x")]
+    assert toks.decode_batch(shouting, ids) == ["HELLO", "X"]
+    cleaning = byte_tokenizer()
+    cleaning.clean_up_tokenization_spaces = True
+    calls = []
+    cleaning.batch_decode = lambda ids, **kw: calls.append(ids) or ["cleaned"] * len(ids)
+    assert toks.decode_batch(cleaning, ids) == ["cleaned", "cleaned"] and calls == [ids]
+
+
+_QWEN = functools.cache(qwen2_tokenizer)
+_BYTE = functools.cache(byte_tokenizer)
