@@ -5,9 +5,11 @@ in bf16: minirl.models.lora.hold_frozen_in), beside full fine-tuning of the same
     python3 dev/lora_memory.py [--preset qwen2-7b] [--rank 64] [--rows 128] [--max-model-len 2048]
 
 Rows: the actor's frozen weights, its adapters, their gradients and AdamW state, the rollout
-engine's bf16 copy, and the native engine's bf16 KV cache: `rows` (prompts x n of one generate)
-at max_model_len (data.max_prompt_length + data.max_response_length) plus a page each, when
-rollout.gpu_memory_utilization of the free memory is larger (useful_pages in
+engine's bf16 weights (the adapted matrices, merged: the embedding, head and norms are the
+actor's own tensors, EngineContext.shared), and the native engine's bf16 KV cache: `rows`
+(prompts x n of one generate) at max_model_len (data.max_prompt_length +
+data.max_response_length) plus a page each, when rollout.gpu_memory_utilization of the free
+memory is larger (useful_pages in
 plugins/engines/native/engine/model_runner.py). The defaults are `lora7b` of
 scripts/gpu_workload.sh: 16 prompts x 8 samples, 1,024 + 1,024 tokens. A run logs the same holders as
 memory_gib/held/<holder> and each phase's peak as memory_gib/<phase> (minirl.observe.memory);
@@ -38,7 +40,8 @@ def lora_holders(preset: str, rank: int) -> dict[str, float]:
     lora.hold_frozen_in(model, torch.bfloat16, embedding=torch.bfloat16)  # FSDP2 gathers in bf16 on CUDA
     params = list({id(p): p for p in model.parameters()}.values())
     adapters = nbytes(p for p in params if p.requires_grad)
-    base_numel = sum(p.numel() for p in params if not p.requires_grad)
+    # the engine's own: the adapted matrices, merged; the rest it shares with the actor (EngineContext.shared)
+    adapted_numel = sum(layer.base_layer.weight.numel() for layer in lora.lora_layers(model).values())
     embed = model.get_input_embeddings().weight
     return {
         "frozen Linears (bf16)": nbytes(p for p in params if not p.requires_grad and p.dim() == 2 and p is not embed),
@@ -47,7 +50,7 @@ def lora_holders(preset: str, rank: int) -> dict[str, float]:
         "adapters (float32)": adapters,
         "adapter gradients": adapters,
         "AdamW state": 2 * adapters,
-        "rollout engine weights (bf16)": 2 * base_numel,
+        "engine weights (bf16, the adapted matrices)": 2 * adapted_numel,
     }
 
 

@@ -127,9 +127,10 @@ def total_steps(trainer_cfg, steps_per_epoch: int) -> int:
     return trainer_cfg.total_training_steps or trainer_cfg.total_epochs * steps_per_epoch
 
 
-def engine(pm, cfg: Config, actor, tokenizer, dist: DistContext):
+def engine(pm, cfg: Config, actor, tokenizer, dist: DistContext, shared: dict | None = None):
     """The rollout engine named by rollout.name, next to the actor (KV cache released when
-    rollout.free_cache_engine)."""
+    rollout.free_cache_engine); shared: the actor's tensors it may hold instead of copies
+    (EngineContext.shared; the model adapter's shared_weights)."""
     r = cfg.rollout
     ctx = EngineContext(
         model_config=actor.config,
@@ -144,6 +145,7 @@ def engine(pm, cfg: Config, actor, tokenizer, dist: DistContext):
             "max_batch_rows": cfg.data.train_batch_size // dist.dp_size * r.n,  # a step's generate call
             "seed": cfg.trainer.seed + dist.dp_rank,  # engines with a seed of their own (sglang)
         },
+        shared=shared or {},
     )
     built = pm["rollout_engines"].get(r.name)(r, ctx)
     if r.free_cache_engine:

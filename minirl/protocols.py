@@ -143,9 +143,14 @@ class EngineContext:
     """Everything an engine factory may need to build an engine next to the actor.
 
     model_config: the transformers PretrainedConfig of the policy.
-    actor: the policy module (plain or sharded); engines copy weights from it, never alias it.
+    actor: the policy module (plain or sharded); engines copy weights from it, and alias only
+    what `shared` offers.
     device: where the engine runs. dtype: the engine's compute dtype.
     eos_token_ids / pad_token_id: from the tokenizer and generation config.
+    shared: the actor's tensors that keep their values for the whole run and that engines load
+    as they are (a LoRA run's frozen embedding, head and norms), by Hugging Face name. An engine
+    on their device that computes in their dtype may hold these tensors themselves instead of
+    copies; it must never write into them.
     """
 
     model_config: Any
@@ -155,6 +160,7 @@ class EngineContext:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
     extra: dict = field(default_factory=dict)
+    shared: dict = field(default_factory=dict)
 
 
 @dataclass

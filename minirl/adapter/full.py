@@ -45,6 +45,11 @@ class FullFineTuning:
         """What an engine loads, by Hugging Face name (after an update every parameter changed)."""
         return assembly.full_weights(self.actor)
 
+    def shared_weights(self) -> dict[str, torch.Tensor]:
+        """What an engine may hold instead of a copy (EngineContext.shared): nothing, every
+        parameter changes at every update."""
+        return {}
+
     def trained_parameters(self) -> int | None:
         """The parameters that get weight gradients, for the MFU (None: all of them)."""
         return None

@@ -82,6 +82,13 @@ def full_weights(model: torch.nn.Module, adapted_only: bool = False) -> Iterator
         yield hf_name(name), tensor
 
 
+def constant_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) of a LoRA model's parameters that never change and that engines
+    load as they are (minirl.models.lora.constant_weights); none for a model without adapters."""
+    for name, tensor in lora.constant_weights(model):
+        yield hf_name(name), tensor
+
+
 def plain_copy(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """A copy of the actor as Hugging Face's generate runs it, on `device` in `dtype`: LoRA layers
     merged into plain Linears, decoder layers uncompiled, MLPs unfused (an engine that copies

@@ -199,6 +199,21 @@ def merged_weights(model: torch.nn.Module, adapted_only: bool = False) -> Iterat
             yield name.replace(_BASE + ".", "."), full_tensor(param)
 
 
+def constant_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the parameters a LoRA run never changes and that an engine loads as they
+    are: the frozen ones outside the adapted matrices (the embedding, an untied head, the norms,
+    the adapted layers' biases), under the names merged_weights gives them. A sharded parameter
+    (DTensor) is left out: no process holds it whole."""
+    layers = lora_layers(model)
+    for name, param in model.named_parameters():
+        if param.requires_grad or is_adapter_param(name) or hasattr(param, "full_tensor"):
+            continue
+        owner, _, leaf = name.rpartition(".")
+        if owner.endswith(_BASE) and owner[: -len(_BASE)] in layers and leaf == "weight":
+            continue  # the engine holds it merged with its adapters
+        yield name.replace(_BASE + ".", "."), param.detach()
+
+
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapters in peft's file layout: `base_model.model.<module>.lora_A.weight` (the
     adapter name dropped), full tensors on the CPU. Every rank must call (gathers)."""

@@ -23,7 +23,8 @@ def collocated(parts: Parts) -> tuple[BatchSource, WeightSync]:
     the reward functions and the validation set; dynamic sampling (algorithm.filter_groups)
     wraps the source."""
     pm, cfg, dist = parts.pm, parts.cfg, parts.dist
-    engine = build.engine(pm, cfg, parts.adapter.actor, parts.tokenizer, dist)
+    adapter = parts.adapter
+    engine = build.engine(pm, cfg, adapter.actor, parts.tokenizer, dist, adapter.shared_weights())
     rewards = build_reward_manager(cfg.reward, cfg.custom_reward_function, pm["reward_functions"], cfg.plugins.modules)
     val = build.val_set(cfg.trainer, cfg.data, parts.tokenizer, dist, parts.agents.tool_schemas)
     parts.agents.check_rows(val.records if val else [])

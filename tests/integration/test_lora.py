@@ -43,6 +43,8 @@ def test_lora_resume_is_bit_exact_and_checkpoints_hold_only_the_adapters(tmp_pat
     run_job(resumed, data_dir, [*common, "trainer.total_training_steps=1"])
     trainer = make_trainer(resumed, data_dir, [*common, "trainer.total_training_steps=2"])
     assert trainer.start_step == 1
+    shared = trainer.source.engine.shared  # the engine holds the actor's frozen embedding, head, norms
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= shared
     trainer.fit()
     assert [r["step"] for r in metrics(resumed / "bench")] == [1, 2]
     assert metrics(resumed / "bench") == metrics(straight / "bench")

@@ -7,6 +7,7 @@ sync, and the peft adapter directory round-trips through peft itself.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -387,3 +388,59 @@ def test_a_lora_update_computes_no_weight_gradient_of_the_frozen_matrices(monkey
     tokens = 24
     assert _layers_fwd_bwd_matmul_flops(model, tokens) == (4 * frozen + 6 * adapters) * tokens
     assert _layers_fwd_bwd_matmul_flops(base, tokens) == 6 * frozen * tokens
+
+
+def test_the_engine_holds_the_actors_constant_tensors_instead_of_copies():
+    """EngineContext.shared: the native engine's embedding, head, norms and the adapted layers'
+    biases are the actor's own tensors (no second copy), the adapted matrices its own merged
+    copies; it generates exactly as an engine of copies does, before and after syncs, and refuses
+    to load other values into what it shares."""
+    _, model = lora_model()
+    shared = dict(assembly.constant_weights(model))
+    assert "model.embed_tokens.weight" in shared and "lm_head.weight" in shared
+    assert "model.layers.0.self_attn.q_proj.bias" in shared and "model.norm.weight" in shared
+    assert not any("lora_" in n or "base_layer" in n for n in shared)
+    adapted = {n for n, _ in assembly.full_weights(model, adapted_only=True)}
+    assert not adapted & set(shared) and len(adapted) == 14
+    engine = build_native_engine(None, dataclasses.replace(engine_context(model.config, actor=model), shared=shared))
+    copies = build_native_engine(None, engine_context(model.config, actor=model))
+    params = dict(engine.model.named_parameters())
+    assert engine.shared == frozenset(shared)
+    for name, tensor in shared.items():
+        assert params[name].data_ptr() == tensor.data_ptr(), name
+    for name in adapted:
+        assert (
+            params[name].data_ptr()
+            != dict(model.named_parameters())[name.replace(".weight", ".base_layer.weight")].data_ptr()
+        )
+    own = sum(p.numel() * p.element_size() for n, p in params.items() if n not in shared)
+    assert engine.memory_gib()["weights_gib"] == own / 2**30 < copies.memory_gib()["weights_gib"]
+    for step in range(2):
+        prompts = [PROMPTS[0], PROMPTS[2]]
+        assert generate(engine, prompts) == generate(copies, prompts)
+        perturb_adapters(model, seed=20 + step)  # an update, then the sync of what changed
+        for e in (engine, copies):
+            e.load_weights(assembly.full_weights(model, adapted_only=True))
+        assert engine.checksum(torch.float32) == weights_checksum(assembly.full_weights(model), torch.float32)
+    engine.load_weights(assembly.full_weights(model))  # every weight, the shared ones as themselves
+    embed = shared["model.embed_tokens.weight"]
+    with pytest.raises(ValueError, match="actor's own tensor"):
+        engine.load_weights([("model.embed_tokens.weight", embed + 1.0)])
+    assert torch.equal(embed, copies.model.model.embed_tokens.weight)  # the actor's untouched
+
+
+def test_an_engine_in_another_dtype_shares_nothing_and_full_fine_tuning_offers_nothing():
+    _, model = lora_model()
+    shared = dict(assembly.constant_weights(model))
+    ctx = dataclasses.replace(engine_context(model.config, actor=model, dtype=torch.bfloat16), shared=shared)
+    assert build_native_engine(None, ctx).shared == frozenset()
+    from minirl.adapter import FullFineTuning
+
+    assert FullFineTuning(base_model(), None).shared_weights() == {}  # every weight changes
+
+
+def generate(engine, prompts) -> list[list[int]]:
+    from tests.tiny_models import greedy
+
+    outs = engine.generate(prompts, greedy(max_new=6))
+    return [o.token_ids for o in outs]

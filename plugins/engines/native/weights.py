@@ -16,9 +16,13 @@ from minirl.models.checksum import _IGNORED_SUFFIXES, full_tensor, weights_check
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Copy each (name, tensor) into the parameter of that name, in place; returns the count."""
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], shared: frozenset = frozenset()) -> int:
+    """Copy each (name, tensor) into the parameter of that name, in place; returns the count.
+    shared: parameters that are the actor's own tensors (share_weights), which take only
+    themselves: nothing to copy (a sync of every weight), where anything else would overwrite
+    the actor's."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    actors = {params[name].data_ptr() for name in shared}  # a tied head is the embedding: by storage
     unknown, count = [], 0
     for name, tensor in weights:
         name = hf_name(name)
@@ -33,11 +37,34 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             raise ValueError(
                 f"weight {name}: shape {tuple(tensor.shape)} does not match the model's {tuple(param.shape)}"
             )
-        param.copy_(tensor)
+        if param.data_ptr() in actors:
+            if tensor.data_ptr() != param.data_ptr():
+                raise ValueError(
+                    f"weight {name}: the native engine holds the actor's own tensor here (EngineContext.shared, "
+                    "a weight that stays constant for the run) and cannot load other values into it"
+                )
+        else:
+            param.copy_(tensor)
         count += 1
     if unknown:
         raise ValueError(f"{len(unknown)} weights have no parameter in the native engine's model: {unknown[:5]}")
     return count
+
+
+def share_weights(model: nn.Module, shared: dict[str, torch.Tensor]) -> frozenset[str]:
+    """Point each parameter named in `shared` (EngineContext.shared: the actor's tensors that never
+    change) at that tensor instead of holding a copy, where shape, dtype and device agree; returns
+    the names of the parameters that now alias the actor. Their copies are freed: the caller
+    returns the memory to the device before sizing its KV cache."""
+    params = dict(model.named_parameters())
+    aliased = []
+    for name, tensor in shared.items():
+        param = params.get(hf_name(name))
+        if param is None or (param.shape, param.dtype, param.device) != (tensor.shape, tensor.dtype, tensor.device):
+            continue
+        param.data = tensor.detach()
+        aliased.append(hf_name(name))
+    return frozenset(aliased)
 
 
 def iter_checkpoint(path: str, device) -> Iterable[tuple[str, torch.Tensor]]:

@@ -29,7 +29,13 @@ from minirl_plugins.engines.native.layers.meta import StepMeta
 from minirl_plugins.engines.native.layers.ops import select_ops
 from minirl_plugins.engines.native.models.decoder import DecoderLM
 from minirl_plugins.engines.native.models.spec import ModelSpec
-from minirl_plugins.engines.native.weights import init_random, iter_checkpoint, load_weights, weights_checksum
+from minirl_plugins.engines.native.weights import (
+    init_random,
+    iter_checkpoint,
+    load_weights,
+    share_weights,
+    weights_checksum,
+)
 
 
 class NativeEngine:
@@ -54,8 +60,12 @@ class NativeEngine:
         self.weight_version = 0  # stamped on every token sampled (asynchronous training sets it)
 
     def _init_weights(self, ctx: EngineContext) -> None:
+        self.shared: frozenset[str] = frozenset()  # parameters that are the actor's own tensors
         if ctx.actor is not None:
             self.load_weights(full_weights(ctx.actor))  # merged, when the actor has LoRA adapters
+            self.shared = share_weights(self.model, ctx.shared)
+            if self.shared and self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the copies' memory goes to the KV cache, sized next
         elif ctx.extra.get("path"):
             self.load_weights(iter_checkpoint(ctx.extra["path"], self.device))
         else:
@@ -152,7 +162,7 @@ class NativeEngine:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy weights in place by Hugging Face name; captured graphs stay valid."""
-        load_weights(self.model, weights)
+        load_weights(self.model, weights, self.shared)
         if self.device.type == "cuda":  # the copies are done when the caller times them
             torch.cuda.synchronize(self.device)
 
@@ -292,10 +302,12 @@ class NativeEngine:
         self._resume_s = 0.0
 
     def memory_gib(self) -> dict[str, float]:
-        """What the engine holds on its device (minirl.observe.memory): its weights, and its KV
-        cache while allocated; the CUDA graphs' pools come on top."""
+        """What the engine holds on its device (minirl.observe.memory): its weights (not those it
+        shares with the actor, which the actor's count holds), and its KV cache while allocated;
+        the CUDA graphs' pools come on top."""
         counter = StorageCounter(self.device)
-        out = {"weights_gib": counter.count(self.model.parameters()) / GIB}
+        own = (p for name, p in self.model.named_parameters() if name not in self.shared)  # the rest: the actor's
+        out = {"weights_gib": counter.count(own) / GIB}
         if self.runner.kv is not None:
             out["kv_cache_gib"] = counter.count([self.runner.kv]) / GIB
         return out
