@@ -439,6 +439,26 @@ def test_an_engine_in_another_dtype_shares_nothing_and_full_fine_tuning_offers_n
     assert FullFineTuning(base_model(), None).shared_weights() == {}  # every weight changes
 
 
+def test_a_tied_head_is_shared_once_with_the_embedding():
+    """qwen3-tiny ties lm_head to the embedding: the engine's head is the actor's embedding too,
+    and a sync of every weight (the head under its own name included) leaves the actor intact."""
+    model = lora.apply_lora(
+        random_model(preset_config("qwen3-tiny"), "cpu", torch.float32, 0), model_cfg(), "qwen3-tiny"
+    )
+    shared = dict(assembly.constant_weights(model))
+    assert "lm_head.weight" not in shared  # the actor names the tied tensor once
+    engine = build_native_engine(None, dataclasses.replace(engine_context(model.config, actor=model), shared=shared))
+    embed = model.get_input_embeddings().weight
+    assert engine.model.lm_head.weight.data_ptr() == embed.data_ptr()
+    copies = build_native_engine(None, engine_context(model.config, actor=model))
+    perturb_adapters(model, seed=3)
+    for e in (engine, copies):
+        e.load_weights(assembly.full_weights(model))
+    assert generate(engine, [PROMPTS[1]]) == generate(copies, [PROMPTS[1]])
+    with pytest.raises(ValueError, match="actor's own tensor"):
+        engine.load_weights([("lm_head.weight", torch.zeros_like(embed))])
+
+
 def generate(engine, prompts) -> list[list[int]]:
     from tests.tiny_models import greedy
 
