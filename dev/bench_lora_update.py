@@ -9,7 +9,9 @@ Variants: `full` (every matrix trains: float32 masters, the weight gradients), `
 peft's own layer forward over a float32 frozen base: what minirl ran before), `addmm`
 (minirl's layer forward, lora._forward: the adapters' sum in one addmm's epilogue), `addmm_bf16`
 (that, with the frozen Linears held in bf16 by lora.hold_frozen_in: what LoRAFineTuning runs on
-CUDA). Each LoRA variant at every rank of --ranks. Printed: the median forward + backward time,
+CUDA), `merged` (the layer computed with W + s B A merged in bf16: one GEMM forward and one for
+dx, the adapters' gradients by the skinny GEMMs; a candidate, see MergedLoRA). Each LoRA variant
+at every rank of --ranks. Printed: the median forward + backward time,
 its ratio to `full`, the ratio a FLOP count predicts ((4N + 2n) / 6N: no weight gradients of the
 frozen matrices), the peak memory, and the merge of the adapted matrices into bf16 engine buffers
 (what a collocated sync does). The head (final norm, lm_head, log-softmax) is left out: it is
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import types
 
 import torch
 from cuda_timing import median_ms  # dev/'s shared timer (this script's folder is on sys.path)
@@ -31,7 +34,7 @@ from minirl.models.compile import compile_layers
 from minirl.models.loading import random_model
 from minirl.models.presets import preset_config
 
-VARIANTS = ("full", "peft", "addmm", "addmm_bf16")
+VARIANTS = ("full", "peft", "addmm", "addmm_bf16", "merged")
 
 
 def build(args, variant: str, rank: int, device: torch.device):
@@ -47,10 +50,48 @@ def build(args, variant: str, rank: int, device: torch.device):
         if variant == "peft":
             for layer in lora.lora_layers(model).values():
                 layer.__dict__.pop("forward")  # peft's own forward
-        if variant == "addmm_bf16":
+        if variant in ("addmm_bf16", "merged"):
             lora.hold_frozen_in(model, torch.bfloat16)
+        if variant == "merged":
+            for layer in lora.lora_layers(model).values():
+                layer.forward = types.MethodType(_merged_forward, layer)
     compile_layers(model, args.compile)
     return model
+
+
+class MergedLoRA(torch.autograd.Function):
+    """y = x (W + s B A)ᵀ with the adapters' gradients of the unmerged layer: one GEMM forward
+    (no addmm pass over [M, out]) and one for dx (dY (W + s B A): no second dx GEMM and no sum of
+    the two), the merged weight made again in the backward rather than kept. The merge rounds
+    W + s B A to W's bf16 once, as the engines' merged weights do, so it does not give the
+    unmerged layer's bits: a candidate to time, not minirl's layer."""
+
+    @staticmethod
+    def forward(ctx, x, w, a, b, s: float):
+        ctx.save_for_backward(x, w, a, b)
+        ctx.s = s
+        wm = torch.addmm(w, b.to(w.dtype), a.to(w.dtype), alpha=s)
+        return x.to(w.dtype) @ wm.t()
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, a, b = ctx.saved_tensors
+        lo = w.dtype
+        x, dy = x.to(lo), dy.to(lo)
+        wm = torch.addmm(w, b.to(lo), a.to(lo), alpha=ctx.s)
+        dx = dy.reshape(-1, dy.shape[-1]) @ wm
+        flat_x, flat_dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        da = (flat_dy @ b.to(lo)).t() @ flat_x * ctx.s
+        db = flat_dy.t() @ (flat_x @ a.to(lo).t()) * ctx.s
+        return dx.view(x.shape), None, da.to(a.dtype), db.to(b.dtype), None
+
+
+def _merged_forward(self, x, *args, **kwargs):
+    layer = self.base_layer
+    y = MergedLoRA.apply(
+        x, layer.weight, self.lora_A[lora.ADAPTER].weight, self.lora_B[lora.ADAPTER].weight, self.scaling[lora.ADAPTER]
+    )
+    return y if layer.bias is None else y + layer.bias
 
 
 def step_fn(model, args, device: torch.device):
