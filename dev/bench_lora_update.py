@@ -4,6 +4,7 @@ of computing the LoRA layers, and the sync's merge of the adapted matrices.
 
     python3 dev/bench_lora_update.py                                    # on a CUDA machine
     python3 dev/bench_lora_update.py --device cpu --preset tiny --seq-len 32 --seqs 2 --reps 1 --no-compile
+    python3 dev/bench_lora_update.py --variants full,addmm_bf16,merged --ranks 64 --reps 3 --profile
 
 Variants: `full` (every matrix trains: float32 masters, the weight gradients), `peft` (LoRA with
 peft's own layer forward over a float32 frozen base: what minirl ran before), `addmm`
@@ -129,6 +130,20 @@ def merge_ms(model, reps: int, device: torch.device) -> float:
     return median_ms(run, device, reps)
 
 
+def print_kernels(run, label: str, top: int = 12) -> None:
+    """One more forward + backward under torch.profiler: its slowest kernels by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(f"\n{label}: the slowest {top} ops")
+    print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
+
+
 def flops_ratio(model) -> float:
     """(4N + 2n) / 6N over the decoder layers: N their parameters (base and adapters), n the adapters'."""
     params = list(model.get_decoder().layers.named_parameters())
@@ -148,6 +163,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--profile", action="store_true", help="also print each variant's slowest kernels")
     args = parser.parse_args()
     device = torch.device(args.device)
     rows = []
@@ -159,6 +175,8 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             ms = median_ms(step_fn(model, args, device), device, args.reps)
+            if args.profile:
+                print_kernels(step_fn(model, args, device), f"{variant} r{rank}" if variant != "full" else variant)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
             if variant == "full":
                 full_ms = ms
