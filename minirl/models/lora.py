@@ -192,11 +192,18 @@ def merged_weights(model: torch.nn.Module, adapted_only: bool = False) -> Iterat
     for name, param in model.named_parameters():
         if is_adapter_param(name):
             continue
-        owner, _, leaf = name.rpartition(".")
-        if owner.endswith(_BASE) and owner[: -len(_BASE)] in layers and leaf == "weight":
-            yield owner[: -len(_BASE)] + ".weight", merged(layers[owner[: -len(_BASE)]])
+        layer = _adapted_layer(name, layers)
+        if layer is not None:
+            yield layer + ".weight", merged(layers[layer])
         elif not adapted_only:
             yield name.replace(_BASE + ".", "."), full_tensor(param)
+
+
+def _adapted_layer(name: str, layers: dict[str, torch.nn.Module]) -> str | None:
+    """The LoRA layer whose frozen matrix `name` is (`<layer>.base_layer.weight`), or None."""
+    owner, _, leaf = name.rpartition(".")
+    layer = owner[: -len(_BASE)]
+    return layer if owner.endswith(_BASE) and leaf == "weight" and layer in layers else None
 
 
 def constant_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -208,10 +215,8 @@ def constant_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
     for name, param in model.named_parameters():
         if param.requires_grad or is_adapter_param(name) or hasattr(param, "full_tensor"):
             continue
-        owner, _, leaf = name.rpartition(".")
-        if owner.endswith(_BASE) and owner[: -len(_BASE)] in layers and leaf == "weight":
-            continue  # the engine holds it merged with its adapters
-        yield name.replace(_BASE + ".", "."), param.detach()
+        if _adapted_layer(name, layers) is None:  # an adapted matrix the engine holds merged
+            yield name.replace(_BASE + ".", "."), param.detach()
 
 
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

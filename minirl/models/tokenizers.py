@@ -200,7 +200,7 @@ def decode_batch(tokenizer, ids: list[list[int]], skip_special_tokens: bool = Tr
     backend = getattr(tokenizer, "backend_tokenizer", None) if _plain_fast(tokenizer) else None
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return tokenizer.batch_decode(ids, skip_special_tokens=skip_special_tokens)
-    return backend.decode_batch([list(seq) for seq in ids], skip_special_tokens=skip_special_tokens)
+    return backend.decode_batch(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _plain_fast(tokenizer) -> bool:

@@ -54,8 +54,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
 def share_weights(model: nn.Module, shared: dict[str, torch.Tensor]) -> frozenset[str]:
     """Point each parameter named in `shared` (EngineContext.shared: the actor's tensors that never
     change) at that tensor instead of holding a copy, where shape, dtype and device agree; returns
-    the names of the parameters that now alias the actor. Their copies are freed: the caller
-    returns the memory to the device before sizing its KV cache."""
+    the names of the parameters that now alias the actor. Done before the first load, which then
+    copies nothing into them; their own storage is freed, and the caller returns it to the
+    device before sizing its KV cache."""
     params = dict(model.named_parameters())
     aliased = []
     for name, tensor in shared.items():

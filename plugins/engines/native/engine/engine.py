@@ -62,10 +62,10 @@ class NativeEngine:
     def _init_weights(self, ctx: EngineContext) -> None:
         self.shared: frozenset[str] = frozenset()  # parameters that are the actor's own tensors
         if ctx.actor is not None:
-            self.load_weights(full_weights(ctx.actor))  # merged, when the actor has LoRA adapters
-            self.shared = share_weights(self.model, ctx.shared)
+            self.shared = share_weights(self.model, ctx.shared)  # first: nothing is copied into them
             if self.shared and self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the copies' memory goes to the KV cache, sized next
+            self.load_weights(full_weights(ctx.actor))  # merged, when the actor has LoRA adapters
         elif ctx.extra.get("path"):
             self.load_weights(iter_checkpoint(ctx.extra["path"], self.device))
         else:
