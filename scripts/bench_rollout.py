@@ -6,7 +6,8 @@
 Model: the Qwen2-1.5B shape (DeepSeek-R1-Distill-Qwen-1.5B: 28 layers, hidden 1536, 12 heads,
 2 KV heads, MLP 8960, vocabulary 151936, untied head), random weights, bfloat16, EOS ignored.
 Workloads (prompts x prompt tokens x new tokens): w1 = 128 x 256 x 512, w2 = 512 x 256 x 2048,
-w3 = 256 x 100 x 1024 (the generation of the 32 x 8 x 1,024 training workload of docs/benchmarks.md).
+w3 = 256 x 100 x 1024 (the generation of the 32 x 8 x 1,024 training workload of docs/benchmarks.md),
+l14 = 64 x 14,000 x 256 (the 28k long-context step's decode at its middle; with --kv-cache-dtype fp8).
 
 Multi-turn (--multi-turn): 256 samples x 3 assistant turns x 256 tokens with 64-token tool replies
 between the turns, through the agent-loop path (minirl.agent: one loop per sample, the engine
@@ -44,7 +45,13 @@ from minirl_plugins.engines.native.weights import weights_checksum
 BANDWIDTH = 4.28e12
 # w3: the 32 x 8 x 1,024 training workload's generation (32 prompts x 8 samples, gsm8k prompts of
 # about 100 tokens, 1,024 new)
-WORKLOADS = {"w1": (128, 256, 512), "w2": (512, 256, 2048), "w3": (256, 100, 1024), "smoke": (8, 16, 12)}
+WORKLOADS = {
+    "w1": (128, 256, 512),
+    "w2": (512, 256, 2048),
+    "w3": (256, 100, 1024),
+    "l14": (64, 14000, 256),  # the 28k step's decode half way through: 64 rows at ~14k tokens of context
+    "smoke": (8, 16, 12),
+}
 SHAPES = ("qwen2-1.5b", "tiny")  # minirl.models presets (random weights)
 
 
@@ -68,7 +75,10 @@ def build(args, device, dtype):
         max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager,
     )
-    ctx = EngineContext(config, hf, device, dtype, (), 0, extra={"max_model_len": 4096})
+    longest = max((sum(WORKLOADS[w][1:]) for w in args.workloads.split(",") if w), default=0)
+    if args.micro or args.sweep_attention:  # their contexts index the rotary table too
+        longest = max([longest] + [ctx for _, ctx in shapes(args.micro_shapes)])
+    ctx = EngineContext(config, hf, device, dtype, (), 0, extra={"max_model_len": max(4096, longest + 8)})
     return config, hf, build_native_engine(rollout, ctx)
 
 
