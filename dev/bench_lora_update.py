@@ -1,22 +1,26 @@
 """LoRA's update against full fine-tuning, one packed micro-batch through the decoder layers of the
-1.5B shape (forward + backward under bf16 autocast, as the trainer runs at one process), per way
-of computing the LoRA layers, and the sync's merge of the adapted matrices.
+1.5B shape, per way of computing the LoRA layers, and the sync's merge of the adapted matrices.
+Forward + backward in the trainer's dtypes: on CUDA its FSDP2 gathers every parameter in bf16 even
+at one process, so the weights, activations and rotary cos/sin are bf16 and attention runs on the
+flash/cuDNN kernels (minirl.models.varlen takes them for half-precision q only; float32 would time
+the exact per-segment SDPA); under bf16 autocast too, for the float32-base variants. The CPU keeps
+float32.
 
     python3 dev/bench_lora_update.py                                    # on a CUDA machine
     python3 dev/bench_lora_update.py --device cpu --preset tiny --seq-len 32 --seqs 2 --reps 1 --no-compile
-    python3 dev/bench_lora_update.py --variants full,addmm_bf16,merged --ranks 64 --reps 3 --profile
+    python3 dev/bench_lora_update.py --variants full,unmerged,lora --ranks 64 --reps 3 --profile
 
-Variants: `full` (every matrix trains: float32 masters, the weight gradients), `peft` (LoRA with
-peft's own layer forward over a float32 frozen base: what minirl ran before), `addmm`
-(minirl's layer forward, lora._forward: the adapters' sum in one addmm's epilogue), `addmm_bf16`
-(that, with the frozen Linears held in bf16 by lora.hold_frozen_in: what LoRAFineTuning runs on
-CUDA), `merged` (the layer computed with W + s B A merged in bf16: one GEMM forward and one for
-dx, the adapters' gradients by the skinny GEMMs; a candidate, see MergedLoRA). Each LoRA variant
-at every rank of --ranks. Printed: the median forward + backward time,
-its ratio to `full`, the ratio a FLOP count predicts ((4N + 2n) / 6N: no weight gradients of the
-frozen matrices), the peak memory, and the merge of the adapted matrices into bf16 engine buffers
-(what a collocated sync does). The head (final norm, lm_head, log-softmax) is left out: it is
-frozen in both and its cost is the same.
+Variants: `full` (every matrix trains: bf16 weights and weight gradients, as FSDP2 computes them),
+`peft` (LoRA with peft's own layer forward over a float32 frozen base: what minirl ran first),
+`unmerged` (lora._unmerged: x Wᵀ + b with the adapters' sum in one addmm's epilogue, over the
+frozen Linears held in bf16 and every parameter bf16 as gathered: minirl's layer until
+2026-12-05), `lora` (minirl's layer, lora.MergedLinear: x (W + s·B A)ᵀ with the merged weight,
+one GEMM forward and one for dx, the adapters' gradients by the skinny GEMMs). Each LoRA variant
+at every rank of --ranks. Printed: the median forward + backward time, its ratio to `full`, the
+ratio a FLOP count predicts ((4N + 2n) / 6N: no weight gradients of the frozen matrices), the
+peak memory, and the merge of the adapted matrices into bf16 engine buffers (what a collocated
+sync does). The head (final norm, lm_head, log-softmax) is left out: it is frozen in both and
+its cost is the same.
 """
 
 from __future__ import annotations
@@ -35,7 +39,13 @@ from minirl.models.compile import compile_layers
 from minirl.models.loading import random_model
 from minirl.models.presets import preset_config
 
-VARIANTS = ("full", "peft", "addmm", "addmm_bf16", "merged")
+VARIANTS = ("full", "peft", "unmerged", "lora")
+GATHERED = ("full", "unmerged", "lora")  # every parameter in compute_dtype, as FSDP2 gathers it
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """What the trainer's layers compute in: bf16 on CUDA (FSDP2's param_dtype), float32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def build(args, variant: str, rank: int, device: torch.device):
@@ -51,48 +61,16 @@ def build(args, variant: str, rank: int, device: torch.device):
         if variant == "peft":
             for layer in lora.lora_layers(model).values():
                 layer.__dict__.pop("forward")  # peft's own forward
-        if variant in ("addmm_bf16", "merged"):
-            lora.hold_frozen_in(model, torch.bfloat16)
-        if variant == "merged":
+        if variant == "unmerged":
             for layer in lora.lora_layers(model).values():
-                layer.forward = types.MethodType(_merged_forward, layer)
+                layer.forward = types.MethodType(lora._unmerged, layer)
+        if variant in ("unmerged", "lora"):
+            lora.hold_frozen_in(model, torch.bfloat16)
+    if variant in GATHERED:  # the parameters only: the rotary inv_freq buffer stays float32, as under FSDP2
+        for p in model.parameters():
+            p.data = p.data.to(compute_dtype(device))
     compile_layers(model, args.compile)
     return model
-
-
-class MergedLoRA(torch.autograd.Function):
-    """y = x (W + s B A)ᵀ with the adapters' gradients of the unmerged layer: one GEMM forward
-    (no addmm pass over [M, out]) and one for dx (dY (W + s B A): no second dx GEMM and no sum of
-    the two), the merged weight made again in the backward rather than kept. The merge rounds
-    W + s B A to W's bf16 once, as the engines' merged weights do, so it does not give the
-    unmerged layer's bits: a candidate to time, not minirl's layer."""
-
-    @staticmethod
-    def forward(ctx, x, w, a, b, s: float):
-        ctx.save_for_backward(x, w, a, b)
-        ctx.s = s
-        wm = torch.addmm(w, b.to(w.dtype), a.to(w.dtype), alpha=s)
-        return x.to(w.dtype) @ wm.t()
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, a, b = ctx.saved_tensors
-        lo = w.dtype
-        x, dy = x.to(lo), dy.to(lo)
-        wm = torch.addmm(w, b.to(lo), a.to(lo), alpha=ctx.s)
-        dx = dy.reshape(-1, dy.shape[-1]) @ wm
-        flat_x, flat_dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-        da = (flat_dy @ b.to(lo)).t() @ flat_x * ctx.s
-        db = flat_dy.t() @ (flat_x @ a.to(lo).t()) * ctx.s
-        return dx.view(x.shape), None, da.to(a.dtype), db.to(b.dtype), None
-
-
-def _merged_forward(self, x, *args, **kwargs):
-    layer = self.base_layer
-    y = MergedLoRA.apply(
-        x, layer.weight, self.lora_A[lora.ADAPTER].weight, self.lora_B[lora.ADAPTER].weight, self.scaling[lora.ADAPTER]
-    )
-    return y if layer.bias is None else y + layer.bias
 
 
 def step_fn(model, args, device: torch.device):
@@ -100,7 +78,7 @@ def step_fn(model, args, device: torch.device):
     kwargs = packed_forward_kwargs([args.seq_len] * args.seqs, device=device)
     n = args.seq_len * args.seqs
     decoder = model.get_decoder()
-    hidden = torch.randn(1, n, model.config.hidden_size, device=device) * 0.5
+    hidden = torch.randn(1, n, model.config.hidden_size, device=device, dtype=compute_dtype(device)) * 0.5
     cos_sin = decoder.rotary_emb(hidden, kwargs["position_ids"])
     kwargs = dict(kwargs, position_embeddings=cos_sin)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
@@ -120,7 +98,9 @@ def step_fn(model, args, device: torch.device):
 
 def merge_ms(model, reps: int, device: torch.device) -> float:
     """The collocated sync's merge: every adapted matrix, merged, copied into a bf16 engine buffer."""
-    buffers = {name: t.detach().to(torch.bfloat16) for name, t in assembly.full_weights(model, adapted_only=True)}
+    merged = assembly.full_weights(model, adapted_only=True)
+    # fresh bf16 buffers, whatever dtype the merge gives (bf16 or float32 adapters)
+    buffers = {name: torch.empty_like(t, dtype=torch.bfloat16) for name, t in merged}
 
     def run():
         with torch.no_grad():

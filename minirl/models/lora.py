@@ -82,15 +82,26 @@ def apply_lora(model: torch.nn.Module, model_cfg, base_name: str = "") -> torch.
 
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """A LoRA layer's output x Wᵀ + b + s·(x Aᵀ) Bᵀ with the adapters' sum in the epilogue of one
-    addmm: the [M, out] output is read and written once more, where peft's forward writes
-    (x Aᵀ) Bᵀ, scales it and adds it (five more passes over [M, out] in eager, and casts x to
-    the adapters' float32 first), and the backward has no pass over [M, out] of its own (addmm's
-    gradient of its first argument is the incoming one). The same sum, rounded once instead of
-    three times; other cases (adapters off or merged, peft's variants such as DoRA, extra
-    arguments) run peft's forward."""
+    """A LoRA layer's output x (W + s·B A)ᵀ + b, computed with the merged weight (MergedLinear):
+    one GEMM forward and one for the input gradient, as a plain Linear's, where the unmerged sum
+    x Wᵀ + s·(x Aᵀ) Bᵀ adds a pass over the [M, out] output forward and a second input-gradient
+    GEMM and its sum backward (docs/architecture.md, "LoRA adapters"). The adapters' gradients
+    are the unmerged layer's. With dropout on the adapters' input in a training forward the
+    weight cannot be merged: the sum in one addmm's epilogue (_unmerged). Other cases (adapters
+    off or merged by peft, peft's variants such as DoRA, extra arguments) run peft's forward."""
     if self._disable_adapters or self.merged or args or kwargs or getattr(self, "lora_variant", None):
         return type(self).forward(self, x, *args, **kwargs)
+    if self.training and getattr(self.lora_dropout[ADAPTER], "p", 0.0) > 0:
+        return _unmerged(self, x)
+    base = self.base_layer
+    a, b = self.lora_A[ADAPTER].weight, self.lora_B[ADAPTER].weight
+    return MergedLinear.apply(x, base.weight, base.bias, a, b, self.scaling[ADAPTER])
+
+
+def _unmerged(self, x: torch.Tensor) -> torch.Tensor:
+    """x Wᵀ + b + s·(dropout(x) Aᵀ) Bᵀ with the adapters' sum in the epilogue of one addmm: the
+    [M, out] output is read and written once more, and the backward has no pass over it of its
+    own (addmm's gradient of its first argument is the incoming one)."""
     y = self.base_layer(x)
     xa = self.lora_A[ADAPTER](self.lora_dropout[ADAPTER](x))
     out = torch.addmm(
@@ -100,6 +111,53 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         alpha=self.scaling[ADAPTER],
     )
     return out.view(y.shape)
+
+
+class MergedLinear(torch.autograd.Function):
+    """y = x (W + s·B A)ᵀ + b in the pass's matmul dtype (autocast's, else the inputs'), the merged
+    weight made by one addmm (the sum taken in float32 and rounded once, as the engines' merge
+    does) and made again in the backward rather than kept. The gradients: dx = dy (W + s·B A),
+    dA = s·(dy B)ᵀ x, dB = s·dyᵀ (x Aᵀ), each in the matmul dtype and returned in its input's
+    dtype, as autocast's casts would; W and b get theirs only if they require one (LoRA's are
+    frozen). Autocast is off inside: the dtypes are explicit, the same in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, a, b, s: float):
+        dt = _matmul_dtype(x, w)
+        with torch.autocast(x.device.type, enabled=False):
+            y = torch.nn.functional.linear(x.to(dt), _merge(w, a, b, s, dt), None if bias is None else bias.to(dt))
+        ctx.save_for_backward(x, w, a, b)
+        ctx.s, ctx.dt, ctx.bias_dtype = s, dt, None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, a, b = ctx.saved_tensors
+        s, dt = ctx.s, ctx.dt
+        need_x, need_w, need_bias, need_a, need_b, _ = ctx.needs_input_grad
+        with torch.autocast(dy.device.type, enabled=False):
+            dy_M = dy.reshape(-1, dy.shape[-1]).to(dt)
+            x_M = x.reshape(-1, x.shape[-1]).to(dt)
+            dx = (dy_M @ _merge(w, a, b, s, dt)).view(x.shape).to(x.dtype) if need_x else None
+            da = ((dy_M @ b.to(dt)).t() @ x_M).mul_(s).to(a.dtype) if need_a else None
+            db = (dy_M.t() @ (x_M @ a.to(dt).t())).mul_(s).to(b.dtype) if need_b else None
+            dw = (dy_M.t() @ x_M).to(w.dtype) if need_w else None
+            dbias = dy_M.sum(0).to(ctx.bias_dtype) if need_bias and ctx.bias_dtype is not None else None
+        return dx, dw, dbias, da, db, None
+
+
+def _matmul_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """The dtype a Linear's matmul runs in here: autocast's where it is on, else the promoted one."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return torch.promote_types(x.dtype, w.dtype)
+
+
+def _merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, dtype: torch.dtype) -> torch.Tensor:
+    """W + s·B A in `dtype`: one GEMM with the sum in its epilogue, accumulated in float32 and
+    rounded once (no [out, in] product, scaled copy or sum of its own)."""
+    return torch.addmm(w.to(dtype), b.to(dtype), a.to(dtype), alpha=s)
 
 
 def hold_frozen_in(model: torch.nn.Module, dtype: torch.dtype | None, embedding: torch.dtype | None = None) -> int:
@@ -176,9 +234,7 @@ def merged(layer: torch.nn.Module) -> torch.Tensor:
     a = full_tensor(layer.lora_A[ADAPTER].weight)
     b = full_tensor(layer.lora_B[ADAPTER].weight)
     dtype = _at_least_float32(torch.promote_types(w.dtype, a.dtype))
-    # one GEMM with the sum in its epilogue: no [out, in] product, scaled copy or sum of its own
-    summed = torch.addmm(w.to(dtype), b.to(dtype), a.to(dtype), alpha=layer.scaling[ADAPTER])
-    return summed.to(w.dtype)
+    return _merge(w, a, b, layer.scaling[ADAPTER], dtype).to(w.dtype)
 
 
 def merged_weights(model: torch.nn.Module, adapted_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

@@ -163,7 +163,8 @@ def test_peft_export_loads_in_peft_and_back_through_lora_adapter_path(tmp_path):
     lora.save_adapter(model, str(tmp_path / "adapter"))
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
     peft_model = PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "adapter"))
-    assert torch.equal(logits(peft_model), logits(model))
+    # peft sums x Wᵀ + s·(x Aᵀ) Bᵀ, minirl's layer multiplies by W + s·B A: float32 rounding apart
+    torch.testing.assert_close(logits(peft_model), logits(model), rtol=1e-5, atol=1e-5)
     loaded = lora.apply_lora(copy.deepcopy(base), model_cfg(f"model.lora_adapter_path={tmp_path / 'adapter'}"), "tiny")
     ours = dict(model.named_parameters())
     for name, p in loaded.named_parameters():
@@ -268,10 +269,10 @@ def test_lora_update_flops_count_weight_gradients_of_the_adapters_only():
     seed=st.integers(0, 2**16),
     target=st.sampled_from(["self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"]),
 )
-def test_lora_layer_forward_is_peft_s_sum_in_one_addmm(rank, alpha, rows, seed, target):
-    """minirl's LoRA layer forward (the adapters' sum in one addmm's epilogue) gives peft's
-    x Wᵀ + b + s·(x Aᵀ) Bᵀ and its gradients of x, A and B, in float64, leading dimensions kept,
-    with and without a bias; with the adapters off it is the base layer alone."""
+def test_lora_layer_forward_is_peft_s_sum(rank, alpha, rows, seed, target):
+    """minirl's LoRA layer forward (x (W + s·B A)ᵀ + b with the merged weight, MergedLinear) gives
+    peft's x Wᵀ + b + s·(x Aᵀ) Bᵀ and its gradients of x, A and B, in float64, leading dimensions
+    kept, with and without a bias; with the adapters off it is the base layer alone."""
     _, model = lora_model(f"model.lora_rank={rank}", f"model.lora_alpha={alpha}")
     perturb_adapters(model, seed)
     model.double()
@@ -292,6 +293,51 @@ def test_lora_layer_forward_is_peft_s_sum_in_one_addmm(rank, alpha, rows, seed, 
         torch.testing.assert_close(ours, peft, rtol=1e-12, atol=1e-12)
     with lora.adapters_disabled(model), torch.no_grad():
         assert torch.equal(layer(x), layer.base_layer(x))
+
+
+@settings(max_examples=10, deadline=None)
+@given(rows=st.integers(1, 9), seed=st.integers(0, 2**16), bias=st.booleans())
+def test_merged_linear_multiplies_by_the_rounded_merged_weight_and_returns_input_dtypes(rows, seed, bias):
+    """Under bf16 autocast over float32 adapters (every pass on CUDA): the output is x times the
+    merged weight rounded once to bf16, what an engine holding merged weights computes; the
+    gradients come back in each input's dtype and equal the float64 ones within bf16 rounding;
+    a frozen W and bias get none."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, rows, 24, generator=gen, requires_grad=True)
+    w = torch.randn(40, 24, generator=gen).bfloat16()
+    b_ = torch.randn(40, generator=gen).bfloat16() if bias else None
+    a = (torch.randn(4, 24, generator=gen) * 0.3).requires_grad_(True)
+    b = (torch.randn(40, 4, generator=gen) * 0.3).requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lora.MergedLinear.apply(x, w, b_, a, b, 2.0)
+    merged = torch.addmm(w, b.detach().bfloat16(), a.detach().bfloat16(), alpha=2.0)
+    want = torch.nn.functional.linear(x.detach().bfloat16(), merged, b_)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+    dy = torch.randn(y.shape, generator=gen)
+    y.backward(dy)
+    assert (x.grad.dtype, a.grad.dtype, b.grad.dtype) == (torch.float32,) * 3
+    x64, a64, b64 = (t.detach().double().requires_grad_(True) for t in (x, a, b))
+    ref = torch.nn.functional.linear(x64, w.double(), None) + 2.0 * (x64 @ a64.t()) @ b64.t()
+    ref.backward(dy.double())
+    for got, exact in ((x.grad, x64.grad), (a.grad, a64.grad), (b.grad, b64.grad)):
+        torch.testing.assert_close(got.double(), exact, rtol=3e-2, atol=3e-2 * float(exact.abs().max()))
+
+
+def test_lora_dropout_in_training_runs_the_unmerged_sum():
+    """Dropout on the adapters' input cannot be merged into W: a training forward with it takes
+    the unmerged sum (dropped inputs change only the adapters' part); evaluation merges."""
+    _, model = lora_model("model.lora_dropout=0.5")
+    perturb_adapters(model, seed=4)
+    layer = model.get_submodule("model.layers.0.self_attn.q_proj")
+    x = torch.randn(2, 5, layer.in_features)
+    layer.train()
+    torch.manual_seed(0)
+    dropped = layer(x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(dropped, lora._unmerged(layer, x), rtol=0, atol=0)
+    layer.eval()
+    torch.testing.assert_close(layer(x), type(layer).forward(layer, x), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(dropped, layer(x))
 
 
 def test_frozen_base_held_in_bf16_multiplies_as_autocast_does():
@@ -367,10 +413,12 @@ def _layers_fwd_bwd_matmul_flops(model, tokens: int) -> int:
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_lora_update_computes_no_weight_gradient_of_the_frozen_matrices(monkeypatch, compiled):
-    """What LoRA saves, counted: per token, each frozen matrix W costs 4·|W| (forward and the
-    input gradient) and each adapter factor 6·|A| (its weight gradient too), where full
-    fine-tuning costs 6·|W|, with the frozen base held in bf16 (lora.hold_frozen_in, as on CUDA),
-    in eager layers and in compiled ones (AOTAutograd's backward graph, run op by op)."""
+    """What LoRA saves, counted: per token, each frozen matrix W costs 4·|W| (the forward and the
+    input gradient, both with the merged weight W + s·B A) and each adapter factor 4·|A| (its
+    weight gradient: dy B and x Aᵀ, then the factor's product), where full fine-tuning costs
+    6·|W|; per forward and per backward each merge costs 2·r·|W| whatever the tokens. With the
+    frozen base held in bf16 (lora.hold_frozen_in, as on CUDA), in eager layers and in compiled
+    ones (AOTAutograd's backward graph, run op by op)."""
     from minirl.models.compile import compile_layers
 
     if compiled:  # inductor's kernels are opaque to the counter; aot_eager runs the same graphs op by op
@@ -386,7 +434,8 @@ def test_a_lora_update_computes_no_weight_gradient_of_the_frozen_matrices(monkey
     adapters = sum(p.numel() for name, p in params.items() if lora.is_adapter_param(name))
     assert adapters > 0 and all(p.dtype == torch.bfloat16 for n, p in params.items() if ".base_layer." in n)
     tokens = 24
-    assert _layers_fwd_bwd_matmul_flops(model, tokens) == (4 * frozen + 6 * adapters) * tokens
+    rank = 8
+    assert _layers_fwd_bwd_matmul_flops(model, tokens) == (4 * frozen + 4 * adapters) * tokens + 2 * 2 * rank * frozen
     assert _layers_fwd_bwd_matmul_flops(base, tokens) == 6 * frozen * tokens
 
 
