@@ -244,22 +244,30 @@ def merged_weights(model: torch.nn.Module, adapted_only: bool = False) -> Iterat
     wrapper prefixes (minirl.models.assembly.hf_name removes them). A model without adapters
     gives its parameters as they are. Every rank of a sharded model must iterate: the gathers are
     collectives."""
-    layers = lora_layers(model)
     for name, param in model.named_parameters():
         if is_adapter_param(name):
             continue
-        layer = _adapted_layer(name, layers)
-        if layer is not None:
-            yield layer + ".weight", merged(layers[layer])
+        adapted = _adapted_layer(model, name)
+        if adapted is not None:
+            yield adapted[0] + ".weight", merged(adapted[1])
         elif not adapted_only:
             yield name.replace(_BASE + ".", "."), full_tensor(param)
 
 
-def _adapted_layer(name: str, layers: dict[str, torch.nn.Module]) -> str | None:
-    """The LoRA layer whose frozen matrix `name` is (`<layer>.base_layer.weight`), or None."""
-    owner, _, leaf = name.rpartition(".")
-    layer = owner[: -len(_BASE)]
-    return layer if owner.endswith(_BASE) and leaf == "weight" and layer in layers else None
+def _adapted_layer(model: torch.nn.Module, name: str) -> tuple[str, torch.nn.Module] | None:
+    """(name, LoRA layer) of the layer whose frozen matrix `name` is (`<layer>.base_layer.weight`),
+    or None. Looked up by its path, not found by a walk over every module per call: the walk and
+    its attribute checks took half the host time of a weight sync (qwen2-1.5b's 196 matrices, 11
+    of 24 ms, CPU). The path is followed through `_modules`, the tree named_parameters names
+    (wrappers included), as get_submodule would, at a twentieth of its cost (9 us a lookup).
+    Nothing is cached on the model, whose copies would carry a stale cache."""
+    suffix = _BASE + ".weight"
+    if not name.endswith(suffix):
+        return None
+    path, layer = name[: -len(suffix)], model
+    for atom in path.split("."):
+        layer = layer._modules[atom]
+    return (path, layer) if _is_lora_layer(layer) else None
 
 
 def constant_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -267,11 +275,10 @@ def constant_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
     are: the frozen ones outside the adapted matrices (the embedding, an untied head, the norms,
     the adapted layers' biases), under the names merged_weights gives them. A sharded parameter
     (DTensor) is left out: no process holds it whole."""
-    layers = lora_layers(model)
     for name, param in model.named_parameters():
         if param.requires_grad or is_adapter_param(name) or hasattr(param, "full_tensor"):
             continue
-        if _adapted_layer(name, layers) is None:  # an adapted matrix the engine holds merged
+        if _adapted_layer(model, name) is None:  # an adapted matrix the engine holds merged
             yield name.replace(_BASE + ".", "."), param.detach()
 
 

@@ -513,3 +513,44 @@ def generate(engine, prompts) -> list[list[int]]:
 
     outs = engine.generate(prompts, greedy(max_new=6))
     return [o.token_ids for o in outs]
+
+
+def test_merged_and_constant_weights_find_the_adapted_layers_under_wrapper_prefixes():
+    """merged_weights and constant_weights look each adapted layer up by its parameter's path
+    rather than walking every module: under a checkpoint wrapper's `_checkpoint_wrapped_module.`
+    prefix, with a module that has a `base_layer` but no adapters, and without adapters at all,
+    they give what a walk over named_modules gives: the same names in the same order, the same
+    values, the constant tensors the parameters themselves."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    base, model = lora_model()
+    perturb_adapters(model, seed=5)
+    for m in (base, model):
+        layers = m.get_decoder().layers
+        for i, layer in enumerate(layers):
+            layers[i] = checkpoint_wrapper(layer)
+        m.model.decoy = torch.nn.Module()  # a base_layer, no adapters: a plain parameter
+        m.model.decoy.base_layer = torch.nn.Linear(3, 2)
+        m.model.decoy.base_layer.requires_grad_(False)
+
+    def walked(m, adapted_only):
+        layers = {n: x for n, x in m.named_modules() if lora._is_lora_layer(x)}
+        for name, p in m.named_parameters():
+            layer = name.removesuffix(".base_layer.weight")
+            if layer in layers:
+                yield layer + ".weight", lora.merged(layers[layer])
+            elif not (adapted_only or lora.is_adapter_param(name)):
+                yield name.replace(".base_layer.", "."), p
+
+    for m in (base, model):
+        for adapted_only in (False, True):
+            got, want = list(lora.merged_weights(m, adapted_only)), list(walked(m, adapted_only))
+            assert [n for n, _ in got] == [n for n, _ in want]
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want))
+    names = [n for n, _ in lora.merged_weights(model, adapted_only=True)]
+    assert len(names) == 14 and all("_checkpoint_wrapped_module." in n for n in names)
+    assert "model.decoy.weight" in dict(lora.merged_weights(model))
+    constant = dict(lora.constant_weights(model))
+    frozen = {n.replace(".base_layer.", "."): p for n, p in model.named_parameters() if not p.requires_grad}
+    assert set(constant) == set(frozen) - {n for n, _ in walked(model, True)}
+    assert "model.decoy.weight" in constant and all(constant[n].data_ptr() == frozen[n].data_ptr() for n in constant)
