@@ -26,10 +26,10 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     if not hasattr(t, "full_tensor"):
         return t.detach()
     mesh = t.device_mesh
-    local = t.to_local()
-    if mesh.size() == 1 and local.shape == t.shape:
-        local = local.detach()
-        return local if local.device.type == mesh.device_type else local.to(mesh.device_type)
+    if mesh.size() == 1:
+        local = t.to_local().detach()
+        if local.shape == t.shape:
+            return local if local.device.type == mesh.device_type else local.to(mesh.device_type)
     t = t.detach()
     if t.device.type != mesh.device_type:  # a CPU-offloaded shard: NCCL gathers device memory
         t = t.to(mesh.device_type)

@@ -323,6 +323,32 @@ def test_merged_linear_multiplies_by_the_rounded_merged_weight_and_returns_input
         torch.testing.assert_close(got.double(), exact, rtol=3e-2, atol=3e-2 * float(exact.abs().max()))
 
 
+@settings(max_examples=10, deadline=None)
+@given(rows=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_merged_linear_gives_a_base_that_trains_its_gradients(rows, seed):
+    """Where W and b require gradients (not LoRA's frozen base, but the Function's contract), they
+    get the unmerged layer's in float64, beside x's, A's and B's."""
+    gen = torch.Generator().manual_seed(seed)
+    leaves = [
+        torch.randn(2, rows, 12, generator=gen, dtype=torch.float64),  # x
+        torch.randn(20, 12, generator=gen, dtype=torch.float64),  # W
+        torch.randn(20, generator=gen, dtype=torch.float64),  # b
+        torch.randn(3, 12, generator=gen, dtype=torch.float64),  # A
+        torch.randn(20, 3, generator=gen, dtype=torch.float64),  # B
+    ]
+    dy = torch.randn(2, rows, 20, generator=gen, dtype=torch.float64)
+    grads = []
+    for fn in (
+        lambda x, w, b_, a, b: lora.MergedLinear.apply(x, w, b_, a, b, 0.5),
+        lambda x, w, b_, a, b: torch.nn.functional.linear(x, w, b_) + 0.5 * (x @ a.t()) @ b.t(),
+    ):
+        inputs = [t.clone().requires_grad_(True) for t in leaves]
+        fn(*inputs).backward(dy)
+        grads.append([t.grad for t in inputs])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_lora_dropout_in_training_runs_the_unmerged_sum():
     """Dropout on the adapters' input cannot be merged into W: a training forward with it takes
     the unmerged sum (dropped inputs change only the adapters' part); evaluation merges."""

@@ -60,11 +60,12 @@ def share_weights(model: nn.Module, shared: dict[str, torch.Tensor]) -> frozense
     params = dict(model.named_parameters())
     aliased = []
     for name, tensor in shared.items():
-        param = params.get(hf_name(name))
+        name = hf_name(name)
+        param = params.get(name)
         if param is None or (param.shape, param.dtype, param.device) != (tensor.shape, tensor.dtype, tensor.device):
             continue
         param.data = tensor.detach()
-        aliased.append(hf_name(name))
+        aliased.append(name)
     return frozenset(aliased)
 
 
