@@ -12,8 +12,9 @@ compiler's Python would take the GIL from the engine's decode loop.
 The twin: the same config with the decoder cut to TWIN_LAYERS layers and the vocabulary to
 TWIN_VOCAB, random weights. A layer's graphs depend on its shapes and dtypes, the pass's grad
 mode and which tensors need gradients, never on the depth, the vocabulary or the values; three
-layers hold every variant the real model compiles (layer 0, whose input needs no gradient under
-LoRA's frozen embedding; a recomputed layer and a kept one under model.recompute_num_layers). It
+layers hold every variant the real model compiles (a recomputed layer and a kept one under
+model.recompute_num_layers, and layer 0 as the first: under LoRA's frozen embedding its input
+needed no gradient until minirl.models.compile made it need one, as every layer's does). It
 runs the trainer's own passes, in the trainer's order, on one two-sequence micro-batch of about
 the trainer's size (twin_tokens says why): the gradient-free passes (the prev-log-prob pass
 unless on-policy, the reference's), then the update's forward and backward. The order matters:
@@ -60,7 +61,7 @@ from minirl.models.presets import preset_config
 from minirl.plugins import PluginManager
 from minirl.update.actor import logprob_temperature, on_policy
 
-TWIN_LAYERS = 3  # layer 0, a recomputed layer, a kept one
+TWIN_LAYERS = 3  # layer 0, a recomputed layer, a kept one (model.recompute_num_layers)
 TWIN_VOCAB = 512
 TWIN_NICENESS = 10  # a twin nobody waits for yields the CPU to the trainer (twin_niceness)
 # where generating is device work, which the twin's host work can overlap (tests add the CPU)

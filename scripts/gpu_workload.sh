@@ -10,7 +10,8 @@
 #           GPU (full fine-tuning's weights, gradients and AdamW state alone take 122 GB)
 # Env: PROFILE (default h200), WORKLOAD (the overrides that make the 32 x 8 x 1,024 workload; empty for the
 # profile's own), RUN_LIMIT (seconds per run, default 240), OUT (logs; default ./gpu_logs), EXTRA_KEYS
-# (more metrics for the table, space-separated).
+# (more metrics for the table, space-separated), COLD=1 (each variant compiles into empty inductor and Triton
+# caches of its own, so that every step 1 is a cold start whatever ran before on the machine).
 set -uo pipefail
 source scripts/gpu_setup.sh
 [ -f data/gsm8k/train.parquet ] || python3 scripts/make_data.py --out data --seed 0 --tasks gsm8k >/dev/null
@@ -28,6 +29,10 @@ done
 set -- "${variants[@]}"
 for variant in "$@"; do
   IFS='|' read -r name envs overrides <<<"$variant"
+  if [ "${COLD:-0}" = 1 ]; then
+    rm -rf "/tmp/cold_$name"
+    envs="TORCHINDUCTOR_CACHE_DIR=/tmp/cold_$name/inductor TRITON_CACHE_DIR=/tmp/cold_$name/triton $envs"
+  fi
   echo "== $name: env [$envs] overrides [$overrides]"
   env $envs timeout "${RUN_LIMIT:-240}" python3 -m minirl --config bench.toml --profile "${PROFILE:-h200}" $WORKLOAD \
     trainer.progress_bar=false trainer.default_local_dir=/tmp/runs trainer.experiment_name="wl_$name" $overrides \

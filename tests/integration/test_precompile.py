@@ -83,12 +83,12 @@ def test_the_twin_compiles_every_graph_of_a_deeper_model_and_the_run_computes_th
 
 
 def test_the_twin_compiles_every_graph_of_a_lora_run(tmp_path, data_dir):
-    """LoRA: the reference is the actor with its adapters off (graphs of their own), and layer 0's
-    input needs no gradient under the frozen embedding (a variant of its own)."""
+    """LoRA: the reference is the actor with its adapters off (graphs of their own); layer 0, under
+    the frozen embedding, runs the other layers' graphs (minirl.models.compile)."""
     overrides = [*STEP, "model.lora_rank=4", "model.lora_alpha=8"]
     _twin(tmp_path / "cache", overrides)
     warm = _job(tmp_path / "warm", tmp_path / "cache", data_dir / "copy" / "train.parquet", overrides)
-    assert warm["compile/cache_misses"] == 0 and warm["compile/cache_hits"] >= 6, warm
+    assert warm["compile/cache_misses"] == 0 and warm["compile/cache_hits"] >= 5, warm
 
 
 @pytest.mark.gpu
@@ -96,7 +96,7 @@ def test_the_twin_compiles_every_graph_of_a_lora_run(tmp_path, data_dir):
 def test_on_cuda_the_run_finds_every_graph_its_twin_compiled(tmp_path, data_dir):
     """The hand-over in a run on a GPU, at the 1.5B shape: FSDP2 on a one-rank group, bf16
     matmuls over float32 masters, the fused MLP in the gradient-free passes, LoRA (its own
-    reference and layer 0), 7 layers recomputed and the rest kept. The trainer waited for the
+    reference), 7 layers recomputed and the rest kept. The trainer waited for the
     twin's two passes (model.precompile_wait_s: this run's generation is too short to hide them)
     and compiled nothing itself."""
     overrides = [*STEP, "trainer.device=cuda", "model.preset=qwen2-1.5b", "model.fused_mlp=true"]

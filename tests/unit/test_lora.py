@@ -580,3 +580,49 @@ def test_merged_and_constant_weights_find_the_adapted_layers_under_wrapper_prefi
     frozen = {n.replace(".base_layer.", "."): p for n, p in model.named_parameters() if not p.requires_grad}
     assert set(constant) == set(frozen) - {n for n, _ in walked(model, True)}
     assert "model.decoy.weight" in constant and all(constant[n].data_ptr() == frozen[n].data_ptr() for n in constant)
+
+
+def _graphs_of_a_step(model) -> int:
+    """Graphs dynamo compiles for `model`'s layers in one training forward + backward and one
+    gradient-free pass (an update, a reference pass), from a fresh dynamo cache."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    prompts = PROMPTS[: len(RESPONSES)]
+    logp = packed_forward(model, prompts, RESPONSES, torch.device("cpu"), logprob_head(1.0))[0]
+    logp.sum().backward()
+    log_probs(model)
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_compiled_lora_layers_compile_as_many_graphs_as_full_fine_tuning(monkeypatch):
+    """Under a frozen embedding, layer 0's input would need no gradient where every other layer's
+    does, and dynamo would compile layer 0's pieces again for it (compile._first_layer_like_the_rest);
+    with the embedding's output made to require one in training passes, a LoRA model compiles the
+    graphs full fine-tuning does, the adapters' gradients unchanged, and no-grad passes untouched.
+    aot_eager: the same graphs and guards as inductor, without generating code."""
+    from minirl.models.compile import compile_layers, uncompile_layers
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="aot_eager", dynamic=True))
+    base, model = lora_model()
+    perturb_adapters(model, seed=2)
+    eager = copy.deepcopy(model)
+    for m in (base, model):
+        compile_layers(m, True)
+    full_graphs, lora_graphs = _graphs_of_a_step(base), _graphs_of_a_step(model)
+    assert lora_graphs == full_graphs > 0
+    embed = model.get_input_embeddings()
+    with torch.no_grad():
+        assert not embed(torch.tensor([[1, 2]])).requires_grad
+    assert embed(torch.tensor([[1, 2]])).requires_grad and embed.weight.grad is None
+    assert base.get_input_embeddings()(torch.tensor([[1, 2]])).grad_fn is not None  # full: the embedding trains
+    prompts = PROMPTS[: len(RESPONSES)]
+    for m in (model, eager):
+        m.zero_grad(set_to_none=True)
+        packed_forward(m, prompts, RESPONSES, torch.device("cpu"), logprob_head(1.0))[0].sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    uncompile_layers(model)
+    assert not embed(torch.tensor([[1, 2]])).requires_grad
