@@ -5,9 +5,14 @@
 
     python3 dev/bench_gemm.py --split-k down --batches 256,512  # split-K candidates for one GEMM
     python3 dev/bench_gemm.py --shapes hf --batches 27500       # the log-prob pass's GEMMs
+    python3 dev/bench_gemm.py --inductor --batches 64,256       # inductor's max-autotune against cuBLAS
 
 Floor of each: max(weight bytes / 4.28 TB/s, FLOPs / 768 TFLOP/s), the H200's measured copy
 bandwidth and bf16 matmul ceiling. Shapes: the Qwen2-1.5B layer at decode batch M.
+
+--inductor compiles each GEMM with inductor's max-autotune (its Triton templates, the persistent
+TMA one included, against cuBLAS; inductor prints each shape's AUTOTUNE table) and times the
+winner against cuBLAS: whether any kernel inductor can generate beats cuBLAS at the decode's M.
 
 --split-k times two split-K candidates against cuBLAS and checks each against it: a Triton
 kernel (each program multiplies one output tile over one K slice into float32 partials, summed
@@ -115,6 +120,34 @@ def split_k_table(name: str, batches: list[int]) -> None:
         print(f"| {m} | **best: {best[1]}** | **{best[0]:.1f}** | {floor:.1f} | |")
 
 
+def inductor_table(batches: list[int]) -> None:
+    """cuBLAS against the best of inductor's max-autotune choices, per decode GEMM and M."""
+    import triton.testing
+    from torch._inductor import config as inductor_config
+
+    inductor_config.max_autotune_gemm_backends = "ATEN,TRITON"
+    inductor_config.triton.enable_persistent_tma_matmul = True
+    print("| M | GEMM | cuBLAS us | inductor us | floor us | inductor / cuBLAS | error |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    for m in batches:
+        for name, (n, k) in SHAPES.items():
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            floor = max(n * k * 2 / BANDWIDTH, 2 * m * n * k / MATMUL) * 1e6
+            torch._dynamo.reset()
+            tuned = torch.compile(
+                lambda x, w: torch.nn.functional.linear(x, w), mode="max-autotune-no-cudagraphs", dynamic=False
+            )
+            want = torch.nn.functional.linear(x, w)
+            err = float((tuned(x, w) - want).abs().max() / want.abs().max())
+            cublas = triton.testing.do_bench_cudagraph(lambda x=x, w=w: torch.nn.functional.linear(x, w)) * 1e3
+            best = triton.testing.do_bench_cudagraph(lambda x=x, w=w, f=tuned: f(x, w)) * 1e3
+            print(
+                f"| {m} | {name} | {cublas:.1f} | {best:.1f} | {floor:.1f} | {best / cublas:.2f} | {err:.1e} |",
+                flush=True,
+            )
+
+
 def main() -> int:
     import triton.testing
 
@@ -122,7 +155,11 @@ def main() -> int:
     p.add_argument("--batches", default="128,256,512")
     p.add_argument("--split-k", default="", help="time split-K candidates for this GEMM (e.g. down) instead")
     p.add_argument("--shapes", choices=("native", "hf"), default="native", help="the native engine's layer or HF's")
+    p.add_argument("--inductor", action="store_true", help="inductor's max-autotune against cuBLAS instead")
     args = p.parse_args()
+    if args.inductor:
+        inductor_table([int(b) for b in args.batches.split(",")])
+        return 0
     if args.split_k:
         split_k_table(args.split_k, [int(b) for b in args.batches.split(",")])
         return 0
