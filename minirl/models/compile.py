@@ -51,19 +51,30 @@ def compile_layers(model: torch.nn.Module, enabled: bool) -> int:
 
 
 def _first_layer_like_the_rest(model: torch.nn.Module, layers: torch.nn.ModuleList) -> None:
-    """Make the input embedding's output require a gradient in passes that record one, where the
-    embedding is frozen and the layers train (LoRA): layer 0's input then needs a gradient as every other layer's does,
-    so layer 0 runs the graphs compiled for the others. Otherwise dynamo, which guards on an
-    input's requires_grad, compiles each piece of layer 0 (its forward up to the attention, the
-    projections, the MLP block) a second time, forward and backward: 3 of a LoRA step 1's 13
-    graphs, about 11 s on the H200. The price is layer 0's input gradient, computed and dropped:
+    """Give layer 0's input the requires_grad every other layer's input has in the same pass:
+    dynamo guards on it, so where they differ it compiles each piece of layer 0 (its forward up to
+    the attention, the projections, the MLP block) a second time, for forward and backward, where
+    layer 0 could run the others' graphs (3 of a LoRA step 1's 13 graphs, about 11 s on the H200).
+
+    Two causes, both here. Under a frozen embedding (LoRA) its output needs no gradient while the
+    layers' outputs do: where the layers train, a hook makes the embedding's output require one
+    when the pass records gradients. The price is layer 0's input gradient, computed and dropped:
     its input norm's backward and one input-gradient GEMM of its q/k/v projection, about 0.1% of
-    a LoRA update's FLOPs. Once per model; uncompile_layers removes it."""
+    a LoRA update's FLOPs. And Hugging Face's hook (gradient_checkpointing_enable installs it, for
+    reentrant checkpointing, which minirl does not use) makes the output require a gradient in
+    gradient-free passes too, where no other layer's input does: it is removed while the layers
+    are compiled (uncompile_layers puts it back)."""
+    if getattr(model, "_require_grads_hooks", None):
+        model.disable_input_require_grads()
+        model.__dict__[_HF_HOOK_REMOVED] = True
     embed = model.get_input_embeddings()
     if embed is None or embed.weight.requires_grad or not any(p.requires_grad for p in layers.parameters()):
         return
     if _output_requires_grad not in embed._forward_hooks.values():
         embed.register_forward_hook(_output_requires_grad)
+
+
+_HF_HOOK_REMOVED = "_minirl_removed_input_require_grads"
 
 
 def _output_requires_grad(module, args, output):
@@ -98,6 +109,8 @@ def uncompile_layers(model: torch.nn.Module) -> None:
     hooks = {} if embed is None else embed._forward_hooks
     for key in [key for key, hook in hooks.items() if hook is _output_requires_grad]:
         del hooks[key]
+    if model.__dict__.pop(_HF_HOOK_REMOVED, False):
+        model.enable_input_require_grads()
 
 
 def seq_major_rotary(attn: torch.nn.Module | None) -> bool:

@@ -66,6 +66,7 @@ def apply_lora(model: torch.nn.Module, model_cfg, base_name: str = "") -> torch.
     config = peft_config(model_cfg)
     config.base_model_name_or_path = base_name or config.base_model_name_or_path
     device = next(model.parameters()).device
+    training = model.training
     # peft draws A on the CPU or on the base layer's device: both generators from model.seed
     with seeded(torch.device("cpu"), model_cfg.seed), seeded(device, model_cfg.seed):
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
@@ -75,6 +76,10 @@ def apply_lora(model: torch.nn.Module, model_cfg, base_name: str = "") -> torch.
             param.data = param.data.to(model.dtype)
     for layer in lora_layers(model).values():
         layer.forward = types.MethodType(_forward, layer)
+    # peft's new modules start in training mode whatever the model's: in an eval model a log-prob
+    # pass before the first update would drop out the adapters' input (lora_dropout), and a
+    # compiled layer would meet two modes in the same kind of pass (a recompile at step 2)
+    model.train(training)
     model.lora_config = config  # what save_adapter writes
     if model_cfg.lora_adapter_path:
         load_adapter(model, model_cfg.lora_adapter_path)
@@ -91,7 +96,7 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     off or merged by peft, peft's variants such as DoRA, extra arguments) run peft's forward."""
     if self._disable_adapters or self.merged or args or kwargs or getattr(self, "lora_variant", None):
         return type(self).forward(self, x, *args, **kwargs)
-    if self.training and getattr(self.lora_dropout[ADAPTER], "p", 0.0) > 0:
+    if getattr(self.lora_dropout[ADAPTER], "p", 0.0) > 0 and self.training:  # no guard on the mode without dropout
         return _unmerged(self, x)
     base = self.base_layer
     a, b = self.lora_A[ADAPTER].weight, self.lora_B[ADAPTER].weight

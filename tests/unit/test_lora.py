@@ -366,6 +366,24 @@ def test_lora_dropout_in_training_runs_the_unmerged_sum():
     assert not torch.allclose(dropped, layer(x))
 
 
+@pytest.mark.parametrize("training", [False, True])
+def test_injected_adapters_take_the_models_mode(training):
+    """peft builds its modules in training mode; apply_lora gives them the model's. A model loads
+    in eval mode, so a log-prob pass before the first update runs without the adapters' dropout
+    (the same log-probs twice, those of the merged weights), and a compiled layer sees one mode
+    per kind of pass."""
+    base = base_model().train(training)
+    model = lora.apply_lora(base, model_cfg("model.lora_dropout=0.5"), "tiny")
+    assert {m.training for m in model.modules()} == {training}
+    if not training:
+        perturb_adapters(model, seed=5)
+        first = log_probs(model)
+        torch.testing.assert_close(log_probs(model), first, rtol=0, atol=0)
+        merged = base_model()
+        merged.load_state_dict(dict(lora.merged_weights(model)))
+        torch.testing.assert_close(first, log_probs(merged), rtol=1e-5, atol=1e-5)
+
+
 def test_frozen_base_held_in_bf16_multiplies_as_autocast_does():
     """Under autocast to bf16 (every pass on CUDA) frozen Linears stored in bf16 give exactly what
     float32 ones cast on every call give: the same log-probs, the same adapter gradients, with 2
@@ -594,28 +612,37 @@ def _graphs_of_a_step(model) -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def test_compiled_lora_layers_compile_as_many_graphs_as_full_fine_tuning(monkeypatch):
-    """Under a frozen embedding, layer 0's input would need no gradient where every other layer's
-    does, and dynamo would compile layer 0's pieces again for it (compile._first_layer_like_the_rest);
-    with the embedding's output made to require one in training passes, a LoRA model compiles the
-    graphs full fine-tuning does, the adapters' gradients unchanged, and no-grad passes untouched.
-    aot_eager: the same graphs and guards as inductor, without generating code."""
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_layer_0_runs_the_other_layers_compiled_graphs(monkeypatch, checkpointing):
+    """Dynamo guards on an input's requires_grad, so wherever layer 0's input differs from the
+    other layers' in it, layer 0 compiles graphs of its own (compile._first_layer_like_the_rest):
+    under LoRA's frozen embedding in training passes, and under Hugging Face's checkpointing hook
+    in gradient-free ones. Full fine-tuning and LoRA, with checkpointing or without, compile the
+    graphs of a plain full fine-tuning model; the adapters' gradients are unchanged, and
+    uncompiling restores the hooks. aot_eager: the same graphs and guards as inductor, without
+    generating code."""
     from minirl.models.compile import compile_layers, uncompile_layers
+    from minirl_plugins.parallel.checkpointing import minirl_apply_activation_checkpointing
 
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="aot_eager", dynamic=True))
+    plain, _ = lora_model()
+    compile_layers(plain, True)
+    want = _graphs_of_a_step(plain)
     base, model = lora_model()
     perturb_adapters(model, seed=2)
     eager = copy.deepcopy(model)
+    for m in (base, model, eager):
+        if checkpointing:
+            minirl_apply_activation_checkpointing(m, model_cfg("model.enable_gradient_checkpointing=true"))
     for m in (base, model):
         compile_layers(m, True)
-    full_graphs, lora_graphs = _graphs_of_a_step(base), _graphs_of_a_step(model)
-    assert lora_graphs == full_graphs > 0
+    assert _graphs_of_a_step(base) == _graphs_of_a_step(model) == want > 0
+    ids = torch.tensor([[1, 2]])
     embed = model.get_input_embeddings()
     with torch.no_grad():
-        assert not embed(torch.tensor([[1, 2]])).requires_grad
-    assert embed(torch.tensor([[1, 2]])).requires_grad and embed.weight.grad is None
-    assert base.get_input_embeddings()(torch.tensor([[1, 2]])).grad_fn is not None  # full: the embedding trains
+        assert not embed(ids).requires_grad
+    assert embed(ids).requires_grad and embed.weight.grad is None
     prompts = PROMPTS[: len(RESPONSES)]
     for m in (model, eager):
         m.zero_grad(set_to_none=True)
@@ -625,4 +652,6 @@ def test_compiled_lora_layers_compile_as_many_graphs_as_full_fine_tuning(monkeyp
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
     uncompile_layers(model)
-    assert not embed(torch.tensor([[1, 2]])).requires_grad
+    with torch.no_grad():  # back to Hugging Face's hook where checkpointing installed it, else none
+        assert embed(ids).requires_grad == checkpointing
+    assert embed(ids).requires_grad == checkpointing
