@@ -4,6 +4,7 @@ Would fewer bytes in the decoder layer pay? Times, at a packed micro-batch's M, 
 minirl's own decoder layer could make against what the compiled Hugging Face layer runs now.
 
     python3 dev/bench_mlp.py [--residual]       # on the H200: M = 28,000 (a ref-pass micro-batch)
+    python3 dev/bench_mlp.py --decode 64,256    # the native engine's decode MLP at those batch rows
 
 (The kernel's values on the CPU, under Triton's interpreter: tests/unit/test_fused_mlp.py.)
 
@@ -18,6 +19,11 @@ minirl's own decoder layer could make against what the compiled Hugging Face lay
    one fused kernel reads y and the residual r and writes h = r + y and rmsnorm(h). Fused:
    cuBLAS addmm (β = 1) writes h = r + x Wᵀ, then a norm kernel reads h and writes rmsnorm(h).
 Prints each variant's time, its TFLOP/s, and its agreement with the unfused bits.
+
+--decode: fusion 1 at a decode step's M (the batch rows), against what the native engine runs
+there (one cuBLAS GEMM over the concatenated gate/up weight, then its Triton SiLU·mul kernel),
+each replayed from a CUDA graph as the engine's decode step is, with tilings for a small M.
+Floor: max(weight bytes / 4.28 TB/s, FLOPs / 768 TFLOP/s).
 """
 
 from __future__ import annotations
@@ -121,11 +127,46 @@ def bench_residual(m: int):
         )
 
 
+def decode_configs():
+    for bm, bn, bk, warps, stages in itertools.product((64, 128), (64, 128), (64, 128), (4, 8), (3, 4, 5)):
+        yield dict(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages, group_m=8)
+
+
+def bench_decode(rows: list[int]):
+    import triton.testing
+
+    from minirl_plugins.engines.native.layers.ops import select_ops
+
+    ops = select_ops(torch.device("cuda"), torch.bfloat16)
+    w = torch.randn(2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * HIDDEN**-0.5
+    wg, wu = w[:INTER], w[INTER:]
+    for m in rows:
+        x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        floor = max(w.numel() * 2 / 4.28e12, 2 * m * w.numel() / 768e12) * 1e6
+        engine = functools.partial(lambda x: ops.silu_mul(torch.nn.functional.linear(x, w)), x)
+        ref = engine()
+        now = triton.testing.do_bench_cudagraph(engine) * 1e3
+        print(f"decode MLP gate/up M={m}: engine (cuBLAS + silu_mul) {now:.1f} us, floor {floor:.1f} us")
+        found = []
+        for cfg in decode_configs():
+            run = functools.partial(gate_up_silu, x, wg, wu, **cfg)
+            try:
+                found.append((triton.testing.do_bench_cudagraph(run) * 1e3, cfg, agreement(run(), ref)))
+            except Exception as exc:  # shared memory, or a tile larger than the problem
+                print(" ", cfg, "failed:", type(exc).__name__, str(exc).splitlines()[0][:80])
+        for us, cfg, agree in sorted(found, key=lambda r: r[0])[:6]:
+            print(f"  {us:.1f} us ({now / us:.2f}x the engine's; floor {floor / us:.0%})  {cfg}  {agree}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m", type=int, default=28000)
     p.add_argument("--residual", action="store_true", help="also time the residual add in addmm")
+    p.add_argument("--decode", default="", help="decode batch rows, e.g. 64,256: the engine's decode MLP instead")
     args = p.parse_args()
+    if args.decode:
+        bench_decode([int(r) for r in args.decode.split(",")])
+        return
     bench_gate_up(args.m)
     if args.residual:
         bench_residual(args.m)
