@@ -8,6 +8,7 @@ import copy
 from typing import Callable, ContextManager, Iterator
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from minirl.checkpoint.hf import save_hf_checkpoint
 from minirl.models import assembly
@@ -26,6 +27,27 @@ class Reference:
         return self.mode(self.model)
 
 
+@contextlib.contextmanager
+def _claiming_gradients(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The reference's parameters require gradients while it runs, under no_grad (so nothing is
+    recorded and none gets a gradient): the values are the same, and its compiled layers' guards
+    match those of the actor's gradient-free passes, whose parameters require gradients. Dynamo
+    guards on requires_grad, so an off-policy run's reference pass ran graphs of its own after the
+    prev-log-prob pass; now it runs the actor's where nothing else differs (all four pieces of a
+    layer on one CPU process; with FSDP2's actor, as on CUDA, the attention's two: FSDP2 gives the
+    actor's layers a class of their own, another guard). Only for a reference outside FSDP2 (one process): a
+    sharded one's gathered parameters keep the flag they were made with."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    with torch.no_grad():
+        for p in frozen:
+            p.requires_grad_(True)
+        try:
+            yield model
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
+
+
 class FullFineTuning:
     saves_trainable_only = False  # a checkpoint holds every parameter and its optimizer state
 
@@ -38,7 +60,11 @@ class FullFineTuning:
         reference = None
         if needs_reference:
             frozen = copy.deepcopy(model).eval().requires_grad_(False)
-            reference = Reference(assembly.assemble_reference(pm, frozen, cfg.ref, dist, cfg.model))
+            frozen = assembly.assemble_reference(pm, frozen, cfg.ref, dist, cfg.model)
+            plain = not any(isinstance(p, DTensor) for p in frozen.parameters())
+            reference = Reference(
+                frozen, _claiming_gradients if cfg.model.compile_layers and plain else contextlib.nullcontext
+            )
         return cls(assembly.assemble_actor(pm, model, cfg, dist), reference)
 
     def engine_weights(self, changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

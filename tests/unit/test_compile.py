@@ -99,6 +99,38 @@ def test_a_run_compiles_the_actor_and_reference_layers_only_when_asked():
             assert compiled == [enabled] * len(compiled)
 
 
+def test_the_reference_pass_runs_the_actors_gradient_free_graphs(monkeypatch):
+    """build.models' reference (one process, compiled layers) claims gradients while it runs, so
+    after the actor's gradient-free pass (an off-policy run's prev-log-prob pass) it compiles
+    nothing of its own: the same log-probs bit for bit, and afterwards its parameters are frozen
+    again, without gradients. aot_eager: the same graphs and guards as inductor."""
+    from minirl import build
+    from minirl.config.load import load_config
+    from minirl.dist.context import DistContext
+    from minirl.plugins import PluginManager
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="aot_eager", dynamic=True))
+    cfg = load_config(None, ["trainer.device='cpu'", "actor.use_kl_loss=true", "model.compile_layers=true"])
+    _, adapter = build.models(PluginManager(entry_points=False), cfg, DistContext(device=torch.device("cpu")))
+    prompts, responses = _micro_batch([5, 7], [3, 9], seed=0)
+    cpu = torch.device("cpu")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch.no_grad():
+        actor_logp, _ = response_logprobs(adapter.actor, prompts, responses, 1.0, cpu)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        with adapter.reference() as ref:
+            assert all(p.requires_grad for p in ref.parameters())
+            ref_logp, _ = response_logprobs(ref, prompts, responses, 1.0, cpu)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs > 0
+    assert torch.equal(ref_logp, actor_logp)  # the same weights at step 1
+    frozen = adapter.reference.model
+    assert not any(p.requires_grad or p.grad is not None for p in frozen.parameters())
+    with torch.no_grad():  # as it was: its own graphs, the same values
+        torch.testing.assert_close(response_logprobs(frozen, prompts, responses, 1.0, cpu)[0], ref_logp, rtol=0, atol=0)
+
+
 def test_a_deep_copy_runs_its_own_layers_and_uncompile_restores_eager():
     """The hf engine deep-copies the actor: the copy's compiled layers must compute with the
     copy's weights (a compiled bound method of the original would silently use the original's),
