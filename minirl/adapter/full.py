@@ -34,9 +34,9 @@ def _claiming_gradients(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     match those of the actor's gradient-free passes, whose parameters require gradients. Dynamo
     guards on requires_grad, so an off-policy run's reference pass ran graphs of its own after the
     prev-log-prob pass; now it runs the actor's where nothing else differs (all four pieces of a
-    layer on one CPU process; with FSDP2's actor, as on CUDA, the attention's two: FSDP2 gives the
-    actor's layers a class of their own, another guard). Only for a reference outside FSDP2 (one process): a
-    sharded one's gathered parameters keep the flag they were made with."""
+    layer on one CPU process; with FSDP2's actor, as on CUDA, the attention's two: FSDP2 gives
+    the actor's layers a class of their own, another guard). Only for a reference outside FSDP2
+    (one process): a sharded one's gathered parameters keep the flag they were made with."""
     frozen = [p for p in model.parameters() if not p.requires_grad]
     with torch.no_grad():
         for p in frozen:
