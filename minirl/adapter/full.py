@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from minirl.checkpoint.hf import save_hf_checkpoint
 from minirl.models import assembly
+from minirl.models.compile import claiming_gradients
 
 
 class Reference:
@@ -25,27 +26,6 @@ class Reference:
 
     def __call__(self) -> ContextManager[torch.nn.Module]:
         return self.mode(self.model)
-
-
-@contextlib.contextmanager
-def _claiming_gradients(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """The reference's parameters require gradients while it runs, under no_grad (so nothing is
-    recorded and none gets a gradient): the values are the same, and its compiled layers' guards
-    match those of the actor's gradient-free passes, whose parameters require gradients. Dynamo
-    guards on requires_grad, so an off-policy run's reference pass ran graphs of its own after the
-    prev-log-prob pass; now it runs the actor's where nothing else differs (all four pieces of a
-    layer on one CPU process; with FSDP2's actor, as on CUDA, the attention's two: FSDP2 gives
-    the actor's layers a class of their own, another guard). Only for a reference outside FSDP2
-    (one process): a sharded one's gathered parameters keep the flag they were made with."""
-    frozen = [p for p in model.parameters() if not p.requires_grad]
-    with torch.no_grad():
-        for p in frozen:
-            p.requires_grad_(True)
-        try:
-            yield model
-        finally:
-            for p in frozen:
-                p.requires_grad_(False)
 
 
 class FullFineTuning:
@@ -63,7 +43,7 @@ class FullFineTuning:
             frozen = assembly.assemble_reference(pm, frozen, cfg.ref, dist, cfg.model)
             plain = not any(isinstance(p, DTensor) for p in frozen.parameters())
             reference = Reference(
-                frozen, _claiming_gradients if cfg.model.compile_layers and plain else contextlib.nullcontext
+                frozen, claiming_gradients if cfg.model.compile_layers and plain else contextlib.nullcontext
             )
         return cls(assembly.assemble_actor(pm, model, cfg, dist), reference)
 

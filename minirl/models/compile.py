@@ -12,10 +12,11 @@ own, float attributes as constants (symbol_per_size). The design at length: docs
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import types
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -80,6 +81,27 @@ _HF_HOOK_REMOVED = "_minirl_removed_input_require_grads"
 def _output_requires_grad(module, args, output):
     if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad:
         output.requires_grad_(True)
+
+
+@contextlib.contextmanager
+def claiming_gradients(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The reference's parameters require gradients while it runs, under no_grad (so nothing is
+    recorded and none gets a gradient): the values are the same, and its compiled layers' guards
+    match those of the actor's gradient-free passes, whose parameters require gradients. Dynamo
+    guards on requires_grad, so an off-policy run's reference pass ran graphs of its own after the
+    prev-log-prob pass; now it runs the actor's where nothing else differs (all four pieces of a
+    layer on one CPU process; with FSDP2's actor, as on CUDA, the attention's two: FSDP2 gives
+    the actor's layers a class of their own, another guard). Only for a reference outside FSDP2
+    (one process): a sharded one's gathered parameters keep the flag they were made with."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    with torch.no_grad():
+        for p in frozen:
+            p.requires_grad_(True)
+        try:
+            yield model
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
 
 
 def symbol_per_size() -> None:
