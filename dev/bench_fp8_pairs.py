@@ -1,7 +1,8 @@
 """Decode attention over an fp8 (e4m3) cache read as 16-bit pairs, against the other kernels.
 
     python3 dev/bench_fp8_pairs.py
-    python3 dev/bench_fp8_pairs.py --splits 0,6,8     # each launch also at 6 and 8 splits
+    python3 dev/bench_fp8_pairs.py --splits 0,8,16    # each launch also at 8 and 16 splits
+    python3 dev/bench_fp8_pairs.py --launches pairs:64:4:2,next-seo:64:4:2,next-seo:32:1:2
 
 decode_attention_fp8_pairs (paged_attention) views the cache as int16, two e4m3 values of
 adjacent head dims per element, so its tiles move like a bf16 cache's (128-bit copies, ldmatrix)
@@ -11,7 +12,10 @@ matrix operands by scalar shared-memory loads; `bf16` is the default kernel over
 the ceiling's reference. One process, at 64 rows x 27,700 and 14,000 keys and 256 rows x 600
 (Qwen2-1.5B's heads, 16-token pages in shuffled order, the engine's split count): each launch's
 median time under a CUDA graph, effective bandwidth (the KV bytes the rows attend to, read once)
-and error against the float32 reference.
+and error against the float32 reference. `next-<flags>:block_n:warps:stages` launches are the
+candidate kernel of dev/fp8_pairs_next.py, its flags by letter: s (SPLIT), e (EXP2), o (OFF32);
+`wb:block_n:warps:stages` its warp-batched kernel (a running softmax per warp, merged at the end),
+`wb16:...` the same over a bf16 cache (against `bf16`, the default kernel).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 import triton
 import triton.testing
 from bench_long_context import HEADS, paged_case, rel_err
+from fp8_pairs_next import decode_attention_next, decode_attention_wb, decode_attention_wb16
 
 from minirl_plugins.engines.native.layers import paged_attention as pa
 
@@ -35,24 +40,43 @@ LAUNCHES = [("bf16", None), ("fp8_now", None)]
 LAUNCHES += [(f"pairs:{bn}:{w}:{s}", dict(block_n=bn, num_warps=w, num_stages=s)) for bn, w, s in PAIRS]
 
 
+def parse_launch(text: str):
+    """'bf16', 'fp8_now', or '<kernel>:block_n:warps:stages' -> (name, config)."""
+    if text in ("bf16", "fp8_now"):
+        return text, None
+    _, bn, w, s, *cap = text.split(":")
+    return text, dict(block_n=int(bn), num_warps=int(w), num_stages=int(s), maxnreg=int(cap[0]) if cap else None)
+
+
 def launch_fn(name: str, cfg, qkv, kc, vc, meta):
     """The decode attention call that `name` names."""
     args = (qkv, kc, vc, meta, HEADS, 128**-0.5)
     if name in ("bf16", "fp8_now"):
         return lambda: pa.decode_attention_triton(*args)
+    if name.startswith("next"):
+        flags = name.partition("-")[2].split(":")[0]
+        opts = dict(split="s" in flags, exp2="e" in flags, off32="o" in flags)
+        return lambda: decode_attention_next(*args, config=cfg, **opts)
+    if name.startswith("wb16"):
+        return lambda: decode_attention_wb16(*args, config=cfg)
+    if name.startswith("wb"):
+        return lambda: decode_attention_wb(*args, config=cfg)
     return lambda: pa.decode_attention_fp8_pairs(*args, config=cfg)
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--splits", default="0", help="split-K counts, comma-separated (0: the engine's)")
-    splits = [int(x) for x in p.parse_args().splits.split(",")]
+    p.add_argument("--launches", default="", help="launch names, comma-separated (default: the sweep's)")
+    args = p.parse_args()
+    splits = [int(x) for x in args.splits.split(",")]
+    launches = [parse_launch(x) for x in args.launches.split(",")] if args.launches else LAUNCHES
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     rows = ["| launch | rows x keys | splits | us | TB/s | rel err |", "|---|---|---:|---:|---:|---:|"]
     for rows_n, ctx in CASES:
         cases = {dt: paged_case(rows_n, ctx, dt) for dt in (torch.bfloat16, torch.float8_e4m3fn)}
-        for (name, cfg), split in itertools.product(LAUNCHES, splits):
-            kv_dtype = torch.bfloat16 if name == "bf16" else torch.float8_e4m3fn
+        for (name, cfg), split in itertools.product(launches, splits):
+            kv_dtype = torch.bfloat16 if name == "bf16" or name.startswith("wb16") else torch.float8_e4m3fn
             qkv, kc, vc, meta = cases[kv_dtype]
             meta.num_splits = split or pa.num_splits(rows_n, HEADS.num_kv_heads, qkv.device)
             try:

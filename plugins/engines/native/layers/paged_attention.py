@@ -186,9 +186,9 @@ def decode_attention_triton(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads,
 def _split_k(kernel, qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale: float, cfg: dict, **consts):
     """The output [B, H·D] of a split-K decode kernel (_decode_kernel's arguments, the caches as
     the kernel reads them, its own constexprs in `consts`), launched with cfg's block_n, min_chunk,
-    num_warps and num_stages: meta.num_splits programs per row and KV head; with one split it
-    writes the output directly, with more its partial outputs and log-sum-exps, which
-    _merge_kernel combines."""
+    num_warps, num_stages and maxnreg (a register cap, where given): meta.num_splits programs per
+    row and KV head; with one split it writes the output directly, with more its partial outputs
+    and log-sum-exps, which _merge_kernel combines."""
     (h, hk, d), b, splits = heads, qkv.shape[0], meta.num_splits
     out = torch.empty(b, h * d, dtype=qkv.dtype, device=qkv.device)
     if splits == 1:
@@ -221,6 +221,7 @@ def _split_k(kernel, qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale:
         DIRECT=splits == 1,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         **consts,
     )
     if splits > 1:
