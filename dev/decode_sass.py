@@ -13,8 +13,10 @@ heads take (count x 3.55M / 1.05e12) seconds at full issue rate. Also printed: t
 instructions (HMMA: mma.sync; HGMMA: Hopper's wgmma), the conversions to and from fp8 (F2FP),
 byte permutes (PRMT), the global loads (LDGSTS: asynchronous copies into shared memory, with
 their width), the shared-memory matrix loads (LDSM: ldmatrix) and local-memory traffic (STL/LDL:
-spills). Kernels: the bf16/dequantizing one (`default`) and the one that reads an 8-bit cache
-as int16 pairs of head dims (`pairs`, decode_attention_fp8_pairs; fp8 only).
+spills), barriers (BAR). Kernels: the bf16/dequantizing one (`default`), the one that reads an
+8-bit cache as int16 pairs of head dims (`pairs`, decode_attention_fp8_pairs; fp8 only), and the
+candidates of dev/fp8_pairs_next.py: `next` (the pairs kernel with its three flags on), `wb` and
+`wb16` (warp-batched over the pairs and over a bf16 cache; `--maxnreg` caps their registers).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import re
 import subprocess
 import tempfile
 
+import fp8_pairs_next as nx
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
@@ -36,6 +39,9 @@ from minirl_plugins.engines.native.layers import paged_attention as pa
 KERNELS = {
     "default": pa._decode_kernel,
     "pairs": pa._decode_kernel_fp8_pairs,  # the cache viewed as int16, the pairs split by inline PTX
+    "next": nx._next_kernel,  # candidates (dev/fp8_pairs_next.py): the pairs kernel, SPLIT, EXP2, OFF32 on
+    "wb": nx._wb_kernel,  # warp-batched over the pairs
+    "wb16": nx._wb16_kernel,  # warp-batched over a bf16 cache
 }
 KV = {"fp8": "fp8e4nv", "bf16": "bf16"}
 SIGNATURE = {
@@ -56,21 +62,27 @@ SIGNATURE = {
 }
 DIVISIBLE = [k for k in SIGNATURE if k != "scale"]
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-SHOWN = ("HGMMA", "HMMA", "F2FP", "PRMT", "LDGSTS", "LDG", "LDSM", "STL", "LDL", "MUFU")
+SHOWN = ("HGMMA", "HMMA", "F2FP", "PRMT", "LDGSTS", "LDG", "LDSM", "STL", "LDL", "MUFU", "BAR")
 
 
-def kernel_args(name: str, kv: str, block_n: int) -> tuple[str, dict]:
+def kernel_args(name: str, kv: str, block_n: int, warps: int) -> tuple[str, dict]:
     """The cache pointers' element type and the kernel's constexprs: the pairs kernel reads an
     8-bit cache as int16 (e4m3, its pairs split by inline PTX); the default one reads `kv` as it is."""
     consts = dict(H=12, D=128, G=6, BLOCK_G=16, BLOCK_N=block_n, PAGE=16, SPLITS=16, DIRECT=False)
-    if name == "pairs":
-        assert kv == "fp8", "the pairs kernel reads an 8-bit cache"
-        return "i16", dict(consts, PTX=pa.PAIRS_PTX[torch.float8_e4m3fn], E5M2=False)
+    if name == "wb16":
+        assert kv == "bf16", "wb16 reads a 16-bit cache"
+        return "bf16", dict(consts, W=warps)
+    if name in ("pairs", "next", "wb"):
+        assert kv == "fp8", f"the {name} kernel reads an 8-bit cache"
+        consts = dict(consts, PTX=pa.PAIRS_PTX[torch.float8_e4m3fn], E5M2=False)
+        if name == "next":
+            consts.update(SPLIT=True, EXP2=True, OFF32=True)
+        return "i16", dict(consts, W=warps) if name == "wb" else consts
     return KV[kv], dict(consts, PRECISION="tf32", KV_F16=kv == "fp8")
 
 
-def compile_sass(name: str, kv: str, block_n: int, warps: int, stages: int) -> tuple[str, str]:
-    kv_type, consts = kernel_args(name, kv, block_n)
+def compile_sass(name: str, kv: str, block_n: int, warps: int, stages: int, maxnreg=None) -> tuple[str, str]:
+    kv_type, consts = kernel_args(name, kv, block_n, warps)
     sig = dict(SIGNATURE, k_ptr=f"*{kv_type}", v_ptr=f"*{kv_type}")
     sig.update({k: "constexpr" for k in consts})
     names = list(sig)
@@ -80,7 +92,8 @@ def compile_sass(name: str, kv: str, block_n: int, warps: int, stages: int) -> t
         constexprs={(names.index(k),): v for k, v in consts.items()},
         attrs={(names.index(k),): [["tt.divisibility", 16]] for k in DIVISIBLE},
     )
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
@@ -111,8 +124,8 @@ def loop_body(sass: str) -> list[str]:
     return best
 
 
-def report(name: str, kv: str, block_n: int, warps: int, stages: int) -> str:
-    usage, sass = compile_sass(name, kv, block_n, warps, stages)
+def report(name: str, kv: str, block_n: int, warps: int, stages: int, maxnreg=None) -> str:
+    usage, sass = compile_sass(name, kv, block_n, warps, stages, maxnreg)
     regs = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     body = loop_body(sass)
     ops = collections.Counter(re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+(?:\.[A-Z0-9_]+)*)", t).group(1) for t in body)
@@ -131,9 +144,11 @@ def main() -> None:
     p.add_argument("--block-n", type=int)
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--maxnreg", type=int, help="a register cap (the launch's maxnreg)")
     args = p.parse_args()
     if args.kernel:
-        launches = [(args.kernel, args.kv or "fp8", args.block_n or 64, args.warps, args.stages)]
+        kv = args.kv or ("bf16" if args.kernel == "wb16" else "fp8")
+        launches = [(args.kernel, kv, args.block_n or 64, args.warps, args.stages, args.maxnreg)]
     else:
         launches = [
             ("default", "bf16", 64, 4, 3),
