@@ -139,16 +139,13 @@ def decode_attention_next(qkv, k_cache, v_cache, meta, heads, scale, config=None
 
 
 @jit
-def _wb_block(
-    q_e, q_o, m_i, l_i, acc_e, acc_o, t0, end, row, kvh, k_ptr, v_ptr, pt_ptr, stride_slot, stride_pt,
-    W: tl.constexpr, KB: tl.constexpr, D2: tl.constexpr, PAGE: tl.constexpr, PTX: tl.constexpr,
-    E5M2: tl.constexpr, MASKED: tl.constexpr,
-):  # fmt: skip
-    """W independent online softmaxes over KB keys each (one per warp: batched dots, no exchange
-    between warps), keys t0 + w KB + j."""
+def _wb_keys(t0, end, row, kvh, pt_ptr, stride_slot, stride_pt, W: tl.constexpr, KB: tl.constexpr,
+             DK: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """The [W, KB, DK] offsets of keys t0 + w KB + j in a cache of DK elements a KV head, and
+    which of them are before `end`."""
     w = tl.arange(0, W)
     j = tl.arange(0, KB)
-    e = tl.arange(0, D2)
+    e = tl.arange(0, DK)
     tok = t0 + w[:, None] * KB + j[None, :]
     valid = tok < end
     if MASKED:
@@ -156,13 +153,19 @@ def _wb_block(
     else:
         page = tl.load(pt_ptr + row * stride_pt + tok // PAGE)
     slot = page * PAGE + tok % PAGE
-    kv_off = slot[:, :, None] * stride_slot + kvh * D2 + e[None, None, :]
+    return slot[:, :, None] * stride_slot + kvh * DK + e[None, None, :], valid
+
+
+@jit
+def _wb_load(ptr, kv_off, valid, MASKED: tl.constexpr):
     if MASKED:
-        k2 = tl.load(k_ptr + kv_off, mask=valid[:, :, None], other=0)
-    else:
-        k2 = tl.load(k_ptr + kv_off)
-    k_e, k_o = pa._pairs_to_f16(k2, PTX, E5M2)
-    s = tl.dot(q_e, tl.permute(k_e, (0, 2, 1))) + tl.dot(q_o, tl.permute(k_o, (0, 2, 1)))
+        return tl.load(ptr + kv_off, mask=valid[:, :, None], other=0)
+    return tl.load(ptr + kv_off)
+
+
+@jit
+def _wb_softmax(s, m_i, l_i, valid, MASKED: tl.constexpr):
+    """The online-softmax step of [W, G, KB] scores in log2 units: (max, sum, rescale, probabilities)."""
     if MASKED:
         s = tl.where(valid[:, None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=2))
@@ -171,12 +174,30 @@ def _wb_block(
     if MASKED:  # a warp whose keys are all masked so far (a full block leaves every max finite)
         alpha = tl.where(m_new == float("-inf"), 1.0, alpha)
         p = tl.where(m_new[:, :, None] == float("-inf"), 0.0, p)
-    l_i = l_i * alpha + tl.sum(p, axis=2)
-    if MASKED:
-        v2 = tl.load(v_ptr + kv_off, mask=valid[:, :, None], other=0)
-    else:
-        v2 = tl.load(v_ptr + kv_off)
-    v_e, v_o = pa._pairs_to_f16(v2, PTX, E5M2)
+    return m_new, l_i * alpha + tl.sum(p, axis=2), alpha, p
+
+
+@jit
+def _wb_weights(m_i, l_i):
+    """Merging the W warps' softmaxes: (the max in log2 units, each warp's weight, the sum)."""
+    m = tl.max(m_i, axis=0)
+    wgt = tl.exp2(m_i - tl.where(m == float("-inf"), 0.0, m)[None, :])  # 0 for a part with no keys
+    return m, wgt, tl.sum(l_i * wgt, axis=0)
+
+
+@jit
+def _wb_block(
+    q_e, q_o, m_i, l_i, acc_e, acc_o, t0, end, row, kvh, k_ptr, v_ptr, pt_ptr, stride_slot, stride_pt,
+    W: tl.constexpr, KB: tl.constexpr, D2: tl.constexpr, PAGE: tl.constexpr, PTX: tl.constexpr,
+    E5M2: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """W independent online softmaxes over KB keys each (one per warp: batched dots, no exchange
+    between warps), keys t0 + w KB + j."""
+    kv_off, valid = _wb_keys(t0, end, row, kvh, pt_ptr, stride_slot, stride_pt, W, KB, D2, PAGE, MASKED)
+    k_e, k_o = pa._pairs_to_f16(_wb_load(k_ptr, kv_off, valid, MASKED), PTX, E5M2)
+    s = tl.dot(q_e, tl.permute(k_e, (0, 2, 1))) + tl.dot(q_o, tl.permute(k_o, (0, 2, 1)))
+    m_new, l_i, alpha, p = _wb_softmax(s, m_i, l_i, valid, MASKED)
+    v_e, v_o = pa._pairs_to_f16(_wb_load(v_ptr, kv_off, valid, MASKED), PTX, E5M2)
     p16 = p.to(tl.float16)
     acc_e = acc_e * alpha[:, :, None] + tl.dot(p16, v_e)
     acc_o = acc_o * alpha[:, :, None] + tl.dot(p16, v_o)
@@ -231,10 +252,7 @@ def _wb_kernel(
             q_e3, q_o3, m_i, l_i, acc_e, acc_o, t0, end, row, kvh, k_ptr, v_ptr, pt_ptr, stride_slot, stride_pt,
             W, KB, D2, PAGE, PTX, E5M2, True,
         )  # fmt: skip
-    m = tl.max(m_i, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    wgt = tl.exp2(m_i - m_safe[None, :])  # 0 for a part with no keys
-    l_sum = tl.sum(l_i * wgt, axis=0)
+    m, wgt, l_sum = _wb_weights(m_i, l_i)
     out_e = tl.sum(acc_e * wgt[:, :, None], axis=0)
     out_o = tl.sum(acc_o * wgt[:, :, None], axis=0)
     inv = 1.0 / tl.maximum(l_sum, 1e-30)
@@ -268,37 +286,11 @@ def _wb16_block(
     W: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """_wb_block over a 16-bit cache: W running softmaxes over KB keys each."""
-    w = tl.arange(0, W)
-    j = tl.arange(0, KB)
-    d = tl.arange(0, D)
-    tok = t0 + w[:, None] * KB + j[None, :]
-    valid = tok < end
-    if MASKED:
-        page = tl.load(pt_ptr + row * stride_pt + tok // PAGE, mask=valid, other=0)
-    else:
-        page = tl.load(pt_ptr + row * stride_pt + tok // PAGE)
-    slot = page * PAGE + tok % PAGE
-    kv_off = slot[:, :, None] * stride_slot + kvh * D + d[None, None, :]
-    if MASKED:
-        k = tl.load(k_ptr + kv_off, mask=valid[:, :, None], other=0.0)
-    else:
-        k = tl.load(k_ptr + kv_off)
-    s = tl.dot(q, tl.permute(k, (0, 2, 1)))
-    if MASKED:
-        s = tl.where(valid[:, None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=2))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, :, None])
-    if MASKED:  # as in _wb_block
-        alpha = tl.where(m_new == float("-inf"), 1.0, alpha)
-        p = tl.where(m_new[:, :, None] == float("-inf"), 0.0, p)
-    l_i = l_i * alpha + tl.sum(p, axis=2)
-    if MASKED:
-        v = tl.load(v_ptr + kv_off, mask=valid[:, :, None], other=0.0)
-    else:
-        v = tl.load(v_ptr + kv_off)
-    acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+    kv_off, valid = _wb_keys(t0, end, row, kvh, pt_ptr, stride_slot, stride_pt, W, KB, D, PAGE, MASKED)
+    s = tl.dot(q, tl.permute(_wb_load(k_ptr, kv_off, valid, MASKED), (0, 2, 1)))
+    m_new, l_i, alpha, p = _wb_softmax(s, m_i, l_i, valid, MASKED)
+    v = _wb_load(v_ptr, kv_off, valid, MASKED)
+    return m_new, l_i, acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)
 
 
 @jit
@@ -338,9 +330,7 @@ def _wb16_kernel(
         m_i, l_i, acc = _wb16_block(
             q3, m_i, l_i, acc, t0, end, row, kvh, k_ptr, v_ptr, pt_ptr, stride_slot, stride_pt, W, KB, D, PAGE, True
         )
-    m = tl.max(m_i, axis=0)
-    wgt = tl.exp2(m_i - tl.where(m == float("-inf"), 0.0, m)[None, :])
-    l_sum = tl.sum(l_i * wgt, axis=0)
+    m, wgt, l_sum = _wb_weights(m_i, l_i)
     out = tl.sum(acc * wgt[:, :, None], axis=0) / tl.maximum(l_sum, 1e-30)[:, None]
     hmask = hm & (split < splits)
     if DIRECT:
