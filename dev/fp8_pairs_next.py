@@ -20,6 +20,55 @@ LOG2E = 1.0 / math.log(2.0)
 
 
 @jit
+def _chunk(length, split, min_chunk, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's keys [start, end) of a row of `length`, the end of its full blocks, and the
+    row's split count (the engine kernels' split-K chunking)."""
+    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
+    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
+    return start, end, start + (end - start) // BLOCK_N * BLOCK_N, splits
+
+
+@jit
+def _pairs_query(q_ptr, b, stride_q, kvh, scale, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                 EXP2: tl.constexpr):  # fmt: skip
+    """The KV head's query heads in float16, even and odd dims apart (times scale log2(e) with EXP2)."""
+    g = tl.arange(0, BLOCK_G)
+    e = tl.arange(0, D // 2)
+    q_at = q_ptr + b * stride_q + (kvh * G + g)[:, None] * D + 2 * e[None, :]
+    q_e = tl.load(q_at, mask=g[:, None] < G, other=0.0).to(tl.float32)
+    q_o = tl.load(q_at + 1, mask=g[:, None] < G, other=0.0).to(tl.float32)
+    if EXP2:  # the scores in log2 units: exp2(s) = exp(s / log2(e))
+        q_e, q_o = q_e * (scale * 1.4426950408889634), q_o * (scale * 1.4426950408889634)
+    q_e = tl.minimum(tl.maximum(q_e, -65504.0), 65504.0).to(tl.float16)
+    q_o = tl.minimum(tl.maximum(q_o, -65504.0), 65504.0).to(tl.float16)
+    return q_e, q_o
+
+
+@jit
+def _store_pairs(o_ptr, lse_ptr, b, kvh, split, splits, out_e, out_o, lse, stride_o, H: tl.constexpr,
+                 D: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, SPLITS: tl.constexpr,
+                 DIRECT: tl.constexpr):  # fmt: skip
+    """The normalised output's even and odd dims: into the output (one split) or this split's
+    partial row, with its log-sum-exp (natural log)."""
+    g = tl.arange(0, BLOCK_G)
+    e = tl.arange(0, D // 2)
+    heads = kvh * G + g
+    hmask = (g[:, None] < G) & (split < splits)
+    if DIRECT:
+        at = o_ptr + b * stride_o + heads[:, None] * D + 2 * e[None, :]
+        tl.store(at, out_e.to(o_ptr.dtype.element_ty), mask=hmask)
+        tl.store(at + 1, out_o.to(o_ptr.dtype.element_ty), mask=hmask)
+    else:
+        part = (b * H + heads) * SPLITS + split
+        at = o_ptr + part[:, None] * D + 2 * e[None, :]
+        tl.store(at, out_e, mask=hmask)
+        tl.store(at + 1, out_o, mask=hmask)
+        tl.store(lse_ptr + part, lse, mask=(g < G) & (split < splits))
+
+
+@jit
 def _block(
     q_e, q_o, m_i, l_i, acc_e, acc_o, t0, end, row, kvh, k_ptr, v_ptr, pt_ptr, stride_slot, stride_pt, scale,
     D2: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PTX: tl.constexpr, E5M2: tl.constexpr,
@@ -81,28 +130,15 @@ def _next_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     row = tl.load(rows_ptr + b)
-    length = tl.load(lens_ptr + b)
-    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
+    start, end, full_end, splits = _chunk(tl.load(lens_ptr + b), split, min_chunk, SPLITS, BLOCK_N)
+    if not SPLIT:
+        full_end = start
+    q_e, q_o = _pairs_query(q_ptr, b, stride_q, kvh, scale, G, BLOCK_G, D, EXP2)
     D2: tl.constexpr = D // 2
-    g = tl.arange(0, BLOCK_G)
-    e = tl.arange(0, D2)
-    heads = kvh * G + g
-    hm = g[:, None] < G
-    q_at = q_ptr + b * stride_q + heads[:, None] * D + 2 * e[None, :]
-    q_e = tl.load(q_at, mask=hm, other=0.0).to(tl.float32)
-    q_o = tl.load(q_at + 1, mask=hm, other=0.0).to(tl.float32)
-    if EXP2:  # the scores in log2 units: exp2(s) = exp(s / log2(e))
-        q_e, q_o = q_e * (scale * 1.4426950408889634), q_o * (scale * 1.4426950408889634)
-    q_e = tl.minimum(tl.maximum(q_e, -65504.0), 65504.0).to(tl.float16)
-    q_o = tl.minimum(tl.maximum(q_o, -65504.0), 65504.0).to(tl.float16)
-    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc_e = tl.zeros([BLOCK_G, D2], tl.float32)
     acc_o = tl.zeros([BLOCK_G, D2], tl.float32)
-    full_end = start + (end - start) // BLOCK_N * BLOCK_N if SPLIT else start
     for t0 in range(start, full_end, BLOCK_N):
         m_i, l_i, acc_e, acc_o = _block(
             q_e, q_o, m_i, l_i, acc_e, acc_o, t0, end, row, kvh, k_ptr, v_ptr, pt_ptr, stride_slot, stride_pt,
@@ -114,18 +150,9 @@ def _next_kernel(
             scale, D2, BLOCK_N, PAGE, PTX, E5M2, True, EXP2, OFF32,
         )  # fmt: skip
     inv = 1.0 / tl.maximum(l_i, 1e-30)
-    hmask = hm & (split < splits)
-    if DIRECT:
-        at = o_ptr + b * stride_o + heads[:, None] * D + 2 * e[None, :]
-        tl.store(at, (acc_e * inv[:, None]).to(o_ptr.dtype.element_ty), mask=hmask)
-        tl.store(at + 1, (acc_o * inv[:, None]).to(o_ptr.dtype.element_ty), mask=hmask)
-    else:
-        part = (b * H + heads) * SPLITS + split
-        at = o_ptr + part[:, None] * D + 2 * e[None, :]
-        tl.store(at, acc_e * inv[:, None], mask=hmask)
-        tl.store(at + 1, acc_o * inv[:, None], mask=hmask)
-        lse = m_i * 0.6931471805599453 + tl.log(l_i) if EXP2 else m_i + tl.log(l_i)
-        tl.store(lse_ptr + part, lse, mask=(g < G) & (split < splits))
+    lse = m_i * 0.6931471805599453 + tl.log(l_i) if EXP2 else m_i + tl.log(l_i)
+    out_e, out_o = acc_e * inv[:, None], acc_o * inv[:, None]
+    _store_pairs(o_ptr, lse_ptr, b, kvh, split, splits, out_e, out_o, lse, stride_o, H, D, G, BLOCK_G, SPLITS, DIRECT)
 
 
 def decode_attention_next(qkv, k_cache, v_cache, meta, heads, scale, config=None, split=True, exp2=True, off32=True):
@@ -216,32 +243,19 @@ def _wb_kernel(
     keys, each with its own running max, sum and output (batched dots), merged once at the end;
     the SPLIT, EXP2 and OFF32 changes of _next_kernel included."""
     KB: tl.constexpr = BLOCK_N // W
+    D2: tl.constexpr = D // 2
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     row = tl.load(rows_ptr + b)
-    length = tl.load(lens_ptr + b)
-    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
-    D2: tl.constexpr = D // 2
-    g = tl.arange(0, BLOCK_G)
-    e = tl.arange(0, D2)
-    heads = kvh * G + g
-    hm = g[:, None] < G
-    q_at = q_ptr + b * stride_q + heads[:, None] * D + 2 * e[None, :]
-    q_e = tl.load(q_at, mask=hm, other=0.0).to(tl.float32) * (scale * 1.4426950408889634)
-    q_o = tl.load(q_at + 1, mask=hm, other=0.0).to(tl.float32) * (scale * 1.4426950408889634)
-    q_e = tl.minimum(tl.maximum(q_e, -65504.0), 65504.0).to(tl.float16)
-    q_o = tl.minimum(tl.maximum(q_o, -65504.0), 65504.0).to(tl.float16)
+    start, end, full_end, splits = _chunk(tl.load(lens_ptr + b), split, min_chunk, SPLITS, BLOCK_N)
+    q_e, q_o = _pairs_query(q_ptr, b, stride_q, kvh, scale, G, BLOCK_G, D, True)
     q_e3 = tl.broadcast_to(q_e[None, :, :], [W, BLOCK_G, D2])
     q_o3 = tl.broadcast_to(q_o[None, :, :], [W, BLOCK_G, D2])
-    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
     m_i = tl.full([W, BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([W, BLOCK_G], tl.float32)
     acc_e = tl.zeros([W, BLOCK_G, D2], tl.float32)
     acc_o = tl.zeros([W, BLOCK_G, D2], tl.float32)
-    full_end = start + (end - start) // BLOCK_N * BLOCK_N
     for t0 in range(start, full_end, BLOCK_N):
         m_i, l_i, acc_e, acc_o = _wb_block(
             q_e3, q_o3, m_i, l_i, acc_e, acc_o, t0, end, row, kvh, k_ptr, v_ptr, pt_ptr, stride_slot, stride_pt,
@@ -253,20 +267,11 @@ def _wb_kernel(
             W, KB, D2, PAGE, PTX, E5M2, True,
         )  # fmt: skip
     m, wgt, l_sum = _wb_weights(m_i, l_i)
-    out_e = tl.sum(acc_e * wgt[:, :, None], axis=0)
-    out_o = tl.sum(acc_o * wgt[:, :, None], axis=0)
     inv = 1.0 / tl.maximum(l_sum, 1e-30)
-    hmask = hm & (split < splits)
-    if DIRECT:
-        at = o_ptr + b * stride_o + heads[:, None] * D + 2 * e[None, :]
-        tl.store(at, (out_e * inv[:, None]).to(o_ptr.dtype.element_ty), mask=hmask)
-        tl.store(at + 1, (out_o * inv[:, None]).to(o_ptr.dtype.element_ty), mask=hmask)
-    else:
-        part = (b * H + heads) * SPLITS + split
-        at = o_ptr + part[:, None] * D + 2 * e[None, :]
-        tl.store(at, out_e * inv[:, None], mask=hmask)
-        tl.store(at + 1, out_o * inv[:, None], mask=hmask)
-        tl.store(lse_ptr + part, m * 0.6931471805599453 + tl.log(l_sum), mask=(g < G) & (split < splits))
+    out_e = tl.sum(acc_e * wgt[:, :, None], axis=0) * inv[:, None]
+    out_o = tl.sum(acc_o * wgt[:, :, None], axis=0) * inv[:, None]
+    lse = m * 0.6931471805599453 + tl.log(l_sum)
+    _store_pairs(o_ptr, lse_ptr, b, kvh, split, splits, out_e, out_o, lse, stride_o, H, D, G, BLOCK_G, SPLITS, DIRECT)
 
 
 def decode_attention_wb(qkv, k_cache, v_cache, meta, heads, scale, config=None):
@@ -307,7 +312,7 @@ def _wb16_kernel(
     split = tl.program_id(2)
     row = tl.load(rows_ptr + b)
     length = tl.load(lens_ptr + b)
-    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
+    start, end, full_end, splits = _chunk(length, split, min_chunk, SPLITS, BLOCK_N)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     heads = kvh * G + g
@@ -315,13 +320,9 @@ def _wb16_kernel(
     q = tl.load(q_ptr + b * stride_q + heads[:, None] * D + d[None, :], mask=hm, other=0.0)
     q = (q.to(tl.float32) * (scale * 1.4426950408889634)).to(k_ptr.dtype.element_ty)
     q3 = tl.broadcast_to(q[None, :, :], [W, BLOCK_G, D])
-    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
     m_i = tl.full([W, BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([W, BLOCK_G], tl.float32)
     acc = tl.zeros([W, BLOCK_G, D], tl.float32)
-    full_end = start + (end - start) // BLOCK_N * BLOCK_N
     for t0 in range(start, full_end, BLOCK_N):
         m_i, l_i, acc = _wb16_block(
             q3, m_i, l_i, acc, t0, end, row, kvh, k_ptr, v_ptr, pt_ptr, stride_slot, stride_pt, W, KB, D, PAGE, False
