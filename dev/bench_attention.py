@@ -11,16 +11,23 @@ gradients against per-sequence float32 SDPA. Kernels:
 - fa2: aten::_flash_attention_forward/backward with fewer key/value heads than query heads
   (what minirl's varlen attention runs without flash-attn installed);
 - cudnn: aten::_cudnn_attention_forward/backward on the ragged (cu_seqlens) layout, the same GQA
-  inputs; cudnn-rep: the same with keys and values repeated to 12 heads.
-A kernel that raises is reported with its error instead of figures.
+  inputs; cudnn-rep: the same with keys and values repeated to 12 heads;
+- cudnn-pad: the sequences padded at their ends into one [batch, heads, longest, dim] batch, through
+  SDPA's cuDNN backend (causal, so a row never sees its padding; GQA) and back, the padding copies
+  and autograd's backward included; cudnn-pad-rep: the same with keys and values repeated.
+"first ms" is the kernel's first forward on this micro-batch's shape (cuDNN builds a plan per
+shape). A kernel that raises is reported with its error instead of figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
+import torch.nn.functional as F
 from cuda_timing import cuda_ms
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minirl.models.attention import packed_forward_kwargs
 from minirl.models.varlen import repeat_kv, varlen_attention
@@ -77,7 +84,43 @@ def cudnn_rep(q, k, v, cu, max_len, scale):
     return out, backward
 
 
-KERNELS = {"fa2": fa2, "cudnn": cudnn, "cudnn-rep": cudnn_rep}
+def cudnn_pad(q, k, v, cu, max_len, scale, repeat=False):
+    lens = cu.diff()
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=q.device), lens)
+    pos = torch.arange(q.shape[0], device=q.device) - cu[seq]
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def pad(t):
+        out = t.new_zeros(len(lens), max_len, t.shape[1], t.shape[2])
+        out[seq, pos] = t
+        return out.transpose(1, 2)
+
+    qp, kp, vp = (pad(t) for t in leaves)
+    if repeat:
+        kp, vp = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (kp, vp))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=not repeat)
+    out = o.transpose(1, 2)[seq, pos]
+
+    def backward(g):
+        return torch.autograd.grad(out, leaves, g, retain_graph=True)
+
+    return out, backward
+
+
+def cudnn_pad_rep(q, k, v, cu, max_len, scale):
+    return cudnn_pad(q, k, v, cu, max_len, scale, repeat=True)
+
+
+KERNELS = {"fa2": fa2, "cudnn": cudnn, "cudnn-rep": cudnn_rep, "cudnn-pad": cudnn_pad, "cudnn-pad-rep": cudnn_pad_rep}
+
+
+def first_ms(kernel, *args) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    kernel(*args)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
 
 
 def reference(q, k, v, g, cu, max_len, scale):
@@ -106,11 +149,13 @@ def main() -> None:
     ref = reference(q, k, v, g, cu, max(lens), scale)
     flops = 4 * H * D * sum(s * (s + 1) / 2 for s in lens)
     print(f"{len(lens)} sequences, {n} tokens, max {max(lens)}; forward {flops / 1e12:.3f} TFLOP\n")
-    print("| kernel | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | out err max / mean | dq | dk | dv |")
-    print("| --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- |")
+    cols = ("kernel", "first ms", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s", "out err max / mean")
+    print("| " + " | ".join((*cols, "dq", "dk", "dv")) + " |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | --- |")
     for name, kernel in KERNELS.items():
         row = [name]
         try:
+            row.append(f"{first_ms(kernel, q, k, v, cu, max(lens), scale):.1f}")
             out, backward = kernel(q, k, v, cu, max(lens), scale)
             t_fwd = cuda_ms(lambda kernel=kernel: kernel(q, k, v, cu, max(lens), scale), reps=20, warmup=3)
             row += [f"{t_fwd:.3f}", f"{flops / t_fwd / 1e9:.0f}"]
@@ -119,7 +164,7 @@ def main() -> None:
             row += [f"{t_all:.3f}", f"{3.5 * flops / t_all / 1e9:.0f}"]
             row += [errors(a, b) for a, b in zip((out, *grads), ref)]
         except Exception as e:  # report and go on: the point is which kernels run here
-            if len(row) == 3:
+            if len(row) == 4:
                 row += ["", "", errors(out, ref[0])]
             row.append(f"{type(e).__name__}: {str(e).splitlines()[0][:150]}")
         print("| " + " | ".join(row) + " |")
