@@ -109,6 +109,40 @@ def pass_s(s: dict, lens: list[int], budget: int, attention_rate: float, optimiz
     return out
 
 
+def adapted(s: dict) -> list[tuple[int, int]]:
+    """(in, out) of the matrices `all-linear` LoRA adapts in a layer: q, k, v, o, gate, up, down."""
+    h, q, kv, ff = s["h"], s["q"], s["kv"], s["ff"]
+    return [(h, q), (h, kv), (h, kv), (q, h), (h, ff), (h, ff), (ff, h)]
+
+
+def lora_update_s(s: dict, lens: list[int], budget: int, attention_rate: float, rank: int, steps: int) -> dict:
+    """The LoRA update with minirl's merged layer (minirl.models.lora.MergedLinear): the frozen
+    matrices' forward and input-gradient GEMMs (4·N a token); the adapters' gradients, four skinny
+    GEMMs a matrix (x Aᵀ, dy B, then dA and dB), each reading a [tokens, in] or [tokens, out]
+    activation once, so bytes-bound at rank 64 (2·rank FLOPs per 2 bytes); the merge W + s·B A
+    twice a micro-batch (forward and backward: read W, write the merged copy); the same
+    activations' element-wise work, attention and log-prob head as full fine-tuning; no weight
+    casts (the frozen base is held in bf16) and AdamW over the adapters alone."""
+    tokens, micro = sum(lens), -(-sum(lens) // budget)
+    full = pass_s(s, lens, budget, attention_rate, optimizer_steps=steps)
+    mats = adapted(s)
+    n_adapters = s["layers"] * sum(rank * (i + o) for i, o in mats)
+    skinny = sum(2 * max(2 * rank * d / MATMUL, BF16 * d / BANDWIDTH) for i, o in mats for d in (i, o))
+    merge = sum(max(2 * rank * i * o / MATMUL, 2 * BF16 * i * o / BANDWIDTH) for i, o in mats)
+    out = {
+        "GEMMs": 4 * s["n"] * tokens / MATMUL,
+        "adapter gradients": s["layers"] * tokens * skinny,
+        "merges": s["layers"] * 2 * micro * merge,
+        "attention": full["attention"],
+        "element-wise": (elementwise_bytes(s, tokens, True, False) + micro * 2 * FP32 * n_adapters) / BANDWIDTH,
+        "log-prob head": full["log-prob head"],
+        "AdamW": steps * 7 * FP32 * n_adapters / BANDWIDTH,
+    }  # fmt: skip
+    out["floor"] = sum(out.values())
+    out["ratio"] = out["floor"] / full["floor"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="qwen2-1.5b")
@@ -120,6 +154,7 @@ def main() -> None:
     ap.add_argument("--prev-pass", action="store_true", help="count a prev-log-prob pass (off-policy mini-batches)")
     ap.add_argument("--budget", type=int, default=30000, help="tokens a micro-batch")
     ap.add_argument("--attention-rate", type=float, default=ATTENTION_RATE / 1e12, help="TFLOP/s")
+    ap.add_argument("--lora-rank", type=int, default=0, help="also the LoRA update's floor (all-linear)")
     args = ap.parse_args()
     s = shape(args.preset)
     rows = args.prompts * args.n
@@ -134,6 +169,10 @@ def main() -> None:
         parts = ", ".join(f"{k} {v:.3f}" for k, v in d.items() if k not in ("floor", "MFU at the floor"))
         mfu = f", MFU {d['MFU at the floor']:.1%}" if d["MFU at the floor"] else ""
         print(f"{name} floor {d['floor']:.3f} s ({parts}{mfu})")
+    if args.lora_rank:
+        lo = lora_update_s(s, lens, args.budget, rate, args.lora_rank, args.mini_batches)
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in lo.items() if k not in ("floor", "ratio"))
+        print(f"LoRA r{args.lora_rank} update floor {lo['floor']:.3f} s ({parts}): {lo['ratio']:.3f} of full's")
     passes = 2 if args.prev_pass else 1
     step = gen + passes * fwd["floor"] + upd["floor"]
     print(f"step floor {step:.2f} s (generation, {passes} log-prob passes, update)")
