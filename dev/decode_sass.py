@@ -39,7 +39,7 @@ from minirl_plugins.engines.native.layers import paged_attention as pa
 KERNELS = {
     "default": pa._decode_kernel,
     "pairs": pa._decode_kernel_fp8_pairs,  # the cache viewed as int16, the pairs split by inline PTX
-    "next": nx._next_kernel,  # candidates (dev/fp8_pairs_next.py): the pairs kernel, SPLIT, EXP2, OFF32 on
+    "next": nx._next_kernel,  # candidates (dev/fp8_pairs_next.py): the pairs kernel with SPLIT, EXP2, OFF32
     "wb": nx._wb_kernel,  # warp-batched over the pairs
     "wb16": nx._wb16_kernel,  # warp-batched over a bf16 cache
 }
@@ -75,8 +75,9 @@ def kernel_args(name: str, kv: str, block_n: int, warps: int) -> tuple[str, dict
     if name in ("pairs", "next", "wb"):
         assert kv == "fp8", f"the {name} kernel reads an 8-bit cache"
         consts = dict(consts, PTX=pa.PAIRS_PTX[torch.float8_e4m3fn], E5M2=False)
-        if name == "next":
-            consts.update(SPLIT=True, EXP2=True, OFF32=True)
+        if name == "next":  # the flags as the engine's kernel now has them
+            consts.update(SPLIT=True, EXP2=True)
+        consts.update(OFF32=True)
         return "i16", dict(consts, W=warps) if name == "wb" else consts
     return KV[kv], dict(consts, PRECISION="tf32", KV_F16=kv == "fp8")
 

@@ -1,120 +1,21 @@
 """Candidate changes to the fp8 pairs decode kernel (paged_attention._decode_kernel_fp8_pairs),
-timed against it by `python3 dev/bench_fp8_pairs.py --next` before any goes into the engine.
+timed against it by `python3 dev/bench_fp8_pairs.py --launches ...` before any goes into the engine.
 
-Flags (constexprs of _next_kernel, all off = the engine's kernel):
+`next`: flags (constexprs of _next_kernel; all off = the engine's kernel until 2026-12-06, all on =
+the engine's kernel since, which the H200 sweep chose):
   SPLIT   the full key blocks in a loop with no masks (loads, scores), the last partial block after
   EXP2    the scale times log2(e) folded into the query once, exp2 in the loop (no multiply per score)
   OFF32   32-bit slot offsets (the caller checks the cache has fewer than 2**31 elements)
+`wb`, `wb16`: warp-batched kernels (each warp a running softmax over its share of a key block,
+merged at the end), over the fp8 pairs and over a 16-bit cache.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from minirl_plugins.engines.native.layers import paged_attention as pa
 from minirl_plugins.engines.native.layers.jit import jit, tl
-
-LOG2E = 1.0 / math.log(2.0)
-
-
-@jit
-def _chunk(length, split, min_chunk, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This program's keys [start, end) of a row of `length`, the end of its full blocks, and the
-    row's split count (the engine kernels' split-K chunking)."""
-    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
-    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
-    return start, end, start + (end - start) // BLOCK_N * BLOCK_N, splits
-
-
-@jit
-def _pairs_query(q_ptr, b, stride_q, kvh, scale, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                 EXP2: tl.constexpr):  # fmt: skip
-    """The KV head's query heads in float16, even and odd dims apart (times scale log2(e) with EXP2)."""
-    g = tl.arange(0, BLOCK_G)
-    e = tl.arange(0, D // 2)
-    q_at = q_ptr + b * stride_q + (kvh * G + g)[:, None] * D + 2 * e[None, :]
-    q_e = tl.load(q_at, mask=g[:, None] < G, other=0.0).to(tl.float32)
-    q_o = tl.load(q_at + 1, mask=g[:, None] < G, other=0.0).to(tl.float32)
-    if EXP2:  # the scores in log2 units: exp2(s) = exp(s / log2(e))
-        q_e, q_o = q_e * (scale * 1.4426950408889634), q_o * (scale * 1.4426950408889634)
-    q_e = tl.minimum(tl.maximum(q_e, -65504.0), 65504.0).to(tl.float16)
-    q_o = tl.minimum(tl.maximum(q_o, -65504.0), 65504.0).to(tl.float16)
-    return q_e, q_o
-
-
-@jit
-def _store_pairs(o_ptr, lse_ptr, b, kvh, split, splits, out_e, out_o, lse, stride_o, H: tl.constexpr,
-                 D: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, SPLITS: tl.constexpr,
-                 DIRECT: tl.constexpr):  # fmt: skip
-    """The normalised output's even and odd dims: into the output (one split) or this split's
-    partial row, with its log-sum-exp (natural log)."""
-    g = tl.arange(0, BLOCK_G)
-    e = tl.arange(0, D // 2)
-    heads = kvh * G + g
-    hmask = (g[:, None] < G) & (split < splits)
-    if DIRECT:
-        at = o_ptr + b * stride_o + heads[:, None] * D + 2 * e[None, :]
-        tl.store(at, out_e.to(o_ptr.dtype.element_ty), mask=hmask)
-        tl.store(at + 1, out_o.to(o_ptr.dtype.element_ty), mask=hmask)
-    else:
-        part = (b * H + heads) * SPLITS + split
-        at = o_ptr + part[:, None] * D + 2 * e[None, :]
-        tl.store(at, out_e, mask=hmask)
-        tl.store(at + 1, out_o, mask=hmask)
-        tl.store(lse_ptr + part, lse, mask=(g < G) & (split < splits))
-
-
-@jit
-def _block(
-    q_e, q_o, m_i, l_i, acc_e, acc_o, t0, end, row, kvh, k_ptr, v_ptr, pt_ptr, stride_slot, stride_pt, scale,
-    D2: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PTX: tl.constexpr, E5M2: tl.constexpr,
-    MASKED: tl.constexpr, EXP2: tl.constexpr, OFF32: tl.constexpr,
-):  # fmt: skip
-    """One block of BLOCK_N keys from t0: the online-softmax update of (m_i, l_i, acc_e, acc_o)."""
-    n = tl.arange(0, BLOCK_N)
-    e = tl.arange(0, D2)
-    tok = t0 + n
-    valid = tok < end
-    if MASKED:
-        page = tl.load(pt_ptr + row * stride_pt + tok // PAGE, mask=valid, other=0)
-    else:
-        page = tl.load(pt_ptr + row * stride_pt + tok // PAGE)
-    if OFF32:
-        slot = page * PAGE + tok % PAGE
-    else:
-        slot = page.to(tl.int64) * PAGE + tok % PAGE
-    kv_off = slot[:, None] * stride_slot + kvh * D2 + e[None, :]
-    if MASKED:
-        k2 = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0)
-    else:
-        k2 = tl.load(k_ptr + kv_off)
-    k_e, k_o = pa._pairs_to_f16(k2, PTX, E5M2)
-    s = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
-    if not EXP2:
-        s = s * scale
-    if MASKED:
-        s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    if EXP2:
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-    else:
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if MASKED:
-        v2 = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0)
-    else:
-        v2 = tl.load(v_ptr + kv_off)
-    v_e, v_o = pa._pairs_to_f16(v2, PTX, E5M2)
-    p16 = p.to(tl.float16)
-    acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_e)
-    acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_o)
-    return m_new, l_i, acc_e, acc_o
 
 
 @jit
@@ -125,34 +26,36 @@ def _next_kernel(
     PAGE: tl.constexpr, SPLITS: tl.constexpr, DIRECT: tl.constexpr, PTX: tl.constexpr, E5M2: tl.constexpr,
     SPLIT: tl.constexpr, EXP2: tl.constexpr, OFF32: tl.constexpr,
 ):  # fmt: skip
-    """_decode_kernel_fp8_pairs with the flags of this module's docstring."""
+    """The pairs kernel with the flags of this module's docstring."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     row = tl.load(rows_ptr + b)
-    start, end, full_end, splits = _chunk(tl.load(lens_ptr + b), split, min_chunk, SPLITS, BLOCK_N)
+    start, end, full_end, splits = pa._chunk(tl.load(lens_ptr + b), split, min_chunk, SPLITS, BLOCK_N)
     if not SPLIT:
         full_end = start
-    q_e, q_o = _pairs_query(q_ptr, b, stride_q, kvh, scale, G, BLOCK_G, D, EXP2)
+    q_e, q_o = pa._pairs_query(q_ptr, b, stride_q, kvh, scale, G, BLOCK_G, D, EXP2)
     D2: tl.constexpr = D // 2
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc_e = tl.zeros([BLOCK_G, D2], tl.float32)
     acc_o = tl.zeros([BLOCK_G, D2], tl.float32)
     for t0 in range(start, full_end, BLOCK_N):
-        m_i, l_i, acc_e, acc_o = _block(
+        m_i, l_i, acc_e, acc_o = pa._pairs_block(
             q_e, q_o, m_i, l_i, acc_e, acc_o, t0, end, row, kvh, k_ptr, v_ptr, pt_ptr, stride_slot, stride_pt,
             scale, D2, BLOCK_N, PAGE, PTX, E5M2, False, EXP2, OFF32,
         )  # fmt: skip
     for t0 in range(full_end, end, BLOCK_N):
-        m_i, l_i, acc_e, acc_o = _block(
+        m_i, l_i, acc_e, acc_o = pa._pairs_block(
             q_e, q_o, m_i, l_i, acc_e, acc_o, t0, end, row, kvh, k_ptr, v_ptr, pt_ptr, stride_slot, stride_pt,
             scale, D2, BLOCK_N, PAGE, PTX, E5M2, True, EXP2, OFF32,
         )  # fmt: skip
     inv = 1.0 / tl.maximum(l_i, 1e-30)
     lse = m_i * 0.6931471805599453 + tl.log(l_i) if EXP2 else m_i + tl.log(l_i)
     out_e, out_o = acc_e * inv[:, None], acc_o * inv[:, None]
-    _store_pairs(o_ptr, lse_ptr, b, kvh, split, splits, out_e, out_o, lse, stride_o, H, D, G, BLOCK_G, SPLITS, DIRECT)
+    pa._store_pairs(
+        o_ptr, lse_ptr, b, kvh, split, splits, out_e, out_o, lse, stride_o, H, D, G, BLOCK_G, SPLITS, DIRECT
+    )
 
 
 def decode_attention_next(qkv, k_cache, v_cache, meta, heads, scale, config=None, split=True, exp2=True, off32=True):
@@ -248,8 +151,8 @@ def _wb_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     row = tl.load(rows_ptr + b)
-    start, end, full_end, splits = _chunk(tl.load(lens_ptr + b), split, min_chunk, SPLITS, BLOCK_N)
-    q_e, q_o = _pairs_query(q_ptr, b, stride_q, kvh, scale, G, BLOCK_G, D, True)
+    start, end, full_end, splits = pa._chunk(tl.load(lens_ptr + b), split, min_chunk, SPLITS, BLOCK_N)
+    q_e, q_o = pa._pairs_query(q_ptr, b, stride_q, kvh, scale, G, BLOCK_G, D, True)
     q_e3 = tl.broadcast_to(q_e[None, :, :], [W, BLOCK_G, D2])
     q_o3 = tl.broadcast_to(q_o[None, :, :], [W, BLOCK_G, D2])
     m_i = tl.full([W, BLOCK_G], float("-inf"), tl.float32)
@@ -271,7 +174,9 @@ def _wb_kernel(
     out_e = tl.sum(acc_e * wgt[:, :, None], axis=0) * inv[:, None]
     out_o = tl.sum(acc_o * wgt[:, :, None], axis=0) * inv[:, None]
     lse = m * 0.6931471805599453 + tl.log(l_sum)
-    _store_pairs(o_ptr, lse_ptr, b, kvh, split, splits, out_e, out_o, lse, stride_o, H, D, G, BLOCK_G, SPLITS, DIRECT)
+    pa._store_pairs(
+        o_ptr, lse_ptr, b, kvh, split, splits, out_e, out_o, lse, stride_o, H, D, G, BLOCK_G, SPLITS, DIRECT
+    )
 
 
 def decode_attention_wb(qkv, k_cache, v_cache, meta, heads, scale, config=None):
@@ -312,7 +217,7 @@ def _wb16_kernel(
     split = tl.program_id(2)
     row = tl.load(rows_ptr + b)
     length = tl.load(lens_ptr + b)
-    start, end, full_end, splits = _chunk(length, split, min_chunk, SPLITS, BLOCK_N)
+    start, end, full_end, splits = pa._chunk(length, split, min_chunk, SPLITS, BLOCK_N)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     heads = kvh * G + g

@@ -229,9 +229,10 @@ def _split_k(kernel, qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale:
     return out
 
 
-# An 8-bit cache read as 16-bit pairs (decode_attention_fp8_pairs)
-# (the fastest of eight launches at 64 x 27,700, 64 x 14,000 and 256 x 600; dev/bench_fp8_pairs.py)
-FP8_PAIRS_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "min_chunk": 256}
+# An 8-bit cache read as 16-bit pairs (decode_attention_fp8_pairs): the fastest launch at 64 x 27,700,
+# 64 x 14,000 and 256 x 600 on an H200 (dev/bench_fp8_pairs.py; two warps: 3.64 TB/s at 27,700 keys
+# where four read 3.53)
+FP8_PAIRS_CONFIG = {"block_n": 64, "num_warps": 2, "num_stages": 2, "min_chunk": 256}
 
 
 # Per two int16 elements (four fp8 values): a byte permute gathers their low bytes and their high
@@ -262,93 +263,147 @@ def _pairs_to_f16(x, PTX: tl.constexpr, E5M2: tl.constexpr):
 
 
 @jit
+def _chunk(length, split, min_chunk, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's keys [start, end) of a row of `length`, the end of its full blocks, and the
+    row's split count (split-K: at most SPLITS chunks of at least min_chunk keys, whole blocks)."""
+    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
+    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
+    return start, end, start + (end - start) // BLOCK_N * BLOCK_N, splits
+
+
+@jit
+def _pairs_query(q_ptr, b, stride_q, kvh, scale, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                 EXP2: tl.constexpr):  # fmt: skip
+    """The KV head's query heads in float16, even and odd dims apart; with EXP2 times scale·log2(e),
+    so that the scores come out in log2 units (exp2(s) = exp(s / log2(e))) and need no scaling."""
+    g = tl.arange(0, BLOCK_G)
+    e = tl.arange(0, D // 2)
+    q_at = q_ptr + b * stride_q + (kvh * G + g)[:, None] * D + 2 * e[None, :]
+    q_e = tl.load(q_at, mask=g[:, None] < G, other=0.0).to(tl.float32)
+    q_o = tl.load(q_at + 1, mask=g[:, None] < G, other=0.0).to(tl.float32)
+    if EXP2:
+        q_e, q_o = q_e * (scale * 1.4426950408889634), q_o * (scale * 1.4426950408889634)
+    q_e = tl.minimum(tl.maximum(q_e, -65504.0), 65504.0).to(tl.float16)
+    q_o = tl.minimum(tl.maximum(q_o, -65504.0), 65504.0).to(tl.float16)
+    return q_e, q_o
+
+
+@jit
+def _pairs_block(
+    q_e, q_o, m_i, l_i, acc_e, acc_o, t0, end, row, kvh, k_ptr, v_ptr, pt_ptr, stride_slot, stride_pt, scale,
+    D2: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PTX: tl.constexpr, E5M2: tl.constexpr,
+    MASKED: tl.constexpr, EXP2: tl.constexpr, OFF32: tl.constexpr,
+):  # fmt: skip
+    """The online-softmax update of (m_i, l_i, acc_e, acc_o) by the BLOCK_N keys from t0: masked
+    against `end` only where MASKED (the last, partial block); scores in log2 units with EXP2;
+    32-bit slot offsets with OFF32."""
+    n = tl.arange(0, BLOCK_N)
+    e = tl.arange(0, D2)
+    tok = t0 + n
+    valid = tok < end
+    if MASKED:
+        page = tl.load(pt_ptr + row * stride_pt + tok // PAGE, mask=valid, other=0)
+    else:
+        page = tl.load(pt_ptr + row * stride_pt + tok // PAGE)
+    if OFF32:
+        slot = page * PAGE + tok % PAGE
+    else:
+        slot = page.to(tl.int64) * PAGE + tok % PAGE
+    kv_off = slot[:, None] * stride_slot + kvh * D2 + e[None, :]
+    if MASKED:
+        k2 = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0)
+    else:
+        k2 = tl.load(k_ptr + kv_off)
+    k_e, k_o = _pairs_to_f16(k2, PTX, E5M2)
+    s = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
+    if not EXP2:
+        s = s * scale
+    if MASKED:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if EXP2:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v2 = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0)
+    else:
+        v2 = tl.load(v_ptr + kv_off)
+    v_e, v_o = _pairs_to_f16(v2, PTX, E5M2)
+    p16 = p.to(tl.float16)
+    acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_e)
+    acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_o)
+    return m_new, l_i, acc_e, acc_o
+
+
+@jit
+def _store_pairs(o_ptr, lse_ptr, b, kvh, split, splits, out_e, out_o, lse, stride_o, H: tl.constexpr,
+                 D: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, SPLITS: tl.constexpr,
+                 DIRECT: tl.constexpr):  # fmt: skip
+    """The normalised output's even and odd dims: into the output (one split) or this split's
+    partial row, with its log-sum-exp (natural log)."""
+    g = tl.arange(0, BLOCK_G)
+    e = tl.arange(0, D // 2)
+    heads = kvh * G + g
+    hmask = (g[:, None] < G) & (split < splits)
+    if DIRECT:
+        at = o_ptr + b * stride_o + heads[:, None] * D + 2 * e[None, :]
+        tl.store(at, out_e.to(o_ptr.dtype.element_ty), mask=hmask)
+        tl.store(at + 1, out_o.to(o_ptr.dtype.element_ty), mask=hmask)
+    else:
+        part = (b * H + heads) * SPLITS + split
+        at = o_ptr + part[:, None] * D + 2 * e[None, :]
+        tl.store(at, out_e, mask=hmask)
+        tl.store(at + 1, out_o, mask=hmask)
+        tl.store(lse_ptr + part, lse, mask=(g < G) & (split < splits))
+
+
+@jit
 def _decode_kernel_fp8_pairs(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    pt_ptr,
-    rows_ptr,
-    lens_ptr,
-    o_ptr,
-    lse_ptr,
-    stride_q,
-    stride_slot,
-    stride_pt,
-    stride_o,
-    scale,
-    min_chunk,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    G: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr,
-    SPLITS: tl.constexpr,
-    DIRECT: tl.constexpr,
-    PTX: tl.constexpr,
-    E5M2: tl.constexpr,
-):
+    q_ptr, k_ptr, v_ptr, pt_ptr, rows_ptr, lens_ptr, o_ptr, lse_ptr, stride_q, stride_slot, stride_pt, stride_o,
+    scale, min_chunk,
+    H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, SPLITS: tl.constexpr, DIRECT: tl.constexpr, PTX: tl.constexpr, E5M2: tl.constexpr,
+    OFF32: tl.constexpr,
+):  # fmt: skip
     """_decode_kernel over an 8-bit cache viewed as int16 [slots, Hk, D/2]: each element holds the
     values of head dims 2j and 2j+1. The tiles then move as a bf16 cache's do (16-byte
     asynchronous copies, ldmatrix), and each is split in registers into the even and the odd
     dims in float16, already in the matrix instruction's operand layout. The dots run over half
     the head dim twice: scores = q_even k_even^T + q_odd k_odd^T, out_even = P v_even, out_odd =
-    P v_odd."""
+    P v_odd. The full blocks of keys run with no masks and the partial last one after them; the
+    scores are in log2 units (scale·log2(e) folded into the query: exp2, no multiply a score);
+    OFF32: 32-bit slot offsets (the caller checks the cache's size)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     row = tl.load(rows_ptr + b)
-    length = tl.load(lens_ptr + b)
-    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
+    start, end, full_end, splits = _chunk(tl.load(lens_ptr + b), split, min_chunk, SPLITS, BLOCK_N)
+    q_e, q_o = _pairs_query(q_ptr, b, stride_q, kvh, scale, G, BLOCK_G, D, True)
     D2: tl.constexpr = D // 2
-    g = tl.arange(0, BLOCK_G)
-    e = tl.arange(0, D2)
-    n = tl.arange(0, BLOCK_N)
-    heads = kvh * G + g
-    hm = g[:, None] < G
-    q_at = q_ptr + b * stride_q + heads[:, None] * D + 2 * e[None, :]
-    q_e = tl.minimum(tl.maximum(tl.load(q_at, mask=hm, other=0.0).to(tl.float32), -65504.0), 65504.0)
-    q_o = tl.minimum(tl.maximum(tl.load(q_at + 1, mask=hm, other=0.0).to(tl.float32), -65504.0), 65504.0)
-    q_e, q_o = q_e.to(tl.float16), q_o.to(tl.float16)
-    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc_e = tl.zeros([BLOCK_G, D2], tl.float32)
     acc_o = tl.zeros([BLOCK_G, D2], tl.float32)
-    for t0 in range(start, end, BLOCK_N):
-        tok = t0 + n
-        valid = tok < end
-        page = tl.load(pt_ptr + row * stride_pt + tok // PAGE, mask=valid, other=0)
-        slot = page.to(tl.int64) * PAGE + tok % PAGE
-        kv_off = slot[:, None] * stride_slot + kvh * D2 + e[None, :]
-        k2 = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0)
-        k_e, k_o = _pairs_to_f16(k2, PTX, E5M2)
-        s = tl.dot(q_e, tl.trans(k_e)) + tl.dot(q_o, tl.trans(k_o))
-        s = tl.where(valid[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v2 = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0)
-        v_e, v_o = _pairs_to_f16(v2, PTX, E5M2)
-        p16 = p.to(tl.float16)
-        acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_e)
-        acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_o)
-        m_i = m_new
+    for t0 in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc_e, acc_o = _pairs_block(
+            q_e, q_o, m_i, l_i, acc_e, acc_o, t0, end, row, kvh, k_ptr, v_ptr, pt_ptr, stride_slot, stride_pt,
+            scale, D2, BLOCK_N, PAGE, PTX, E5M2, False, True, OFF32,
+        )  # fmt: skip
+    for t0 in range(full_end, end, BLOCK_N):
+        m_i, l_i, acc_e, acc_o = _pairs_block(
+            q_e, q_o, m_i, l_i, acc_e, acc_o, t0, end, row, kvh, k_ptr, v_ptr, pt_ptr, stride_slot, stride_pt,
+            scale, D2, BLOCK_N, PAGE, PTX, E5M2, True, True, OFF32,
+        )  # fmt: skip
     inv = 1.0 / tl.maximum(l_i, 1e-30)
-    hmask = hm & (split < splits)
-    if DIRECT:
-        at = o_ptr + b * stride_o + heads[:, None] * D + 2 * e[None, :]
-        tl.store(at, (acc_e * inv[:, None]).to(o_ptr.dtype.element_ty), mask=hmask)
-        tl.store(at + 1, (acc_o * inv[:, None]).to(o_ptr.dtype.element_ty), mask=hmask)
-    else:
-        part = (b * H + heads) * SPLITS + split
-        at = o_ptr + part[:, None] * D + 2 * e[None, :]
-        tl.store(at, acc_e * inv[:, None], mask=hmask)
-        tl.store(at + 1, acc_o * inv[:, None], mask=hmask)
-        tl.store(lse_ptr + part, m_i + tl.log(l_i), mask=(g < G) & (split < splits))
+    lse = m_i * 0.6931471805599453 + tl.log(l_i)  # natural log, as the merge kernel takes it
+    out_e, out_o = acc_e * inv[:, None], acc_o * inv[:, None]
+    _store_pairs(o_ptr, lse_ptr, b, kvh, split, splits, out_e, out_o, lse, stride_o, H, D, G, BLOCK_G, SPLITS, DIRECT)
 
 
 def decode_attention_fp8_pairs(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale: float, config=None):
@@ -357,8 +412,8 @@ def decode_attention_fp8_pairs(qkv, k_cache, v_cache, meta: StepMeta, heads: Hea
     cfg = {**FP8_PAIRS_CONFIG, **(config or {})}
     k2, v2 = k_cache.view(torch.int16), v_cache.view(torch.int16)
     ptx = PAIRS_PTX[k_cache.dtype] if qkv.device.type == "cuda" else None
-    e5m2 = k_cache.dtype == torch.float8_e5m2
-    return _split_k(_decode_kernel_fp8_pairs, qkv, k2, v2, meta, heads, scale, cfg, PTX=ptx, E5M2=e5m2)
+    consts = dict(PTX=ptx, E5M2=k_cache.dtype == torch.float8_e5m2, OFF32=k2.numel() < 2**31)
+    return _split_k(_decode_kernel_fp8_pairs, qkv, k2, v2, meta, heads, scale, cfg, **consts)
 
 
 def check_decode_attention_fp8_pairs(fn, device, dtype, kv_dtype=None, configs=None) -> None:
