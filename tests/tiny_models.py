@@ -58,3 +58,15 @@ def hf_greedy(hf, prompt: list[int], max_new: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def assert_greedy_agree_until_parted(got, want, atol: float) -> None:
+    """Greedy continuations of two engines that round differently (completions with token_ids and
+    logprobs): the same tokens until a near tie parts them, and log-probs within atol up to and
+    at the parting step, where each took its own argmax, so both tokens were at the top. A
+    broken kernel parts early and far."""
+    for g, w in zip(got, want, strict=True):
+        same = (a == b for a, b in zip(g.token_ids, w.token_ids, strict=True))
+        parted = next((i for i, equal in enumerate(same) if not equal), len(w.token_ids))
+        upto = slice(0, parted + 1)
+        torch.testing.assert_close(torch.tensor(g.logprobs[upto]), torch.tensor(w.logprobs[upto]), atol=atol, rtol=0)

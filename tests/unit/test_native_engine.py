@@ -17,7 +17,15 @@ from minirl.protocols import SamplingParams
 from minirl_plugins.engines.native import build_native_engine
 from minirl_plugins.engines.native.layers.sampling import filter_top_k_top_p
 from minirl_plugins.engines.native.weights import weights_checksum
-from tests.tiny_models import PROMPTS, engine_context, greedy, hf_greedy, tiny_config, tiny_hf_model
+from tests.tiny_models import (
+    PROMPTS,
+    assert_greedy_agree_until_parted,
+    engine_context,
+    greedy,
+    hf_greedy,
+    tiny_config,
+    tiny_hf_model,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -318,3 +326,19 @@ def _two_turns(eng) -> list:
             turns += [(t.token_ids, t.logprobs) for t in eng.step()]
         ctx = ctx + turns[-1][0] + [7, 8, 9]
     return turns
+
+
+def test_greedy_agreement_allows_a_near_tie_to_part_the_runs_and_nothing_else():
+    """assert_greedy_agree_until_parted, which the GPU tests put two kernels' greedy runs through:
+    a parting at a near tie passes; log-probs apart before the parting, or a parting far from a
+    tie (a broken kernel's), fail."""
+    Run = SimpleNamespace
+    want = Run(token_ids=[4, 9, 2, 7], logprobs=[-0.5, -1.0, -0.70, -0.2])
+    near_tie = Run(token_ids=[4, 9, 3, 1], logprobs=[-0.5, -1.1, -0.72, -3.0])  # after the parting: anything
+    assert_greedy_agree_until_parted([near_tie], [want], atol=0.25)
+    assert_greedy_agree_until_parted([want], [want], atol=0.0)
+    drifted = Run(token_ids=[4, 9, 2, 7], logprobs=[-0.5, -1.4, -0.70, -0.2])
+    far_parting = Run(token_ids=[4, 9, 3, 7], logprobs=[-0.5, -1.0, -2.50, -0.2])
+    for bad in (drifted, far_parting):
+        with pytest.raises(AssertionError):
+            assert_greedy_agree_until_parted([bad], [want], atol=0.25)

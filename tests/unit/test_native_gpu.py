@@ -12,7 +12,15 @@ from minirl_plugins.engines.native import build_native_engine
 from minirl_plugins.engines.native.layers import sampling
 from minirl_plugins.engines.native.layers.ops import select_ops
 from minirl_plugins.engines.native.layers.paged_attention import decode_attention_triton, decode_block_n
-from tests.tiny_models import PROMPTS, engine_context, greedy, hf_greedy, tiny_config, tiny_hf_model
+from tests.tiny_models import (
+    PROMPTS,
+    assert_greedy_agree_until_parted,
+    engine_context,
+    greedy,
+    hf_greedy,
+    tiny_config,
+    tiny_hf_model,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -135,12 +143,13 @@ def test_kernels_pass_self_checks_with_an_fp8_kv_cache(kv_dtype):
 def test_an_fp8_cache_decodes_through_the_pairs_kernel(kv_dtype):
     """rollout.kv_cache_dtype = fp8 / fp8_e5m2 in bf16: decode_attention_fp8_pairs passes its
     self-check and is chosen, and an engine decoding with it (CUDA graphs) generates what the same
-    engine does with the dequantizing decode kernel over the same cache: the same greedy tokens,
-    the same first log-prob (the prefill reads no cache), and later ones within 0.25. The two
-    kernels sum in different orders, and the std-0.2 model feeds each step's rounding into the
-    next: 0.06-0.11 apart after 25 steps, measured. Both kernels are equally far from the torch
-    reference engine (0.29 over e4m3, 0.16 over e5m2, to the same digits; dev/check_fp8_drift.py),
-    so that distance is the rest of the fp8 path's, not the decode kernel's."""
+    engine does with the dequantizing decode kernel over the same cache: the same first log-prob
+    (the prefill reads no cache), then the same greedy tokens until a near tie parts them, with
+    log-probs within 0.25 up to and at the parting step (there each run took its own argmax, so
+    both tokens were at the top). The two kernels round differently (the pairs kernel folds the
+    scale into its float16 query and sums in log2 units), and the std-0.2 model feeds each step's
+    rounding into the next; a broken kernel parts at once and far. Their distances from the torch
+    reference engine: dev/check_fp8_drift.py, docs/benchmarks.md."""
     fmt = torch.float8_e4m3fn if kv_dtype == "fp8" else torch.float8_e5m2
     ops = select_ops(CUDA, torch.bfloat16, kv_dtype=fmt)
     assert ops.chosen["decode_attention"] == "triton_fp8_pairs", ops.chosen
@@ -153,10 +162,8 @@ def test_an_fp8_cache_decodes_through_the_pairs_kernel(kv_dtype):
     dequantizing.ops.decode_attention = decode_attention_triton
     got, want = (e.generate(PROMPTS, greedy(n=2, max_new=32)) for e in (fast, dequantizing))
     assert fast.runner.graphs and dequantizing.runner.graphs
-    assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert [c.logprobs[0] for c in got] == [c.logprobs[0] for c in want]
-    for g, w in zip(got, want):
-        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=0.25, rtol=0)
+    assert_greedy_agree_until_parted(got, want, atol=0.25)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
