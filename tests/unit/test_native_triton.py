@@ -172,14 +172,18 @@ def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch, kv):
     ]
 
 
+@pytest.mark.parametrize("offsets", ["int32", "int64"])
 @pytest.mark.parametrize("kv_dtype, dtype", [(torch.float8_e4m3fn, torch.bfloat16), (torch.float8_e5m2, torch.float16)])
-def test_fp8_pairs_decode_kernel_matches_reference(kv_dtype, dtype):
+def test_fp8_pairs_decode_kernel_matches_reference(kv_dtype, dtype, offsets, monkeypatch):
     """decode_attention_fp8_pairs reads the 8-bit cache as int16 pairs of adjacent head dims and
     splits them into the even and the odd dims in float16 (here by Triton's byte operations, on
     CUDA by a byte permute and native conversions): within the half-precision tolerance of the
-    reference at every block size and split count the check covers, for either fp8 format."""
+    reference at every block size and split count the check covers, for either fp8 format, with
+    32-bit slot offsets (a cache of fewer than 2^31 elements) and with 64-bit ones (a larger one)."""
     from minirl_plugins.engines.native.layers import paged_attention
 
+    if offsets == "int64":
+        monkeypatch.setattr(paged_attention, "OFF32_LIMIT", 0)
     with interpreter_fixes():
         paged_attention.check_decode_attention_fp8_pairs(
             paged_attention.decode_attention_fp8_pairs, torch.device("cpu"), dtype, kv_dtype

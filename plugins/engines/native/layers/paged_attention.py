@@ -233,6 +233,7 @@ def _split_k(kernel, qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale:
 # 64 x 14,000 and 256 x 600 on an H200 (dev/bench_fp8_pairs.py; two warps: 3.64 TB/s at 27,700 keys
 # where four read 3.53)
 FP8_PAIRS_CONFIG = {"block_n": 64, "num_warps": 2, "num_stages": 2, "min_chunk": 256}
+OFF32_LIMIT = 2**31 - 1  # the largest element offset the pairs kernel computes in 32 bits
 
 
 # Per two int16 elements (four fp8 values): a byte permute gathers their low bytes and their high
@@ -412,7 +413,8 @@ def decode_attention_fp8_pairs(qkv, k_cache, v_cache, meta: StepMeta, heads: Hea
     cfg = {**FP8_PAIRS_CONFIG, **(config or {})}
     k2, v2 = k_cache.view(torch.int16), v_cache.view(torch.int16)
     ptx = PAIRS_PTX[k_cache.dtype] if qkv.device.type == "cuda" else None
-    consts = dict(PTX=ptx, E5M2=k_cache.dtype == torch.float8_e5m2, OFF32=k2.numel() < 2**31)
+    off32 = max(k2.stride(0), v2.stride(0)) * k2.shape[0] <= OFF32_LIMIT  # every slot's offset fits in int32
+    consts = dict(PTX=ptx, E5M2=k_cache.dtype == torch.float8_e5m2, OFF32=off32)
     return _split_k(_decode_kernel_fp8_pairs, qkv, k2, v2, meta, heads, scale, cfg, **consts)
 
 
