@@ -80,6 +80,17 @@ def decode_block_n(programs: int, device: torch.device) -> int:
 
 
 @jit
+def _chunk(length, split, min_chunk, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's keys [start, end) of a row of `length`, the end of its full blocks, and the
+    row's split count (split-K: at most SPLITS chunks of at least min_chunk keys, whole blocks)."""
+    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
+    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
+    return start, end, start + (end - start) // BLOCK_N * BLOCK_N, splits
+
+
+@jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -110,8 +121,7 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     row = tl.load(rows_ptr + b)
-    length = tl.load(lens_ptr + b)
-    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
+    start, end, _, splits = _chunk(tl.load(lens_ptr + b), split, min_chunk, SPLITS, BLOCK_N)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     n = tl.arange(0, BLOCK_N)
@@ -119,9 +129,6 @@ def _decode_kernel(
     q = tl.load(q_ptr + b * stride_q + heads[:, None] * D + d[None, :], mask=g[:, None] < G, other=0.0)
     if KV_F16:  # an fp8 cache read through float16 (clamped to its range), not bfloat16
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
@@ -261,17 +268,6 @@ def _pairs_to_f16(x, PTX: tl.constexpr, E5M2: tl.constexpr):
     lo = (x & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float16)
     hi = ((x >> 8) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float16)
     return lo, hi
-
-
-@jit
-def _chunk(length, split, min_chunk, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This program's keys [start, end) of a row of `length`, the end of its full blocks, and the
-    row's split count (split-K: at most SPLITS chunks of at least min_chunk keys, whole blocks)."""
-    splits = tl.minimum(tl.maximum(tl.cdiv(length, min_chunk), 1), SPLITS)
-    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.where(split < splits, tl.minimum(length, start + chunk), start)
-    return start, end, start + (end - start) // BLOCK_N * BLOCK_N, splits
 
 
 @jit
