@@ -56,13 +56,17 @@ def share_weights(model: nn.Module, shared: dict[str, torch.Tensor]) -> frozense
     change) at that tensor instead of holding a copy, where shape, dtype and device agree; returns
     the names of the parameters that now alias the actor. Done before the first load, which then
     copies nothing into them; their own storage is freed, and the caller returns it to the
-    device before sizing its KV cache."""
+    device before sizing its KV cache. A parameter that is a block of a fused tensor (q_proj's
+    weight and bias in the fused qkv, gate_proj's in gate/up) keeps its copy: the fused tensor is
+    what the forward multiplies with, and pointing the block elsewhere would leave it stale."""
     params = dict(model.named_parameters())
     aliased = []
     for name, tensor in shared.items():
         name = hf_name(name)
         param = params.get(name)
         if param is None or (param.shape, param.dtype, param.device) != (tensor.shape, tensor.dtype, tensor.device):
+            continue
+        if param.untyped_storage().nbytes() != param.numel() * param.element_size():  # a block of a fused tensor
             continue
         param.data = tensor.detach()
         aliased.append(name)
