@@ -145,11 +145,14 @@ def test_an_fp8_cache_decodes_through_the_pairs_kernel(kv_dtype):
     self-check and is chosen, and an engine decoding with it (CUDA graphs) generates what the same
     engine does with the dequantizing decode kernel over the same cache: the same first log-prob
     (the prefill reads no cache), then the same greedy tokens until a near tie parts them, with
-    log-probs within 0.25 up to and at the parting step (there each run took its own argmax, so
-    both tokens were at the top). The two kernels round differently (the pairs kernel folds the
-    scale into its float16 query and sums in log2 units), and the std-0.2 model feeds each step's
-    rounding into the next; a broken kernel parts at once and far. Their distances from the torch
-    reference engine: dev/check_fp8_drift.py, docs/benchmarks.md."""
+    log-probs within 0.25 (e4m3) or 0.5 (e5m2) up to and at the parting step (there each run took
+    its own argmax, so both tokens were at the top). The two kernels round differently (the pairs
+    kernel folds the scale into its float16 query and sums in log2 units), and the std-0.2 model
+    feeds each step's rounding into the next: a new token's keys and values differ in their last
+    bf16 bits, and where that moves a stored element across an fp8 rounding boundary it moves by
+    the format's step, twice as large in e5m2 (2 mantissa bits) as in e4m3 (3). On one H100 an
+    e5m2 run differed by 0.28 twelve tokens in. A broken kernel parts at once and far. Their
+    distances from the torch reference engine: dev/check_fp8_drift.py, docs/benchmarks.md."""
     fmt = torch.float8_e4m3fn if kv_dtype == "fp8" else torch.float8_e5m2
     ops = select_ops(CUDA, torch.bfloat16, kv_dtype=fmt)
     assert ops.chosen["decode_attention"] == "triton_fp8_pairs", ops.chosen
@@ -163,7 +166,7 @@ def test_an_fp8_cache_decodes_through_the_pairs_kernel(kv_dtype):
     got, want = (e.generate(PROMPTS, greedy(n=2, max_new=32)) for e in (fast, dequantizing))
     assert fast.runner.graphs and dequantizing.runner.graphs
     assert [c.logprobs[0] for c in got] == [c.logprobs[0] for c in want]
-    assert_greedy_agree_until_parted(got, want, atol=0.25)
+    assert_greedy_agree_until_parted(got, want, atol=0.25 if fmt == torch.float8_e4m3fn else 0.5)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
