@@ -6,6 +6,7 @@
     python3 dev/bench_gemm.py --split-k down --batches 256,512  # split-K candidates for one GEMM
     python3 dev/bench_gemm.py --shapes hf --batches 27500       # the log-prob pass's GEMMs
     python3 dev/bench_gemm.py --inductor --batches 64,256       # inductor's max-autotune against cuBLAS
+    python3 dev/bench_gemm.py --fp8 --batches 64,256            # fp8 weights and activations (rollout)
 
 Floor of each: max(weight bytes / 4.28 TB/s, FLOPs / 768 TFLOP/s), the H200's measured copy
 bandwidth and bf16 matmul ceiling. Shapes: the Qwen2-1.5B layer at decode batch M.
@@ -18,6 +19,11 @@ winner against cuBLAS: whether any kernel inductor can generate beats cuBLAS at 
 kernel (each program multiplies one output tile over one K slice into float32 partials, summed
 by torch) swept over tiles and splits, and cuBLAS's batched GEMM over K slices with float32
 outputs (torch.bmm(..., out_dtype=float32) where this torch has it).
+
+--fp8 times torch._scaled_mm over e4m3 weights and activations (one scale per weight row and
+one per activation row, or one per tensor) against the bf16 GEMM, with the cost of quantizing
+the activations (a compiled amax-and-cast) and each result's error against the bf16 GEMM. Its
+floor is the fp8 weight bytes or the FLOPs at twice the bf16 ceiling.
 """
 
 from __future__ import annotations
@@ -148,6 +154,48 @@ def inductor_table(batches: list[int]) -> None:
             )
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 rows and their float32 scales: x ~ q * scale, one scale per row."""
+    scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / 448.0
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def fp8_table(batches: list[int]) -> None:
+    """bf16 cuBLAS against torch._scaled_mm (row-wise and per-tensor scales) per decode GEMM."""
+    import triton.testing
+
+    quant = torch.compile(quantize_rows, dynamic=False)
+    print("| M | GEMM | bf16 us | fp8 rows us | fp8 tensor us | quant us | fp8 floor us | rows / bf16 | error |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for m in batches:
+        for name, (n, k) in SHAPES.items():
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            wq, ws = quantize_rows(w)
+            xq, xs = quant(x)
+            floor = max(n * k / BANDWIDTH, 2 * m * n * k / (2 * MATMUL)) * 1e6
+            want = torch.nn.functional.linear(x, w)
+
+            def rows(xq=xq, xs=xs, wq=wq, ws=ws):
+                return torch._scaled_mm(xq, wq.t(), xs, ws.t(), out_dtype=torch.bfloat16)
+
+            one_a, one_b = xs.max().reshape(()), ws.max().reshape(())
+
+            def tensor(xq=xq, wq=wq, a=one_a, b=one_b):
+                return torch._scaled_mm(xq, wq.t(), a, b, out_dtype=torch.bfloat16)
+
+            err = float((rows() - want).abs().max() / want.abs().max())
+            bf16 = triton.testing.do_bench_cudagraph(lambda x=x, w=w: torch.nn.functional.linear(x, w)) * 1e3
+            us_rows = triton.testing.do_bench_cudagraph(rows) * 1e3
+            us_tensor = triton.testing.do_bench_cudagraph(tensor) * 1e3
+            us_quant = triton.testing.do_bench_cudagraph(lambda x=x: quant(x)) * 1e3
+            print(
+                f"| {m} | {name} | {bf16:.1f} | {us_rows:.1f} | {us_tensor:.1f} | {us_quant:.1f} | {floor:.1f} "
+                f"| {us_rows / bf16:.2f} | {err:.1e} |",
+                flush=True,
+            )
+
+
 def main() -> int:
     import triton.testing
 
@@ -156,7 +204,11 @@ def main() -> int:
     p.add_argument("--split-k", default="", help="time split-K candidates for this GEMM (e.g. down) instead")
     p.add_argument("--shapes", choices=("native", "hf"), default="native", help="the native engine's layer or HF's")
     p.add_argument("--inductor", action="store_true", help="inductor's max-autotune against cuBLAS instead")
+    p.add_argument("--fp8", action="store_true", help="fp8 weights and activations (torch._scaled_mm) instead")
     args = p.parse_args()
+    if args.fp8:
+        fp8_table([int(b) for b in args.batches.split(",")])
+        return 0
     if args.inductor:
         inductor_table([int(b) for b in args.batches.split(",")])
         return 0

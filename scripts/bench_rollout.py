@@ -8,6 +8,8 @@ Model: the Qwen2-1.5B shape (DeepSeek-R1-Distill-Qwen-1.5B: 28 layers, hidden 15
 Workloads (prompts x prompt tokens x new tokens): w1 = 128 x 256 x 512, w2 = 512 x 256 x 2048,
 w3 = 256 x 100 x 1024 (the generation of the 32 x 8 x 1,024 training workload of docs/benchmarks.md),
 l14 = 64 x 14,000 x 256 (the 28k long-context step's decode at its middle; with --kv-cache-dtype fp8).
+--quantization fp8 runs the layers' GEMMs on e4m3 weights and activations; the roofline stays the
+bf16 model's bytes.
 
 Multi-turn (--multi-turn): 256 samples x 3 assistant turns x 256 tokens with 64-token tool replies
 between the turns, through the agent-loop path (minirl.agent: one loop per sample, the engine
@@ -71,6 +73,7 @@ def build(args, device, dtype):
         hf = Qwen2ForCausalLM(config).to(dtype).eval()
     rollout = RolloutConfig(
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager,
@@ -476,6 +479,7 @@ def main() -> int:
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--kv-cache-dtype", default="auto", help="rollout.kv_cache_dtype: auto, fp8, fp8_e5m2")
+    p.add_argument("--quantization", default="none", help="rollout.quantization: none, fp8 (e4m3 GEMMs)")
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--profile-kernels", action="store_true")
@@ -495,7 +499,7 @@ def main() -> int:
         "argv": sys.argv,
     }
     config, hf, engine = build(args, device, dtype)
-    results["ops"] = engine.ops.chosen
+    results["ops"], results["fp8_matrices"] = engine.ops.chosen, engine.fp8_matrices
     try:  # diagnostics: a failure here must not cost the benchmark
         if args.sweep_attention:
             path = os.path.join(args.out, "attention_sweep.txt")

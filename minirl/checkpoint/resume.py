@@ -38,8 +38,8 @@ _FREE_KEYS = {
     "critic": _UPDATE_KEYS + " forward_micro_batch_size_per_gpu forward_max_token_len_per_gpu",
     "critic.model": _MODEL_KEYS,
     "rollout": (
-        "gpu_memory_utilization kv_cache_dtype max_num_seqs enforce_eager free_cache_engine calculate_log_probs "
-        "log_prob_micro_batch_size_per_gpu log_prob_use_dynamic_bsz log_prob_max_token_len_per_gpu"
+        "gpu_memory_utilization kv_cache_dtype quantization max_num_seqs enforce_eager free_cache_engine "
+        "calculate_log_probs log_prob_micro_batch_size_per_gpu log_prob_use_dynamic_bsz log_prob_max_token_len_per_gpu"
     ),
     "ref": (
         "log_prob_micro_batch_size_per_gpu log_prob_use_dynamic_bsz log_prob_max_token_len_per_gpu offload "

@@ -134,15 +134,20 @@ FP8_TIS_CAP = 2.0  # actor.tis_imp_ratio_cap when an fp8 KV cache turns it on (v
 
 
 def _derive_defaults(sections: dict[str, Any], origins: dict[str, str]) -> None:
-    """Defaults that follow another key: an fp8 KV cache samples from a policy slightly off the
-    trainer's (docs/algorithms.md §5), so truncated importance sampling is on with it unless
-    actor.tis_imp_ratio_cap was set (-1 keeps it off) or the rollout keeps no log-probs."""
+    """Defaults that follow another key: an fp8 KV cache or fp8 GEMMs sample from a policy slightly
+    off the trainer's (docs/algorithms.md §5), so truncated importance sampling is on with either
+    unless actor.tis_imp_ratio_cap was set (-1 keeps it off) or the rollout keeps no log-probs."""
     actor, rollout = sections.get("actor"), sections.get("rollout")
-    if actor is None or rollout is None or "actor.tis_imp_ratio_cap" in origins:
+    if actor is None or rollout is None or "actor.tis_imp_ratio_cap" in origins or not rollout.calculate_log_probs:
         return
-    if rollout.kv_cache_dtype.startswith("fp8") and rollout.calculate_log_probs:
-        sections["actor"] = dataclasses.replace(actor, tis_imp_ratio_cap=FP8_TIS_CAP)
-        origins["actor.tis_imp_ratio_cap"] = f"on with rollout.kv_cache_dtype = {rollout.kv_cache_dtype!r}"
+    for key, value, off in (
+        ("kv_cache_dtype", rollout.kv_cache_dtype, "auto"),
+        ("quantization", rollout.quantization, "none"),
+    ):
+        if value != off:
+            sections["actor"] = dataclasses.replace(actor, tis_imp_ratio_cap=FP8_TIS_CAP)
+            origins["actor.tis_imp_ratio_cap"] = f"on with rollout.{key} = {value!r}"
+            return
 
 
 def profiles_in(path: str) -> list[str]:

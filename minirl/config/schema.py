@@ -140,6 +140,9 @@ class RolloutConfig:
     do_sample: bool = True
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: str = "auto"  # auto: rollout.dtype; fp8 (= fp8_e4m3), fp8_e5m2: half the KV bytes (native, sglang)
+    # fp8: the layers' GEMMs on e4m3 weights and activations, one dynamic scale each (native, sglang);
+    # the embedding and lm_head stay in rollout.dtype. Turns TIS on, as an fp8 KV cache does
+    quantization: str = "none"
     # share of free device memory for the KV cache; the native engine's takes no more than a step's
     # prompts x n rows can fill at max_prompt_length + max_response_length
     gpu_memory_utilization: float = 0.5

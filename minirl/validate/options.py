@@ -82,13 +82,23 @@ def filter_groups_problems(cfg: Config, pm) -> list[Problem]:
 
 
 def kv_cache_problems(cfg: Config, pm) -> list[Problem]:
-    """The hf engine has no 8-bit KV cache (transformers' cache keeps the model dtype); the native
-    and sglang engines have one, and an engine from another plugin reads the key itself."""
+    """The hf engine has no 8-bit KV cache (transformers' cache keeps the model dtype) and no fp8
+    GEMMs; the native and sglang engines have both, and an engine from another plugin reads the
+    keys itself."""
     r = cfg.rollout
-    if r.kv_cache_dtype == "auto" or r.name != "hf":
+    if r.name != "hf":
         return []
-    rule, fix = f"rollout.name = {r.name!r} has no 8-bit KV cache", "use rollout.name = 'native' or 'sglang', or 'auto'"
-    return [Problem("rollout.kv_cache_dtype", r.kv_cache_dtype, rule, fix)]
+    out = []
+    if r.kv_cache_dtype != "auto":
+        rule, fix = (
+            f"rollout.name = {r.name!r} has no 8-bit KV cache",
+            "use rollout.name = 'native' or 'sglang', or 'auto'",
+        )
+        out.append(Problem("rollout.kv_cache_dtype", r.kv_cache_dtype, rule, fix))
+    if r.quantization != "none":
+        rule, fix = f"rollout.name = {r.name!r} has no fp8 GEMMs", "use rollout.name = 'native' or 'sglang', or 'none'"
+        out.append(Problem("rollout.quantization", r.quantization, rule, fix))
+    return out
 
 
 def multi_turn_problems(cfg: Config, pm) -> list[Problem]:

@@ -160,6 +160,7 @@ CHOICES: list[tuple[str, tuple[str, ...]]] = [
     *[(f"{section}.fsdp_config.reduce_dtype", DTYPES) for section in ("actor", "ref")],
     ("rollout.dtype", ("auto", *DTYPES)),
     ("rollout.kv_cache_dtype", ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")),
+    ("rollout.quantization", ("none", "fp8")),
     ("algorithm.kl_ctrl.type", ("fixed", "adaptive")),
     ("trainer.device", ("auto", "cpu", "cuda")),
     ("trainer.resume_mode", ("auto", "disable", "resume_path")),

@@ -173,6 +173,12 @@ CONFIG_CASES = {
         "rollout.kv_cache_dtype = 'fp8'",
         "has no 8-bit KV cache",
     ),
+    "quantization": (["rollout.quantization=int8"], "rollout.quantization = 'int8'", "fp8"),
+    "quantization_hf": (
+        ["rollout.name=hf", "rollout.quantization=fp8"],
+        "rollout.quantization = 'fp8'",
+        "no fp8 GEMMs",
+    ),
     "model_preset": (["model.preset=tiny2"], "model.preset = 'tiny2'", "qwen2-1.5b"),
     "device_tpu": (["trainer.device=tpu"], "trainer.device = 'tpu'"),
     "world_size_zero": (["trainer.world_size=0"], "trainer.world_size = 0"),

@@ -185,10 +185,14 @@ def test_printed_config_runs_quietly(tmp_path, capsys, overrides):
         (["rollout.kv_cache_dtype=fp8", "rollout.calculate_log_probs=false"], -1.0),  # no log-probs to weigh by
         ([], -1.0),
         (["rollout.kv_cache_dtype=auto"], -1.0),
+        (["rollout.quantization=fp8"], 2.0),  # so do fp8 GEMMs
+        (["rollout.quantization=fp8", "rollout.calculate_log_probs=false"], -1.0),
+        (["rollout.quantization=none"], -1.0),
     ],
 )
 def test_an_fp8_kv_cache_turns_truncated_importance_sampling_on(overrides, cap):
     cfg = load_config(None, overrides)
     assert cfg.actor.tis_imp_ratio_cap == cap
     if cap == 2.0:
-        assert "rollout.kv_cache_dtype" in cfg.origin("actor.tis_imp_ratio_cap")
+        key = overrides[0].split("=")[0]
+        assert key in cfg.origin("actor.tis_imp_ratio_cap")

@@ -169,6 +169,40 @@ def test_an_fp8_cache_decodes_through_the_pairs_kernel(kv_dtype):
     assert_greedy_agree_until_parted(got, want, atol=0.25 if fmt == torch.float8_e4m3fn else 0.5)
 
 
+def test_fp8_gemms_run_on_the_tensor_cores_under_cuda_graphs():
+    """rollout.quantization = fp8 in bf16: the fp8 GEMM (cuBLASLt) and the Triton kernels that
+    quantize by rows and apply the row scales pass their self-checks and are chosen. An engine
+    decoding with them (CUDA graphs) generates what the same engine does with the torch
+    references (e4m3 values multiplied in float32 by torch, rounded to bf16): the same greedy
+    tokens until a near tie parts them, log-probs within
+    0.1 up to it. The two sum in different orders, so a bf16 output may round the other way, and
+    the next layer's quantizer can turn that last-bit difference into a whole e4m3 step: a std-0.2
+    model, which amplifies every difference, parted after two tokens 0.49 apart on an H100, so
+    this one has std 0.02. After a load, the captured graphs multiply with the new copies: the
+    engine generates what a fresh one over the new weights does."""
+    from minirl_plugins.engines.native.layers import ops as ops_mod
+
+    ops = select_ops(CUDA, torch.bfloat16, quantization="fp8")
+    assert ops.chosen["scaled_mm"] == "cublaslt", ops.chosen
+    assert all(ops.chosen[name] == "triton" for name in ops_mod.FP8_TRITON), ops.chosen
+    cfg = tiny_config("qwen2", hidden_size=256, num_attention_heads=8, num_key_value_heads=2)
+    hf = tiny_hf_model(cfg, seed=2, std=0.02, device="cuda", dtype=torch.bfloat16)
+    rollout = SimpleNamespace(quantization="fp8")
+    ctx = dict(device="cuda", dtype=torch.bfloat16, num_kv_pages=512)
+    fast, torch_ops = (build_native_engine(rollout, engine_context(cfg, actor=hf, **ctx)) for _ in range(2))
+    assert fast.fp8_matrices == 4 * cfg.num_hidden_layers
+    for name in ("scaled_mm", *ops_mod.FP8_TRITON):
+        setattr(torch_ops.ops, name, getattr(ops_mod.Ops, name))  # the class's defaults: the references
+    got, want = (e.generate(PROMPTS, greedy(n=2, max_new=32)) for e in (fast, torch_ops))
+    assert fast.runner.graphs
+    assert_greedy_agree_until_parted(got, want, atol=0.1)
+    other = tiny_hf_model(cfg, seed=9, std=0.02, device="cuda", dtype=torch.bfloat16)
+    fast.load_weights(other.state_dict().items())
+    fresh = build_native_engine(rollout, engine_context(cfg, actor=other, **ctx))
+    after, again = (e.generate(PROMPTS, greedy(max_new=16)) for e in (fast, fresh))
+    assert [c.token_ids for c in after] == [c.token_ids for c in again]
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_pairs_decode_kernel_on_cuda(kv_dtype):
     """decode_attention_fp8_pairs compiled, its pairs split by inline PTX (a byte permute and the

@@ -138,10 +138,11 @@ def test_greedy_sampler_takes_the_first_maximum_across_chunks(kernels):
     assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1), atol=1e-5)
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch, kv):
+@pytest.mark.parametrize("kv, quantization", [("auto", "none"), ("fp8", "none"), ("auto", "fp8")])
+def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch, kv, quantization):
     """The whole engine wired to the kernels (strides, views, paging) gives the torch path's
-    tokens, with the KV cache in the model's dtype and in fp8 (rollout.kv_cache_dtype)."""
+    tokens, with the KV cache in the model's dtype and in fp8 (rollout.kv_cache_dtype), and with
+    the layers' GEMMs on e4m3 copies (rollout.quantization, the Triton quantizer)."""
     import types
 
     from minirl_plugins.engines.native import build_native_engine
@@ -152,16 +153,18 @@ def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch, kv):
     hf = tiny_hf_model(cfg, seed=4, std=0.2)
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=6, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], list(range(40, 61))]
-    rollout = types.SimpleNamespace(kv_cache_dtype=kv)
+    rollout = types.SimpleNamespace(kv_cache_dtype=kv, quantization=quantization)
     ref = build_native_engine(rollout, engine_context(cfg, actor=hf, page_size=4)).generate(prompts, params)
+    fp8 = {name: fn for name, (fn, _) in ops_mod.FP8_TRITON.items()} if quantization == "fp8" else {}
 
-    def triton_ops(device, dtype, use_triton=True, kv_dtype=None):
-        return ops_mod.Ops(**kernels)
+    def triton_ops(device, dtype, use_triton=True, kv_dtype=None, quantization="none"):
+        return ops_mod.Ops(**kernels, **fp8)
 
     monkeypatch.setattr(engine_mod, "select_ops", triton_ops)
     for steps in (1, 4):  # the fused sampler's device-side state, one and several steps per round trip
         eng = build_native_engine(rollout, engine_context(cfg, actor=hf, page_size=4, decode_steps=steps))
         assert eng.ops.graphable and eng.runner.kv.dtype.itemsize == (1 if kv == "fp8" else 4)
+        assert eng.fp8_matrices == (4 * cfg.num_hidden_layers if quantization == "fp8" else 0)
         got = eng.generate(prompts, params)
         assert [c.token_ids for c in got] == [c.token_ids for c in ref]
         for a, b in zip(got, ref):
@@ -170,6 +173,16 @@ def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch, kv):
     assert [c.token_ids for c in eng.generate(prompts, sampled)] == [
         c.token_ids for c in eng.generate(prompts, sampled)
     ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(ops_mod.FP8_TRITON))
+def test_fp8_row_kernels_match_their_references(name, dtype):
+    """rollout.quantization = "fp8": the kernels that quantize activations by rows (the norm, SiLU·mul,
+    the attention output's) and that apply the rows' scales give their references' values."""
+    fn, check = ops_mod.FP8_TRITON[name]
+    with interpreter_fixes():
+        check(fn, torch.device("cpu"), dtype)
 
 
 @pytest.mark.parametrize("offsets", ["int32", "int64"])

@@ -35,7 +35,8 @@ class Engine(EngineBase):
 """
 SERVER_ARGS = (
     "model_path skip_tokenizer_init load_format dtype mem_fraction_static enable_memory_saver tp_size base_gpu_id "
-    "random_seed port nccl_port log_level disable_cuda_graph context_length max_running_requests kv_cache_dtype"
+    "random_seed port nccl_port log_level disable_cuda_graph context_length max_running_requests kv_cache_dtype "
+    "quantization"
 ).split()
 FILES = {
     "sglang/srt/entrypoints/engine.py": ENGINE,

@@ -225,6 +225,8 @@ def test_engine_arguments(fake, qwen2):
     for ours, theirs in (("fp8", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")):
         kwargs = server_kwargs(_Rollout(kv_cache_dtype=ours), ctx, detect(), path, True)
         assert kwargs["kv_cache_dtype"] == theirs
+    assert "quantization" not in kwargs  # rollout.quantization = "none"
+    assert server_kwargs(_Rollout(quantization="fp8"), ctx, detect(), path, True)["quantization"] == "fp8"
 
 
 def test_producer_patches_torch_reductions(fake, qwen2):

@@ -1,7 +1,7 @@
 """The engine's own settings, resolved from the `rollout` config section and EngineContext.extra.
 
 From `rollout`: gpu_memory_utilization (share of free device memory for the KV cache),
-kv_cache_dtype, max_num_seqs, enforce_eager. From ctx.extra (optional): max_model_len, max_batch_rows
+kv_cache_dtype, quantization, max_num_seqs, enforce_eager. From ctx.extra (optional): max_model_len, max_batch_rows
 (the sequences one generate call asks for: the trainer's prompts per rank x n; the KV cache holds no
 more than they can fill), max_num_batched_tokens, page_size, num_kv_pages (fixes the cache size;
 tests use it), cpu_kv_cache_bytes, max_graph_batch, use_triton, decode_steps, path (a local
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-ROLLOUT_KEYS = ("max_num_seqs", "gpu_memory_utilization", "enforce_eager")  # and kv_cache_dtype; the rest: ctx.extra
+ROLLOUT_KEYS = ("max_num_seqs", "gpu_memory_utilization", "enforce_eager", "quantization")  # and kv_cache_dtype
+# the rest: ctx.extra
 
 # rollout.kv_cache_dtype: "auto" keeps the engine's dtype; fp8 stores keys and values with scale 1,
 # clamped to the format's largest finite value
@@ -41,6 +42,7 @@ class EngineConfig:
     max_graph_batch: int = 512
     use_triton: bool = True
     decode_steps: int = 1  # decode steps per host round trip (8 on CUDA by default)
+    quantization: str = "none"  # "fp8": e4m3 weights and activations in the layers' GEMMs (fp8_linear)
     kv_cache_dtype: torch.dtype | None = None  # None: the engine's dtype
 
     @classmethod

@@ -66,7 +66,7 @@ USED_ONE_OF = [
 USED_SERVER_ARGS = tuple(
     """model_path skip_tokenizer_init load_format dtype mem_fraction_static enable_memory_saver tp_size
     base_gpu_id random_seed port nccl_port log_level disable_cuda_graph context_length max_running_requests
-    kv_cache_dtype""".split()
+    kv_cache_dtype quantization""".split()
 )
 
 # keys of the per-request sampling_params dict (SamplingParams fields)

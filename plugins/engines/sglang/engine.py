@@ -164,6 +164,8 @@ def server_kwargs(rollout_cfg, ctx: EngineContext, api: SGLangAPI, model_dir: st
     kv = getattr(rollout_cfg, "kv_cache_dtype", "auto")
     if kv != "auto":  # SGLang's names: fp8_e4m3, fp8_e5m2
         kwargs["kv_cache_dtype"] = "fp8_e4m3" if kv == "fp8" else kv
+    if getattr(rollout_cfg, "quantization", "none") != "none":  # SGLang quantizes bf16 weights itself ("fp8")
+        kwargs["quantization"] = rollout_cfg.quantization
     unknown = sorted(set(kwargs) - api.server_args)
     if unknown:
         unsupported(f"SGLang {api.version}'s ServerArgs has no {unknown}")

@@ -13,6 +13,7 @@ only the new tokens, attending to the cached ones (extend attention).
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Iterable
 
 import torch
@@ -43,9 +44,10 @@ class NativeEngine:
         self.cfg, self.device, self.dtype = cfg, torch.device(ctx.device), ctx.dtype
         self.eos_ids = frozenset(ctx.eos_token_ids or ())
         self.spec = ModelSpec.from_hf_config(ctx.model_config)
-        self.ops = select_ops(self.device, self.dtype, cfg.use_triton, cfg.kv_cache_dtype)
+        self.ops = select_ops(self.device, self.dtype, cfg.use_triton, cfg.kv_cache_dtype, cfg.quantization)
         with torch.device(self.device):
             self.model = DecoderLM(self.spec, self.ops, self.dtype).eval()
+            self.fp8_matrices = self._quantize(cfg.quantization)
         self._init_weights(ctx)
         self.runner = ModelRunner(self.model, cfg, self.ops, self.device, self.dtype)
         self.runner.allocate_kv()
@@ -70,6 +72,22 @@ class NativeEngine:
             self.load_weights(iter_checkpoint(ctx.extra["path"], self.device))
         else:
             init_random(self.model, self.spec.initializer_range, int(ctx.extra.get("seed", 0)))
+            self.model.refresh_fp8()
+
+    def _quantize(self, quantization: str) -> int:
+        """rollout.quantization = "fp8": e4m3 copies of the layers' matrices; how many."""
+        if quantization != "fp8":
+            return 0
+        why = self.model.fp8_unsupported()
+        if why is None and self.device.type == "cuda" and "scaled_mm" not in self.ops.chosen:
+            why = "this GPU has no fp8 GEMMs (they need compute capability 8.9 or later: H100, L40S, RTX 4090 ...)"
+        if why is not None:
+            warnings.warn(
+                f"native engine: rollout.quantization = 'fp8' does not apply: {why}; the engine runs in "
+                f"{self.dtype}. Set rollout.quantization = 'none' to silence this."
+            )
+            return 0
+        return self.model.quantize_fp8()
 
     # ---------------------------------------------------------------------------- request level
 
@@ -163,6 +181,7 @@ class NativeEngine:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy weights in place by Hugging Face name; captured graphs stay valid."""
         load_weights(self.model, weights, self.shared)
+        self.model.refresh_fp8()  # the e4m3 copies, when rollout.quantization = "fp8"
         if self.device.type == "cuda":  # the copies are done when the caller times them
             torch.cuda.synchronize(self.device)
 
@@ -303,11 +322,12 @@ class NativeEngine:
 
     def memory_gib(self) -> dict[str, float]:
         """What the engine holds on its device (minirl.observe.memory): its weights (not those it
-        shares with the actor, which the actor's count holds), and its KV cache while allocated;
+        shares with the actor, which the actor's count holds; with their e4m3 copies when
+        rollout.quantization = "fp8"), and its KV cache while allocated;
         the CUDA graphs' pools come on top."""
         counter = StorageCounter(self.device)
-        own = (p for name, p in self.model.named_parameters() if name not in self.shared)  # the rest: the actor's
-        out = {"weights_gib": counter.count(own) / GIB}
+        own = [p for name, p in self.model.named_parameters() if name not in self.shared]  # the rest: the actor's
+        out = {"weights_gib": counter.count(own + list(self.model.buffers())) / GIB}  # buffers: e4m3 copies
         if self.runner.kv is not None:
             out["kv_cache_gib"] = counter.count([self.runner.kv]) / GIB
         return out

@@ -10,6 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from minirl.kernels.selfcheck import expect_near
+from minirl_plugins.engines.native.layers.fp8_linear import (
+    E4M3,
+    _store_row_e4m3,
+    _warps,
+    expect_rows_near,
+    quantize_rows,
+)
 from minirl_plugins.engines.native.layers.jit import jit, tl, triton
 
 
@@ -44,3 +51,52 @@ def silu_mul_triton(gate_up):
 def check_silu_mul(fn, device, dtype, kv_dtype=None) -> None:
     gu = torch.randn(19, 2 * 1500, device=device, dtype=dtype)
     expect_near(fn(gu), silu_mul(gu), dtype, "silu_mul")
+
+
+def silu_mul_rows(gate_up_scaled: torch.Tensor, scale_N1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rollout.quantization = "fp8": the gate/up GEMM's output before its row scales in; SiLU·mul
+    of gate_up · scale (rounded to its dtype, the GEMM's output) out, quantized by rows for down."""
+    gate_up = (gate_up_scaled.float() * scale_N1).to(gate_up_scaled.dtype)
+    return quantize_rows(silu_mul(gate_up))
+
+
+@jit
+def _silu_mul_rows_kernel(gu_ptr, xs_ptr, q_ptr, s_ptr, n_cols, stride_gu, stride_q, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    xs = tl.load(xs_ptr + row)
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0)
+    dt = g.dtype
+    gf = (g.to(tl.float32) * xs).to(dt).to(tl.float32)
+    uf = (u.to(tl.float32) * xs).to(dt).to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32)
+    h = (act * uf).to(dt).to(tl.float32)
+    _store_row_e4m3(h, q_ptr + row * stride_q + cols, s_ptr + row, mask)
+
+
+def silu_mul_rows_triton(gate_up_scaled, scale_N1):
+    """silu_mul_rows, one program per row (its amax needs the whole row)."""
+    n, two_i = gate_up_scaled.shape
+    q = torch.empty(n, two_i // 2, dtype=E4M3, device=gate_up_scaled.device)
+    s = torch.empty(n, 1, dtype=torch.float32, device=gate_up_scaled.device)
+    block = triton.next_power_of_2(two_i // 2)
+    _silu_mul_rows_kernel[(n,)](
+        gate_up_scaled,
+        scale_N1,
+        q,
+        s,
+        two_i // 2,
+        gate_up_scaled.stride(0),
+        q.stride(0),
+        BLOCK=block,
+        num_warps=_warps(block),
+    )
+    return q, s
+
+
+def check_silu_mul_rows(fn, device, dtype, kv_dtype=None) -> None:
+    gu = torch.randn(19, 2 * 1500, device=device, dtype=dtype) * 50
+    s = torch.rand(19, 1, device=device) * 0.1
+    expect_rows_near(fn(gu, s), silu_mul_rows(gu, s), dtype, "silu_mul_rows")

@@ -16,7 +16,16 @@ import torch
 
 from minirl.kernels.selfcheck import self_check
 from minirl.models.varlen import FLASH_DTYPES
-from minirl_plugins.engines.native.layers import activation, attention, jit, norm, paged_attention, rotary, sampling
+from minirl_plugins.engines.native.layers import (
+    activation,
+    attention,
+    fp8_linear,
+    jit,
+    norm,
+    paged_attention,
+    rotary,
+    sampling,
+)
 
 
 @dataclass
@@ -29,6 +38,13 @@ class Ops:
     extend_attention: Callable = attention.extend_attention
     decode_attention: Callable = paged_attention.decode_attention
     fast_sample: Callable | None = None  # (logits, params, seed) -> (tokens, logprobs); sampling.fast_sample
+    # rollout.quantization = "fp8": the GEMM on e4m3 weights and activations, the ops that quantize
+    # the activations by rows and those that apply the row scales to its output (fp8_linear)
+    scaled_mm: Callable = fp8_linear.scaled_mm_ref
+    rmsnorm_rows: Callable = norm.rmsnorm_rows
+    silu_mul_rows: Callable = activation.silu_mul_rows
+    quantize_rows: Callable = fp8_linear.quantize_rows
+    scale_rows: Callable = fp8_linear.scale_rows
     chosen: dict = field(default_factory=dict)  # op -> "triton" | "triton_fp8_pairs" | ..., where not the reference
 
     @property
@@ -53,12 +69,27 @@ FLASH_EXTEND = (attention.extend_attention_flash, attention.check_extend_attenti
 # an 8-bit cache under a half-precision engine: decode attention reading it as 16-bit pairs, first
 # choice (1.5x the dequantizing kernel at 64 rows x 27,700 keys on the H200, docs/benchmarks.md)
 FP8_PAIRS_DECODE = (paged_attention.decode_attention_fp8_pairs, paged_attention.check_decode_attention_fp8_pairs)
+# rollout.quantization = "fp8": the fp8 tensor cores' GEMM (cuBLASLt), and the Triton kernels
+# around it
+FP8_GEMM = (fp8_linear.scaled_mm_cuda, fp8_linear.check_scaled_mm)
+FP8_TRITON = {
+    "rmsnorm_rows": (norm.rmsnorm_rows_triton, norm.check_rmsnorm_rows),
+    "silu_mul_rows": (activation.silu_mul_rows_triton, activation.check_silu_mul_rows),
+    "quantize_rows": (fp8_linear.quantize_rows_triton, fp8_linear.check_quantize_rows),
+    "scale_rows": (fp8_linear.scale_rows_triton, fp8_linear.check_scale_rows),
+}
 
 
 def select_ops(
-    device: torch.device, dtype: torch.dtype, use_triton: bool = True, kv_dtype: torch.dtype | None = None
+    device: torch.device,
+    dtype: torch.dtype,
+    use_triton: bool = True,
+    kv_dtype: torch.dtype | None = None,
+    quantization: str = "none",
 ) -> Ops:
-    """kv_dtype: the KV cache's (rollout.kv_cache_dtype), when it is not `dtype`."""
+    """kv_dtype: the KV cache's (rollout.kv_cache_dtype), when it is not `dtype`; quantization:
+    rollout.quantization ("fp8" adds the fp8 GEMM and quantizer; without the GEMM, which needs
+    compute capability 8.9, ops.chosen lacks "scaled_mm" and the engine does not quantize)."""
     ops = Ops()
     if device.type != "cuda":
         return ops
@@ -69,12 +100,16 @@ def select_ops(
             ("prefill_attention", *VARLEN_PREFILL, "torch_varlen"),
             ("extend_attention", *FLASH_EXTEND, "flash"),
         ]
+    if quantization == "fp8":
+        candidates.append(("scaled_mm", *FP8_GEMM, "cublaslt"))
     if use_triton and jit.UNAVAILABLE:
         warnings.warn(f"native engine: Triton unavailable ({jit.UNAVAILABLE}); using pure-torch kernels")
     elif use_triton:
         if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and dtype in (torch.bfloat16, torch.float16):
             candidates.append(("decode_attention", *FP8_PAIRS_DECODE, "triton_fp8_pairs"))
         candidates += [(name, fn, check, "triton") for name, (fn, check) in TRITON.items()]
+        if quantization == "fp8":
+            candidates += [(name, fn, check, "triton") for name, (fn, check) in FP8_TRITON.items()]
     for i, (name, fn, check, label) in enumerate(candidates):
         if name in ops.chosen:  # a first choice passed
             continue

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minirl_plugins.engines.native.layers.fp8_linear import Fp8Weight, quantizable
 from minirl_plugins.engines.native.layers.meta import StepMeta
 from minirl_plugins.engines.native.layers.ops import Ops
 from minirl_plugins.engines.native.models.spec import ModelSpec
@@ -58,10 +59,26 @@ class Attention(nn.Module):
         if spec.qk_norm:
             self.q_norm, self.k_norm = Norm(spec.head_dim, dtype), Norm(spec.head_dim, dtype)
         self.scale = spec.head_dim**-0.5
+        self.qkv_fp8 = self.o_fp8 = None  # Fp8Weight, with rollout.quantization = "fp8"
 
     def forward(self, x_NE, positions_N, meta: StepMeta, rope: tuple[torch.Tensor, torch.Tensor]):
+        return F.linear(
+            self.attend(F.linear(x_NE, self.qkv_weight, self.qkv_bias), positions_N, meta, rope),
+            self.o_proj.weight,
+            self.o_proj.bias,
+        )
+
+    def forward_fp8(self, xq_NE, xs_N1, positions_N, meta: StepMeta, rope):
+        """From the input's e4m3 rows and scales to o_proj's output before its row scales, and
+        those scales (rollout.quantization = "fp8"; fp8_linear)."""
+        ops, dtype = self.ops, self.o_proj.weight.dtype
+        qkv = ops.scale_rows(self.qkv_fp8.matmul(xq_NE, ops, dtype), xs_N1, self.qkv_bias)
+        oq, os_ = ops.quantize_rows(self.attend(qkv, positions_N, meta, rope))
+        return self.o_fp8.matmul(oq, ops, dtype), os_
+
+    def attend(self, qkv, positions_N, meta: StepMeta, rope):
+        """Rotary and the KV cache's write, then attention: [N, H·D]."""
         s, ops, heads = self.spec, self.ops, self.spec.heads
-        qkv = F.linear(x_NE, self.qkv_weight, self.qkv_bias)
         k_cache, v_cache = meta.kv_cache[0, self.layer], meta.kv_cache[1, self.layer]
         norms = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
         ops.rope_store(qkv, positions_N, *rope, meta.slot_mapping_N, k_cache, v_cache, heads, *norms, s.rms_norm_eps)
@@ -71,7 +88,7 @@ class Attention(nn.Module):
             o = ops.prefill_attention(qkv, meta, heads, self.scale)
         else:
             o = ops.decode_attention(qkv, k_cache, v_cache, meta, heads, self.scale)
-        return F.linear(o, self.o_proj.weight, self.o_proj.bias)
+        return o
 
 
 class MLP(nn.Module):
@@ -81,10 +98,17 @@ class MLP(nn.Module):
         i, e = spec.intermediate_size, spec.hidden_size
         self.gate_up_weight, self.gate_up_bias, (self.gate_proj, self.up_proj) = _fused([i, i], e, dtype, spec.mlp_bias)
         self.down_proj = Proj(torch.empty(e, i, dtype=dtype), torch.zeros(e, dtype=dtype) if spec.mlp_bias else None)
+        self.gate_up_fp8 = self.down_fp8 = None  # Fp8Weight, with rollout.quantization = "fp8"
 
     def forward(self, x_NE):
         h = self.ops.silu_mul(F.linear(x_NE, self.gate_up_weight, self.gate_up_bias))
         return F.linear(h, self.down_proj.weight, self.down_proj.bias)
+
+    def forward_fp8(self, xq_NE, xs_N1):
+        """e4m3 rows and scales in; down's output before its row scales, and those scales, out."""
+        ops, dtype = self.ops, self.down_proj.weight.dtype
+        hq, hs = ops.silu_mul_rows(self.gate_up_fp8.matmul(xq_NE, ops, dtype), xs_N1)
+        return self.down_fp8.matmul(hq, ops, dtype), hs
 
 
 class DecoderLayer(nn.Module):
@@ -105,6 +129,18 @@ class DecoderLayer(nn.Module):
         h, residual_NE = self.ops.add_rmsnorm(h, residual_NE, self.post_attention_layernorm.weight, self.eps)
         return self.mlp(h), residual_NE
 
+    def forward_fp8(self, x_NE, xs_N1, residual_NE, positions_N, meta, rope):
+        """forward with fp8 GEMMs: x is the previous layer's down output before its row scales
+        xs (the embeddings, and xs None, in the first layer); returns this layer's, and the
+        residual stream."""
+        ops = self.ops
+        (hq, hs), residual_NE = ops.rmsnorm_rows(x_NE, self.input_layernorm.weight, self.eps, residual_NE, xs_N1, True)
+        o, os_ = self.self_attn.forward_fp8(hq, hs, positions_N, meta, rope)
+        (hq, hs), residual_NE = ops.rmsnorm_rows(
+            o, self.post_attention_layernorm.weight, self.eps, residual_NE, os_, True
+        )
+        return (*self.mlp.forward_fp8(hq, hs), residual_NE)
+
 
 class Backbone(nn.Module):
     def __init__(self, spec: ModelSpec, ops: Ops, dtype):
@@ -114,12 +150,21 @@ class Backbone(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, ops, dtype) for i in range(spec.num_layers))
         self.norm = Norm(spec.hidden_size, dtype)
+        self.fp8 = False  # every layer's GEMMs on e4m3 copies (DecoderLM.quantize_fp8)
 
     def forward(self, ids_N, positions_N, meta, rope):
         x, residual = self.embed_tokens(ids_N), None
+        if self.fp8:
+            return self._forward_fp8(x, positions_N, meta, rope)
         for layer in self.layers:
             x, residual = layer(x, residual, positions_N, meta, rope)
         return self.ops.add_rmsnorm(x, residual, self.norm.weight, self.eps)[0]
+
+    def _forward_fp8(self, x, positions_N, meta, rope):
+        scale = residual = None
+        for layer in self.layers:
+            x, scale, residual = layer.forward_fp8(x, scale, residual, positions_N, meta, rope)
+        return self.ops.rmsnorm_rows(x, self.norm.weight, self.eps, residual, scale)[0]
 
 
 class DecoderLM(nn.Module):
@@ -141,3 +186,29 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, h_ME: torch.Tensor) -> torch.Tensor:
         return F.linear(h_ME, self.lm_head.weight)
+
+    def fp8_unsupported(self) -> str | None:
+        """Why quantize_fp8 cannot apply to this model, or None."""
+        if self.spec.o_bias or self.spec.mlp_bias:
+            return "the model has o_proj or MLP biases (the fp8 path adds only the qkv bias)"
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        weights = (attn.qkv_weight, attn.o_proj.weight, mlp.gate_up_weight, mlp.down_proj.weight)
+        if not all(quantizable(w) for w in weights):
+            return f"the fp8 GEMM needs dimensions in multiples of 16 (here: {[tuple(w.shape) for w in weights]})"
+        return None
+
+    def quantize_fp8(self) -> int:
+        """Give every layer's qkv, o, gate/up and down matrix an e4m3 copy (fp8_linear) that the
+        forward multiplies with; returns how many. refresh_fp8() fills them."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_fp8, attn.o_fp8 = Fp8Weight(attn.qkv_weight), Fp8Weight(attn.o_proj.weight)
+            mlp.gate_up_fp8, mlp.down_fp8 = Fp8Weight(mlp.gate_up_weight), Fp8Weight(mlp.down_proj.weight)
+        self.model.fp8 = True
+        return 4 * len(self.model.layers)
+
+    def refresh_fp8(self) -> None:
+        """Rewrite the e4m3 copies from the weights, in place (after every load)."""
+        for module in self.modules():
+            if isinstance(module, Fp8Weight):
+                module.refresh()

@@ -31,6 +31,7 @@ FIELDS = {
     "disable_cuda_graph": False,
     "disable_radix_cache": False,
     "kv_cache_dtype": "auto",
+    "quantization": None,
 }
 if at_least("0.5.5"):
     FIELDS["enable_weights_cpu_backup"] = False
