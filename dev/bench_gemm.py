@@ -137,8 +137,7 @@ def inductor_table(batches: list[int]) -> None:
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for m in batches:
         for name, (n, k) in SHAPES.items():
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            x, w = operands(m, n, k)
             floor = max(n * k * 2 / BANDWIDTH, 2 * m * n * k / MATMUL) * 1e6
             torch._dynamo.reset()
             tuned = torch.compile(
@@ -154,23 +153,24 @@ def inductor_table(batches: list[int]) -> None:
             )
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 rows and their float32 scales: x ~ q * scale, one scale per row."""
-    scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / 448.0
-    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+def operands(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode batch x [m, k] and a weight w [n, k] of the Qwen2 init's scale, bf16 on CUDA."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    return x, torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
 
 
 def fp8_table(batches: list[int]) -> None:
     """bf16 cuBLAS against torch._scaled_mm (row-wise and per-tensor scales) per decode GEMM."""
     import triton.testing
 
+    from minirl_plugins.engines.native.layers.fp8_linear import quantize_rows
+
     quant = torch.compile(quantize_rows, dynamic=False)
     print("| M | GEMM | bf16 us | fp8 rows us | fp8 tensor us | quant us | fp8 floor us | rows / bf16 | error |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for m in batches:
         for name, (n, k) in SHAPES.items():
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            x, w = operands(m, n, k)
             wq, ws = quantize_rows(w)
             xq, xs = quant(x)
             floor = max(n * k / BANDWIDTH, 2 * m * n * k / (2 * MATMUL)) * 1e6
@@ -220,8 +220,7 @@ def main() -> int:
     print("| ---: | --- | --- | ---: | ---: | ---: |")
     for m in (int(b) for b in args.batches.split(",")):
         for name, (n, k) in (HF_SHAPES if args.shapes == "hf" else SHAPES).items():
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            x, w = operands(m, n, k)
             floor = max(n * k * 2 / BANDWIDTH, 2 * m * n * k / MATMUL) * 1e6
             for library in ("cublaslt", "cublas"):
                 torch.backends.cuda.preferred_blas_library(library)
