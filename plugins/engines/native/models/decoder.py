@@ -5,6 +5,10 @@ q/k/v and gate/up are each one fused weight (one GEMM), exposed as `q_proj.weigh
 the fused storage, in place, so CUDA graphs captured over it stay valid. Never call `.to()` on
 this model: build it where and in the dtype it will run.
 
+With rollout.quantization = "fp8" (DecoderLM.quantize_fp8) the layers run their forward_fp8:
+the same ops in the same order, the four GEMMs on e4m3 copies, the activations passed on as e4m3
+rows with their scales, or as a GEMM's output before its rows' scales (layers/fp8_linear.py).
+
 Shape legend: N tokens, E hidden size, V vocabulary.
 """
 
@@ -62,11 +66,9 @@ class Attention(nn.Module):
         self.qkv_fp8 = self.o_fp8 = None  # Fp8Weight, with rollout.quantization = "fp8"
 
     def forward(self, x_NE, positions_N, meta: StepMeta, rope: tuple[torch.Tensor, torch.Tensor]):
-        return F.linear(
-            self.attend(F.linear(x_NE, self.qkv_weight, self.qkv_bias), positions_N, meta, rope),
-            self.o_proj.weight,
-            self.o_proj.bias,
-        )
+        qkv = F.linear(x_NE, self.qkv_weight, self.qkv_bias)
+        o = self.attend(qkv, positions_N, meta, rope)
+        return F.linear(o, self.o_proj.weight, self.o_proj.bias)
 
     def forward_fp8(self, xq_NE, xs_N1, positions_N, meta: StepMeta, rope):
         """From the input's e4m3 rows and scales to o_proj's output before its row scales, and
@@ -83,12 +85,10 @@ class Attention(nn.Module):
         norms = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
         ops.rope_store(qkv, positions_N, *rope, meta.slot_mapping_N, k_cache, v_cache, heads, *norms, s.rms_norm_eps)
         if meta.ctx_slots_M is not None:
-            o = ops.extend_attention(qkv, k_cache, v_cache, meta, heads, self.scale)
-        elif meta.is_prefill:
-            o = ops.prefill_attention(qkv, meta, heads, self.scale)
-        else:
-            o = ops.decode_attention(qkv, k_cache, v_cache, meta, heads, self.scale)
-        return o
+            return ops.extend_attention(qkv, k_cache, v_cache, meta, heads, self.scale)
+        if meta.is_prefill:
+            return ops.prefill_attention(qkv, meta, heads, self.scale)
+        return ops.decode_attention(qkv, k_cache, v_cache, meta, heads, self.scale)
 
 
 class MLP(nn.Module):
