@@ -307,7 +307,8 @@ def test_fp8_gemms_drift_by_their_rounding_alone_and_follow_every_load(qwen2, mo
     comes from the roundings alone, so it scales with the format's mantissa: the same path rounding
     to bf16 (7 bits) drifts about 2^4 times less than e4m3 (3 bits), which drifts about half as much
     as e5m2 (2 bits); measured here 0.0149, 0.190 and 0.469. A load rewrites the copies: the engine
-    then generates exactly what a fresh quantized engine over the new weights does."""
+    then generates exactly what a fresh quantized engine over the new weights does, in one turn
+    and in a conversation continued over its kept cache (extend attention)."""
     from minirl_plugins.engines.native.layers import fp8_linear
     from minirl_plugins.engines.native.layers.fp8_linear import Fp8Weight
 
@@ -329,8 +330,10 @@ def test_fp8_gemms_drift_by_their_rounding_alone_and_follow_every_load(qwen2, mo
     assert drift["e4m3"] < 0.3
     other = tiny_hf_model(cfg, seed=9, std=0.2)
     eng.load_weights(other.state_dict().items())
-    after, fresh = (e.generate(PROMPTS, greedy()) for e in (eng, _engine(cfg, other, rollout)))
-    assert [(c.token_ids, c.logprobs) for c in after] == [(c.token_ids, c.logprobs) for c in fresh]
+    fresh = _engine(cfg, other, rollout)
+    after, want = (e.generate(PROMPTS, greedy()) for e in (eng, fresh))
+    assert [(c.token_ids, c.logprobs) for c in after] == [(c.token_ids, c.logprobs) for c in want]
+    assert _two_turns(eng) == _two_turns(fresh)
 
 
 def test_fp8_cache_through_preemption_and_extend_generates_the_same_twice(qwen2):
