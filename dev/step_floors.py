@@ -2,6 +2,8 @@
 
     python3 dev/step_floors.py                                  # the 32 x 8 x 1,024 workload
     python3 dev/step_floors.py --prompts 32 --n 16 --mini-batches 4 --prev-pass   # the `h200` profile
+    python3 dev/step_floors.py --prompts 4 --n 16 --prompt-len 100 --response-len 27648 --kv-cache fp8 --fp8-gemms
+                                                                # the 28k step's generation, fp8 cache and GEMMs
 
 A phase's floor is its time with every kernel at a ceiling of the H200 (4.28 TB/s measured copy
 bandwidth, 768 TFLOP/s measured bf16 matmul), summed kernel by kernel, with no gaps between them:
@@ -16,8 +18,11 @@ bandwidth, 768 TFLOP/s measured bf16 matmul), summed kernel by kernel, with no g
   it is not in a GEMM's epilogue, their backward, gradient accumulation, the fp32 -> bf16 weight
   casts, AdamW) at its bytes / 4.28 TB/s; the fused log-prob head as measured (LOGPROB_S, a
   second per 275k tokens).
-The measured figures each floor is compared with are in docs/benchmarks.md ("The step against
-its floors").
+--kv-cache fp8 counts the KV cache at one byte an element; --fp8-gemms counts the layers' decode
+GEMMs (not the head's) at one byte a weight and twice the matmul ceiling (the fp8 tensor cores'
+rate, 1,536 TFLOP/s, not measured here), as rollout.quantization = "fp8" runs them. The byte
+roofline stays the bf16 model's. The measured figures each floor is compared with are in
+docs/benchmarks.md ("The step against its floors").
 """
 
 from __future__ import annotations
@@ -46,15 +51,16 @@ def shape(preset: str) -> dict:
     )  # fmt: skip
 
 
-def gemm_s(rows: int, n: int, k: int) -> float:
-    return max(2 * rows * n * k / MATMUL, BF16 * n * k / BANDWIDTH)
+def gemm_s(rows: int, n: int, k: int, fp8: bool = False) -> float:
+    return max(2 * rows * n * k / (MATMUL * (2 if fp8 else 1)), (1 if fp8 else BF16) * n * k / BANDWIDTH)
 
 
 def decode_step_s(s: dict, rows: int, context: float) -> float:
     """One decode step at `rows` rows of mean `context` tokens, every kernel at its floor."""
-    h, q, kv, ff = s["h"], s["q"], s["kv"], s["ff"]
-    layer = gemm_s(rows, q + 2 * kv, h) + gemm_s(rows, h, q) + gemm_s(rows, 2 * ff, h) + gemm_s(rows, h, ff)
-    attention = rows * context * 2 * kv * BF16 / BANDWIDTH
+    h, q, kv, ff, f8 = s["h"], s["q"], s["kv"], s["ff"], s["fp8_gemms"]
+    layer = gemm_s(rows, q + 2 * kv, h, f8) + gemm_s(rows, h, q, f8) + gemm_s(rows, 2 * ff, h, f8)
+    layer += gemm_s(rows, h, ff, f8)
+    attention = rows * context * 2 * kv * s["kv_bytes"] / BANDWIDTH
     head = gemm_s(rows, s["vocab"], h) + rows * s["vocab"] * FP32 / BANDWIDTH  # + the sampler's read
     return s["layers"] * (layer + attention) + head
 
@@ -155,8 +161,11 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=30000, help="tokens a micro-batch")
     ap.add_argument("--attention-rate", type=float, default=ATTENTION_RATE / 1e12, help="TFLOP/s")
     ap.add_argument("--lora-rank", type=int, default=0, help="also the LoRA update's floor (all-linear)")
+    ap.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16", help="rollout.kv_cache_dtype")
+    ap.add_argument("--fp8-gemms", action="store_true", help="rollout.quantization = fp8")
     args = ap.parse_args()
     s = shape(args.preset)
+    s.update(kv_bytes=1 if args.kv_cache == "fp8" else BF16, fp8_gemms=args.fp8_gemms)
     rows = args.prompts * args.n
     lens = [args.prompt_len + args.response_len] * rows
     rate = args.attention_rate * 1e12
