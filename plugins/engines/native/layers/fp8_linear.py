@@ -41,9 +41,12 @@ TINY = 1e-12  # the amax of an all-zero input: its scale stays finite
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale): x's e4m3 values and their float32 scale (a 0-d tensor), x ≈ q · scale."""
-    amax = x.abs().amax().float().clamp_min(TINY)
-    q = (x.float() * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q, amax / E4M3_MAX
+    return _e4m3(x, x.abs().amax())
+
+
+def _e4m3(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = amax.float().clamp_min(TINY)
+    return (x.float() * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), amax / E4M3_MAX
 
 
 def scaled_mm_ref(q_NK, scale_x, w_OK, scale_w, bias_O, dtype) -> torch.Tensor:
@@ -59,9 +62,7 @@ def scaled_mm_cuda(q_NK, scale_x, w_OK, scale_w, bias_O, dtype) -> torch.Tensor:
 
 def quantize_rows(x_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale_N1): quantize applied to each row, scales [N, 1] in float32."""
-    amax = x_NK.abs().amax(-1, keepdim=True).float().clamp_min(TINY)
-    q = (x_NK.float() * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q, amax / E4M3_MAX
+    return _e4m3(x_NK, x_NK.abs().amax(-1, keepdim=True))
 
 
 def scale_rows(y_NO, scale_N1, bias_O=None) -> torch.Tensor:
@@ -73,7 +74,8 @@ def scale_rows(y_NO, scale_N1, bias_O=None) -> torch.Tensor:
 
 @jit
 def _store_row_e4m3(y, q_ptrs, s_ptr, mask):
-    """One row y (float32, masked lanes 0) as quantize_rows stores it: e4m3 values and the scale."""
+    """One row y (float32, masked lanes 0) as quantize_rows stores it: e4m3 values and the scale
+    (448.0 and 1e-12 are E4M3_MAX and TINY; a Triton kernel reads no module globals)."""
     amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12)
     top = tl.full((), 448.0, tl.float32)
     q = tl.minimum(tl.maximum(y * tl.div_rn(top, amax), -448.0), 448.0)
