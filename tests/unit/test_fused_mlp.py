@@ -45,11 +45,15 @@ def inputs(m, k, n, device="cpu", dtype=torch.float32, seed=0):
 
 
 def assert_matches(out, ref, max_differing=0.01):
-    """All within one bf16 step (2⁻⁷ relative) of the reference, and nearly all equal: only the
-    order of the float32 sums differs, which moves a rounding now and then (and, where the sum
-    nearly cancels, more than a step of a tiny value: hence the 1e-5 floor)."""
+    """Nearly all equal, and all within four bf16 steps (2⁻⁵ relative) of the reference: only the
+    order of the float32 sums differs, which moves a rounding of g or u by a step now and then;
+    SiLU and the product carry that step into the result, which is rounded once more, so an
+    element can land two steps away (seen: -0.46875 against -0.47265625, m = 15, seed 67, under
+    the interpreter's truncation) and, by count, up to about three. Where a sum nearly cancels,
+    more than that of a tiny value: hence the 1e-5 floor. A wrong tile or mask is far off, and
+    in many elements."""
     out, ref = out.float(), ref.float()
-    assert bool(((out - ref).abs() <= ref.abs() * 2**-7 * 1.01 + 1e-5).all()), (out - ref).abs().max()
+    assert bool(((out - ref).abs() <= ref.abs() * 2**-5 + 1e-5).all()), (out - ref).abs().max()
     assert (out != ref).float().mean().item() <= max_differing
 
 
