@@ -11,9 +11,9 @@ agree on signs and scales: a sign error or a broken normalisation anywhere keeps
 from __future__ import annotations
 
 import json
-import tomllib
 
 import pytest
+import tomllib
 
 from tests.integration.conftest import run_job
 
