@@ -107,23 +107,25 @@ def add_rmsnorm_triton(x, residual, weight, eps):
 
 
 def rmsnorm_rows(x, weight, eps, residual=None, x_scale=None, quant=False):
-    """rollout.quantization = "fp8": (out, residual). x · x_scale [N, 1] (rounded to x's dtype)
-    when given: x as an fp8 GEMM left it; then with a residual, residual <- x + residual and the
-    norm of that (add_rmsnorm), else the norm of x and x as the residual. out: the norm, or with
-    quant its rows in e4m3 and their scales (fp8_linear.quantize_rows)."""
-    if x_scale is not None:
-        x = (x.float() * x_scale).to(x.dtype)
-    y, residual = (rmsnorm(x, weight, eps), x) if residual is None else add_rmsnorm(x, residual, weight, eps)
+    """rollout.quantization = "fp8": (out, residual). With a residual: x · x_scale [N, 1]
+    (rounded to x's dtype; x as an fp8 GEMM left it) when given, residual <- x + residual and
+    the norm of that (add_rmsnorm); without one (the embeddings, no scales): the norm of x, and x
+    as the residual. out: the norm, or with quant its rows in e4m3 and their scales
+    (fp8_linear.quantize_rows)."""
+    if residual is None:
+        assert x_scale is None, "row scales come with a residual (a GEMM's output is added to it)"
+        y, residual = rmsnorm(x, weight, eps), x
+    else:
+        if x_scale is not None:
+            x = (x.float() * x_scale).to(x.dtype)
+        y, residual = add_rmsnorm(x, residual, weight, eps)
     return (quantize_rows(y) if quant else y), residual
 
 
 def rmsnorm_rows_triton(x, weight, eps, residual=None, x_scale=None, quant=False):
     """rmsnorm_rows in one kernel; the residual is updated in place."""
-    if residual is None:
-        if x_scale is not None:  # the residual stream is x after its scales
-            x = (x.float() * x_scale).to(x.dtype)
-        return _launch(x, weight, eps, None, None, quant), x
-    return _launch(x, weight, eps, residual, x_scale, quant), residual
+    assert residual is not None or x_scale is None, "row scales come with a residual"
+    return _launch(x, weight, eps, residual, x_scale, quant), (x if residual is None else residual)
 
 
 def check_rmsnorm(fn, device, dtype, kv_dtype=None) -> None:

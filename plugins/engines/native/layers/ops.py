@@ -88,8 +88,9 @@ def select_ops(
     quantization: str = "none",
 ) -> Ops:
     """kv_dtype: the KV cache's (rollout.kv_cache_dtype), when it is not `dtype`; quantization:
-    rollout.quantization ("fp8" adds the fp8 GEMM and quantizer; without the GEMM, which needs
-    compute capability 8.9, ops.chosen lacks "scaled_mm" and the engine does not quantize)."""
+    rollout.quantization ("fp8" adds the fp8 GEMM and the Triton kernels around it; without the
+    GEMM, which needs compute capability 8.9, ops.chosen lacks "scaled_mm" and the engine does not
+    quantize)."""
     ops = Ops()
     if device.type != "cuda":
         return ops

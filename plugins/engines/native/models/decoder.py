@@ -150,7 +150,11 @@ class Backbone(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, ops, dtype) for i in range(spec.num_layers))
         self.norm = Norm(spec.hidden_size, dtype)
-        self.fp8 = False  # every layer's GEMMs on e4m3 copies (DecoderLM.quantize_fp8)
+
+    @property
+    def fp8(self) -> bool:
+        """Every layer's GEMMs on e4m3 copies (DecoderLM.quantize_fp8)."""
+        return self.layers[0].self_attn.qkv_fp8 is not None
 
     def forward(self, ids_N, positions_N, meta, rope):
         x, residual = self.embed_tokens(ids_N), None
@@ -204,7 +208,6 @@ class DecoderLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_fp8, attn.o_fp8 = Fp8Weight(attn.qkv_weight), Fp8Weight(attn.o_proj.weight)
             mlp.gate_up_fp8, mlp.down_fp8 = Fp8Weight(mlp.gate_up_weight), Fp8Weight(mlp.down_proj.weight)
-        self.model.fp8 = True
         return 4 * len(self.model.layers)
 
     def refresh_fp8(self) -> None:
