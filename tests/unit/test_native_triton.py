@@ -142,7 +142,7 @@ def test_greedy_sampler_takes_the_first_maximum_across_chunks(kernels):
 def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch, kv, quantization):
     """The whole engine wired to the kernels (strides, views, paging) gives the torch path's
     tokens, with the KV cache in the model's dtype and in fp8 (rollout.kv_cache_dtype), and with
-    the layers' GEMMs on e4m3 copies (rollout.quantization, the Triton quantizer)."""
+    the layers' GEMMs on e4m3 copies (rollout.quantization, the Triton row kernels)."""
     import types
 
     from minirl_plugins.engines.native import build_native_engine
