@@ -6,7 +6,9 @@ Per decode batch M, in a CUDA graph (triton.testing.do_bench_cudagraph): torch._
 per matrix against bf16, and a layer's path outside attention as the engine runs it: the input
 norm, qkv (with the fp8 path's scale_rows), o over a stand-in for the attention output (with its
 quantize_rows), the residual norm, gate/up, SiLU·mul, down. What the fp8 path saves is the GEMMs'
-time less what its two extra small kernels (scale_rows, quantize_rows) cost.
+time less what its two extra small kernels (scale_rows, quantize_rows) cost. `--ops` also times
+each small kernel of the fp8 path alone, and the four GEMMs chained without them (what the small
+kernels and their launches add to the path).
 """
 
 from __future__ import annotations
@@ -54,11 +56,40 @@ def gemm_path(layer, ops, x, residual, attn_out, fp8: bool):
     return layer.mlp.forward_fp8(hq, hs), qkv
 
 
+def small_ops(layer, ops, m, bench):
+    """(name, µs) of each small kernel of the fp8 path at m rows, and the four GEMMs chained."""
+    attn, mlp, eps, bf = layer.self_attn, layer.mlp, 1e-6, torch.bfloat16
+    x, r, a = (torch.randn(m, 1536, device="cuda", dtype=bf) for _ in range(3))
+    s = torch.rand(m, 1, device="cuda") + 0.5
+    qkv = torch.randn(m, 2048, device="cuda", dtype=bf)
+    gu = torch.randn(m, 2 * 8960, device="cuda", dtype=bf)
+    hq, _ = ops.quantize_rows(x)
+    mq, _ = ops.quantize_rows(torch.randn(m, 8960, device="cuda", dtype=bf))
+
+    def gemms():
+        attn.qkv_fp8.matmul(hq, ops, bf)
+        attn.o_fp8.matmul(hq, ops, bf)
+        mlp.gate_up_fp8.matmul(hq, ops, bf)
+        mlp.down_fp8.matmul(mq, ops, bf)
+
+    timed = {
+        "rmsnorm_rows (residual, scales, e4m3 out)": lambda: ops.rmsnorm_rows(
+            x, layer.input_layernorm.weight, eps, r, s, True
+        ),
+        "scale_rows (qkv bias)": lambda: ops.scale_rows(qkv, s, attn.qkv_bias),
+        "quantize_rows (attention output)": lambda: ops.quantize_rows(a),
+        "silu_mul_rows": lambda: ops.silu_mul_rows(gu, s),
+        "four GEMMs chained": gemms,
+    }
+    return [(name, bench(fn) * 1e3) for name, fn in timed.items()]
+
+
 def main() -> int:
     import triton.testing
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", default="64,256")
+    p.add_argument("--ops", action="store_true", help="also each small kernel of the fp8 path alone")
     args = p.parse_args()
     bench = triton.testing.do_bench_cudagraph
     models = {q: build(q) for q in ("none", "fp8")}
@@ -87,6 +118,9 @@ def main() -> int:
             run = functools.partial(gemm_path, layer, ops, x, r, a, q == "fp8")
             times.append(bench(run) * 1e3)
         print(f"| {m} | layer's GEMM path | {times[0]:.1f} | {times[1]:.1f} |", flush=True)
+        if args.ops:
+            for name, us in small_ops(models["fp8"][0].model.layers[0], fp8_ops, m, bench):
+                print(f"| {m} | {name} | | {us:.1f} |", flush=True)
     return 0
 
 

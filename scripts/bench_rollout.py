@@ -52,6 +52,7 @@ WORKLOADS = {
     "w2": (512, 256, 2048),
     "w3": (256, 100, 1024),
     "l14": (64, 14000, 256),  # the 28k step's decode half way through: 64 rows at ~14k tokens of context
+    "l28": (64, 100, 27648),  # the 28k step's generation (4 prompts x 16 samples there), every row to the budget
     "smoke": (8, 16, 12),
 }
 SHAPES = ("qwen2-1.5b", "tiny")  # minirl.models presets (random weights)
