@@ -3,12 +3,13 @@
     python3 dev/bench_fp8_decode.py --batches 64,256      # on a CUDA machine (an H200 or H100)
 
 Per decode batch M, in a CUDA graph (triton.testing.do_bench_cudagraph): torch._scaled_mm alone
-per matrix against bf16, and a layer's path outside attention as the engine runs it: the input
-norm, qkv (with the fp8 path's scale_rows), o over a stand-in for the attention output (with its
-quantize_rows), the residual norm, gate/up, SiLU·mul, down. What the fp8 path saves is the GEMMs'
-time less what its two extra small kernels (scale_rows, quantize_rows) cost. `--ops` also times
-each small kernel of the fp8 path alone, and the four GEMMs chained without them (what the small
-kernels and their launches add to the path).
+per matrix against bf16, and a layer's path outside attention and rotary as the engine runs it:
+the input norm, qkv, o over a stand-in for the attention output (with the fp8 path's
+quantize_rows), the residual norm, gate/up, SiLU·mul, down (rotary applies the qkv GEMM's row
+scales in the fp8 path). What the fp8 path saves is the GEMMs' time less what its extra small
+kernel costs. `--ops` also times each small kernel of the fp8 path alone, rope_store with and
+without the qkv row scales and bias, and the four GEMMs chained without the small kernels (what
+those and their launches add to the path).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def gemm_path(layer, ops, x, residual, attn_out, fp8: bool):
         h, residual = ops.add_rmsnorm(o, residual, layer.post_attention_layernorm.weight, eps)
         return layer.mlp(h), qkv
     (hq, hs), residual = ops.rmsnorm_rows(x, layer.input_layernorm.weight, eps, residual, None, True)
-    qkv = ops.scale_rows(attn.qkv_fp8.matmul(hq, ops, torch.bfloat16), hs, attn.qkv_bias)
+    qkv = attn.qkv_fp8.matmul(hq, ops, torch.bfloat16)
     oq, os_ = ops.quantize_rows(attn_out)
     o = attn.o_fp8.matmul(oq, ops, torch.bfloat16)
     (hq, hs), residual = ops.rmsnorm_rows(o, layer.post_attention_layernorm.weight, eps, residual, os_, True)
@@ -64,6 +65,11 @@ def small_ops(layer, ops, m, bench):
     qkv = torch.randn(m, 2048, device="cuda", dtype=bf)
     gu = torch.randn(m, 2 * 8960, device="cuda", dtype=bf)
     hq, _ = ops.quantize_rows(x)
+    pos = torch.arange(m, device="cuda") + 1000
+    cos, sin = (torch.rand(4096, 64, device="cuda") for _ in range(2))
+    slots = torch.randperm(4 * m, device="cuda")[:m]
+    k_cache, v_cache = (torch.zeros(4 * m, 2, 128, device="cuda", dtype=torch.float8_e4m3fn) for _ in range(2))
+    heads = attn.spec.heads
     mq, _ = ops.quantize_rows(torch.randn(m, 8960, device="cuda", dtype=bf))
 
     def gemms():
@@ -76,7 +82,10 @@ def small_ops(layer, ops, m, bench):
         "rmsnorm_rows (residual, scales, e4m3 out)": lambda: ops.rmsnorm_rows(
             x, layer.input_layernorm.weight, eps, r, s, True
         ),
-        "scale_rows (qkv bias)": lambda: ops.scale_rows(qkv, s, attn.qkv_bias),
+        "rope_store (fp8 cache)": lambda: ops.rope_store(qkv, pos, cos, sin, slots, k_cache, v_cache, heads),
+        "rope_store with the qkv row scales and bias": lambda: ops.rope_store(
+            qkv, pos, cos, sin, slots, k_cache, v_cache, heads, None, None, eps, s, attn.qkv_bias
+        ),
         "quantize_rows (attention output)": lambda: ops.quantize_rows(a),
         "silu_mul_rows": lambda: ops.silu_mul_rows(gu, s),
         "four GEMMs chained": gemms,

@@ -171,7 +171,7 @@ def test_an_fp8_cache_decodes_through_the_pairs_kernel(kv_dtype):
 
 def test_fp8_gemms_run_on_the_tensor_cores_under_cuda_graphs():
     """rollout.quantization = fp8 in bf16: the fp8 GEMM (cuBLASLt) and the Triton kernels that
-    quantize by rows and apply the row scales pass their self-checks and are chosen. An engine
+    quantize by rows and apply the row scales (rotary's, for qkv) pass their self-checks and are chosen. An engine
     decoding with them (CUDA graphs) generates what the same engine does with the torch
     references (e4m3 values multiplied in float32 by torch, rounded to bf16): the same greedy
     tokens until a near tie parts them, log-probs within
@@ -191,7 +191,7 @@ def test_fp8_gemms_run_on_the_tensor_cores_under_cuda_graphs():
     ctx = dict(device="cuda", dtype=torch.bfloat16, num_kv_pages=512)
     fast, torch_ops = (build_native_engine(rollout, engine_context(cfg, actor=hf, **ctx)) for _ in range(2))
     assert fast.fp8_matrices == 4 * cfg.num_hidden_layers
-    for name in ("scaled_mm", *ops_mod.FP8_TRITON):
+    for name in ("scaled_mm", "rope_store", *ops_mod.FP8_TRITON):  # rope_store applies qkv's row scales
         setattr(torch_ops.ops, name, getattr(ops_mod.Ops, name))  # the class's defaults: the references
     got, want = (e.generate(PROMPTS, greedy(n=2, max_new=32)) for e in (fast, torch_ops))
     assert fast.runner.graphs

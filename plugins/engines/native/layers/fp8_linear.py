@@ -10,8 +10,8 @@ gate/up (norm.rmsnorm_rows), SiLU·mul before down (activation.silu_mul_rows), a
 kernel for the attention's output before o (quantize_rows). The GEMM runs on the fp8 tensor
 cores with the weight's scale alone (torch._scaled_mm, float32 sums; cuBLASLt's fast per-tensor
 path, where its row-scaled kernels are slower than bf16 at decode batches, dev/bench_gemm.py
---fp8), and the op that reads its output applies the row scales: scale_rows (with the qkv bias)
-before rotary, and the next norm or SiLU·mul as it loads.
+--fp8), and the op that reads its output applies the row scales: rotary (rotary.rope_store,
+with the qkv bias), and the next norm or SiLU·mul as it loads.
 
     amax = max |x|,  scale = amax / 448,  q = round_to_nearest_even(clamp(x · (448 / amax), ±448))
 
@@ -103,27 +103,6 @@ def quantize_rows_triton(x_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, s
 
 
-@jit
-def _scale_rows_kernel(y_ptr, s_ptr, b_ptr, n_cols, stride_y, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0)
-    out = y.to(tl.float32) * tl.load(s_ptr + row)
-    if HAS_BIAS:
-        out += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, out.to(y.dtype), mask=mask)
-
-
-def scale_rows_triton(y_NO, scale_N1, bias_O=None) -> torch.Tensor:
-    """scale_rows in place on y'."""
-    block = 1024
-    grid = (y_NO.shape[0], triton.cdiv(y_NO.shape[1], block))
-    b = y_NO if bias_O is None else bias_O  # a dummy pointer when absent
-    _scale_rows_kernel[grid](y_NO, scale_N1, b, y_NO.shape[1], y_NO.stride(0), HAS_BIAS=bias_O is not None, BLOCK=block)
-    return y_NO
-
-
 def _warps(block: int) -> int:
     """Warps for a program holding one row of `block` lanes: about 32 lanes a thread."""
     return max(1, min(16, block // 1024))
@@ -150,14 +129,6 @@ def check_quantize_rows(fn, device, dtype, kv_dtype=None) -> None:
         x[0, 1] = 1000.0  # an outlier sets its row's scale
         x[1] = 0.0  # a row of zeros keeps a finite scale
         expect_rows_near(fn(x), quantize_rows(x), dtype, "quantize_rows")
-
-
-def check_scale_rows(fn, device, dtype, kv_dtype=None) -> None:
-    y = torch.randn(37, 2100, device=device, dtype=dtype)
-    s = torch.rand(37, 1, device=device) * 1e-3
-    bias = torch.randn(2100, device=device, dtype=dtype)
-    for b in (None, bias):
-        expect_near(fn(y.clone(), s, b), scale_rows(y, s, b), dtype, "scale_rows")
 
 
 def check_scaled_mm(fn, device, dtype, kv_dtype=None) -> None:
@@ -187,7 +158,7 @@ class Fp8Weight(nn.Module):
 
     def matmul(self, q_NK: torch.Tensor, ops, dtype) -> torch.Tensor:
         """y' = q · (this weight)ᵀ: the rows of an input quantized by quantize_rows, multiplied
-        without their scales (the op that reads y' applies them: scale_rows, rmsnorm_rows,
+        without their scales (the op that reads y' applies them: rope_store, rmsnorm_rows,
         silu_mul_rows)."""
         return ops.scaled_mm(q_NK, self.one, self.q, self.scale, None, dtype)
 

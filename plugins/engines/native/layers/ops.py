@@ -39,12 +39,12 @@ class Ops:
     decode_attention: Callable = paged_attention.decode_attention
     fast_sample: Callable | None = None  # (logits, params, seed) -> (tokens, logprobs); sampling.fast_sample
     # rollout.quantization = "fp8": the GEMM on e4m3 weights and activations, the ops that quantize
-    # the activations by rows and those that apply the row scales to its output (fp8_linear)
+    # the activations by rows and apply the row scales to its output (fp8_linear; rope_store
+    # applies those of qkv)
     scaled_mm: Callable = fp8_linear.scaled_mm_ref
     rmsnorm_rows: Callable = norm.rmsnorm_rows
     silu_mul_rows: Callable = activation.silu_mul_rows
     quantize_rows: Callable = fp8_linear.quantize_rows
-    scale_rows: Callable = fp8_linear.scale_rows
     chosen: dict = field(default_factory=dict)  # op -> "triton" | "triton_fp8_pairs" | ..., where not the reference
 
     @property
@@ -76,7 +76,6 @@ FP8_TRITON = {
     "rmsnorm_rows": (norm.rmsnorm_rows_triton, norm.check_rmsnorm_rows),
     "silu_mul_rows": (activation.silu_mul_rows_triton, activation.check_silu_mul_rows),
     "quantize_rows": (fp8_linear.quantize_rows_triton, fp8_linear.check_quantize_rows),
-    "scale_rows": (fp8_linear.scale_rows_triton, fp8_linear.check_scale_rows),
 }
 
 

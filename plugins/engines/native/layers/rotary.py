@@ -3,7 +3,9 @@
 Inverse frequencies come from either config style: transformers >= 5 (`rope_parameters`) or 4.x
 (`rope_theta`, `rope_scaling`). rope_store takes a step's fused qkv rows: (Qwen3's per-head q/k
 RMSNorm,) rotary on q and k in float32 rounded as transformers rounds, k and v written to their
-KV cache slots; one kernel per layer on the GPU.
+KV cache slots; one kernel per layer on the GPU. With rollout.quantization = "fp8" the rows are
+the qkv fp8 GEMM's output before its rows' scales: the same kernel applies them and the qkv bias
+first (fp8_linear.scale_rows), so that GEMM's output needs no kernel of its own.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from minirl.errors import UserError
 from minirl.kernels.selfcheck import expect_near
 from minirl_plugins.engines.native.layers.attention import split_qkv
+from minirl_plugins.engines.native.layers.fp8_linear import scale_rows
 from minirl_plugins.engines.native.layers.jit import jit, tl
 from minirl_plugins.engines.native.layers.meta import Heads
 from minirl_plugins.engines.native.layers.norm import rmsnorm
@@ -69,9 +72,25 @@ def _rotate(x, cos, sin):
 
 
 def rope_store(
-    qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, heads: Heads, q_norm=None, k_norm=None, eps=1e-6
+    qkv,
+    positions,
+    cos,
+    sin,
+    slot_mapping,
+    k_cache,
+    v_cache,
+    heads: Heads,
+    q_norm=None,
+    k_norm=None,
+    eps=1e-6,
+    row_scale=None,
+    bias=None,
 ):
-    """In place on qkv [N, (H + 2Hk)·D]: (q/k norm,) rotary on q and k; k and v written to the cache."""
+    """In place on qkv [N, (H + 2Hk)·D]: (q/k norm,) rotary on q and k; k and v written to the cache.
+    row_scale [N, 1] (and the qkv bias): qkv is an fp8 GEMM's output before its rows' scales,
+    made the GEMM's result first, in place (fp8_linear.scale_rows)."""
+    if row_scale is not None:
+        qkv.copy_(scale_rows(qkv, row_scale, bias))
     q, k, v = split_qkv(qkv, heads)  # views: rotated in place
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     for x, norm in ((q, q_norm), (k, k_norm)):
@@ -105,6 +124,8 @@ def _rope_store_kernel(
     v_cache_ptr,
     qn_ptr,
     kn_ptr,
+    xs_ptr,
+    b_ptr,
     stride_tok,
     stride_slot,
     eps,
@@ -114,8 +135,11 @@ def _rope_store_kernel(
     HALF: tl.constexpr,
     QK_NORM: tl.constexpr,
     KV_MAX: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
-    # KV_MAX > 0: an 8-bit float cache, written with scale 1 and clamped to its largest value
+    # KV_MAX > 0: an 8-bit float cache, written with scale 1 and clamped to its largest value;
+    # ROW_SCALE: qkv <- qkv · xs[tok] (+ bias) first, rounded to its dtype (fp8_linear.scale_rows)
     tok = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads
     offs = tl.arange(0, HALF)
@@ -126,6 +150,10 @@ def _rope_store_kernel(
     x1 = tl.load(base + offs)
     x2 = tl.load(base + HALF + offs)
     dt = x1.dtype
+    if ROW_SCALE:
+        xs = tl.load(xs_ptr + tok)
+        x1 = _scale_row(x1, xs, b_ptr + head * D + offs, HAS_BIAS)
+        x2 = _scale_row(x2, xs, b_ptr + head * D + HALF + offs, HAS_BIAS)
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     if QK_NORM:
@@ -149,8 +177,24 @@ def _rope_store_kernel(
         tl.store(k_cache_ptr + dst + offs, _to_cache(o1, kv_t, KV_MAX))
         tl.store(k_cache_ptr + dst + HALF + offs, _to_cache(o2, kv_t, KV_MAX))
         v = base + HK * D
-        tl.store(v_cache_ptr + dst + offs, _to_cache(tl.load(v + offs), kv_t, KV_MAX))
-        tl.store(v_cache_ptr + dst + HALF + offs, _to_cache(tl.load(v + HALF + offs), kv_t, KV_MAX))
+        v1 = tl.load(v + offs)
+        v2 = tl.load(v + HALF + offs)
+        if ROW_SCALE:  # the attention of a prefill reads v from qkv too
+            v1 = _scale_row(v1, xs, b_ptr + (head + HK) * D + offs, HAS_BIAS)
+            v2 = _scale_row(v2, xs, b_ptr + (head + HK) * D + HALF + offs, HAS_BIAS)
+            tl.store(v + offs, v1)
+            tl.store(v + HALF + offs, v2)
+        tl.store(v_cache_ptr + dst + offs, _to_cache(v1, kv_t, KV_MAX))
+        tl.store(v_cache_ptr + dst + HALF + offs, _to_cache(v2, kv_t, KV_MAX))
+
+
+@jit
+def _scale_row(x, xs, b_ptrs, HAS_BIAS: tl.constexpr):
+    """x · xs (+ the bias at b_ptrs) in float32, rounded to x's dtype (fp8_linear.scale_rows)."""
+    y = x.to(tl.float32) * xs
+    if HAS_BIAS:
+        y += tl.load(b_ptrs).to(tl.float32)
+    return y.to(x.dtype)
 
 
 @jit
@@ -162,10 +206,23 @@ def _to_cache(x, kv_t: tl.constexpr, KV_MAX: tl.constexpr):
 
 
 def rope_store_triton(
-    qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, heads: Heads, q_norm=None, k_norm=None, eps=1e-6
+    qkv,
+    positions,
+    cos,
+    sin,
+    slot_mapping,
+    k_cache,
+    v_cache,
+    heads: Heads,
+    q_norm=None,
+    k_norm=None,
+    eps=1e-6,
+    row_scale=None,
+    bias=None,
 ):
     h, hk, d = heads
     assert d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0, "head_dim/2 must be a power of 2"
+    assert bias is None or row_scale is not None, "the bias is added here only with the row scales"
     norm = q_norm is not None
     _rope_store_kernel[(qkv.shape[0], h + hk)](
         qkv,
@@ -177,6 +234,8 @@ def rope_store_triton(
         v_cache,
         q_norm if norm else qkv,
         k_norm if norm else qkv,
+        qkv if row_scale is None else row_scale,  # dummy pointers when absent
+        qkv if bias is None else bias,
         qkv.stride(0),
         k_cache.stride(0),
         eps,
@@ -186,14 +245,20 @@ def rope_store_triton(
         HALF=d // 2,
         QK_NORM=norm,
         KV_MAX=cache_limit(k_cache.dtype),
+        ROW_SCALE=row_scale is not None,
+        HAS_BIAS=bias is not None,
     )
 
 
 def check_rope_store(fn, device, dtype, kv_dtype=None) -> None:
-    """fn against rope_store, with and without q/k norms."""
+    """fn against rope_store, with and without q/k norms, and with an fp8 GEMM's row scales
+    with and without the qkv bias (the whole of qkv compared: prefill attention reads v from it)."""
     n, h, hk, d, slots = 29, 6, 2, 128, 64
-    for norm in (False, True):
-        qkv = torch.randn(n, (h + 2 * hk) * d, device=device, dtype=dtype)
+    width = (h + 2 * hk) * d
+    xs = torch.rand(n, 1, device=device) * 1e-2
+    bias = torch.randn(width, device=device, dtype=dtype)
+    for norm, row_scale, b in ((False, None, None), (True, None, None), (False, xs, bias), (True, xs, None)):
+        qkv = torch.randn(n, width, device=device, dtype=dtype) * (100 if row_scale is not None else 1)
         pos = torch.randint(0, 100, (n,), device=device)
         ang = torch.rand(100, d // 2, device=device) * 6
         slot = torch.randperm(slots, device=device)[:n]
@@ -204,7 +269,7 @@ def check_rope_store(fn, device, dtype, kv_dtype=None) -> None:
         for f in (fn, rope_store):
             buf, kc = qkv.clone(), torch.zeros(slots, hk, d, device=device, dtype=kv_dtype or dtype)
             vc = torch.zeros_like(kc)
-            f(buf, pos, ang.cos(), ang.sin(), slot, kc, vc, Heads(h, hk, d), qw, kw, 1e-6)
+            f(buf, pos, ang.cos(), ang.sin(), slot, kc, vc, Heads(h, hk, d), qw, kw, 1e-6, row_scale, b)
             outs.append((buf, kc, vc))
         for got, ref in zip(outs[0], outs[1]):
             expect_near(got, ref, dtype, "rope_store")

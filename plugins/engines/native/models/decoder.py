@@ -74,16 +74,30 @@ class Attention(nn.Module):
         """From the input's e4m3 rows and scales to o_proj's output before its row scales, and
         those scales (rollout.quantization = "fp8"; fp8_linear)."""
         ops, dtype = self.ops, self.o_proj.weight.dtype
-        qkv = ops.scale_rows(self.qkv_fp8.matmul(xq_NE, ops, dtype), xs_N1, self.qkv_bias)
-        oq, os_ = ops.quantize_rows(self.attend(qkv, positions_N, meta, rope))
+        qkv = self.qkv_fp8.matmul(xq_NE, ops, dtype)
+        oq, os_ = ops.quantize_rows(self.attend(qkv, positions_N, meta, rope, xs_N1))
         return self.o_fp8.matmul(oq, ops, dtype), os_
 
-    def attend(self, qkv, positions_N, meta: StepMeta, rope):
-        """Rotary and the KV cache's write, then attention: [N, H·D]."""
+    def attend(self, qkv, positions_N, meta: StepMeta, rope, row_scale=None):
+        """Rotary and the KV cache's write, then attention: [N, H·D]. row_scale: qkv is the fp8
+        GEMM's output before its rows' scales, which rope_store applies with the bias first."""
         s, ops, heads = self.spec, self.ops, self.spec.heads
         k_cache, v_cache = meta.kv_cache[0, self.layer], meta.kv_cache[1, self.layer]
         norms = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
-        ops.rope_store(qkv, positions_N, *rope, meta.slot_mapping_N, k_cache, v_cache, heads, *norms, s.rms_norm_eps)
+        bias = None if row_scale is None else self.qkv_bias
+        ops.rope_store(
+            qkv,
+            positions_N,
+            *rope,
+            meta.slot_mapping_N,
+            k_cache,
+            v_cache,
+            heads,
+            *norms,
+            s.rms_norm_eps,
+            row_scale,
+            bias,
+        )
         if meta.ctx_slots_M is not None:
             return ops.extend_attention(qkv, k_cache, v_cache, meta, heads, self.scale)
         if meta.is_prefill:
