@@ -84,7 +84,7 @@ def small_ops(layer, ops, m, bench):
         ),
         "rope_store (fp8 cache)": lambda: ops.rope_store(qkv, pos, cos, sin, slots, k_cache, v_cache, heads),
         "rope_store with the qkv row scales and bias": lambda: ops.rope_store(
-            qkv, pos, cos, sin, slots, k_cache, v_cache, heads, None, None, eps, s, attn.qkv_bias
+            qkv, pos, cos, sin, slots, k_cache, v_cache, heads, None, None, eps, (s, attn.qkv_bias)
         ),
         "quantize_rows (attention output)": lambda: ops.quantize_rows(a),
         "silu_mul_rows": lambda: ops.silu_mul_rows(gu, s),

@@ -72,25 +72,13 @@ def _rotate(x, cos, sin):
 
 
 def rope_store(
-    qkv,
-    positions,
-    cos,
-    sin,
-    slot_mapping,
-    k_cache,
-    v_cache,
-    heads: Heads,
-    q_norm=None,
-    k_norm=None,
-    eps=1e-6,
-    row_scale=None,
-    bias=None,
+    qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, heads, q_norm=None, k_norm=None, eps=1e-6, rows=None
 ):
     """In place on qkv [N, (H + 2Hk)·D]: (q/k norm,) rotary on q and k; k and v written to the cache.
-    row_scale [N, 1] (and the qkv bias): qkv is an fp8 GEMM's output before its rows' scales,
-    made the GEMM's result first, in place (fp8_linear.scale_rows)."""
-    if row_scale is not None:
-        qkv.copy_(scale_rows(qkv, row_scale, bias))
+    rows = (row scales [N, 1], the qkv bias or None): qkv is an fp8 GEMM's output before its rows'
+    scales, made the GEMM's result first, in place (fp8_linear.scale_rows)."""
+    if rows is not None:
+        qkv.copy_(scale_rows(qkv, *rows))
     q, k, v = split_qkv(qkv, heads)  # views: rotated in place
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     for x, norm in ((q, q_norm), (k, k_norm)):
@@ -206,24 +194,12 @@ def _to_cache(x, kv_t: tl.constexpr, KV_MAX: tl.constexpr):
 
 
 def rope_store_triton(
-    qkv,
-    positions,
-    cos,
-    sin,
-    slot_mapping,
-    k_cache,
-    v_cache,
-    heads: Heads,
-    q_norm=None,
-    k_norm=None,
-    eps=1e-6,
-    row_scale=None,
-    bias=None,
+    qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, heads, q_norm=None, k_norm=None, eps=1e-6, rows=None
 ):
     h, hk, d = heads
     assert d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0, "head_dim/2 must be a power of 2"
-    assert bias is None or row_scale is not None, "the bias is added here only with the row scales"
     norm = q_norm is not None
+    row_scale, bias = rows or (None, None)
     _rope_store_kernel[(qkv.shape[0], h + hk)](
         qkv,
         positions,
@@ -269,7 +245,8 @@ def check_rope_store(fn, device, dtype, kv_dtype=None) -> None:
         for f in (fn, rope_store):
             buf, kc = qkv.clone(), torch.zeros(slots, hk, d, device=device, dtype=kv_dtype or dtype)
             vc = torch.zeros_like(kc)
-            f(buf, pos, ang.cos(), ang.sin(), slot, kc, vc, Heads(h, hk, d), qw, kw, 1e-6, row_scale, b)
+            rows = None if row_scale is None else (row_scale, b)
+            f(buf, pos, ang.cos(), ang.sin(), slot, kc, vc, Heads(h, hk, d), qw, kw, 1e-6, rows)
             outs.append((buf, kc, vc))
         for got, ref in zip(outs[0], outs[1]):
             expect_near(got, ref, dtype, "rope_store")

@@ -84,20 +84,9 @@ class Attention(nn.Module):
         s, ops, heads = self.spec, self.ops, self.spec.heads
         k_cache, v_cache = meta.kv_cache[0, self.layer], meta.kv_cache[1, self.layer]
         norms = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
-        bias = None if row_scale is None else self.qkv_bias
-        ops.rope_store(
-            qkv,
-            positions_N,
-            *rope,
-            meta.slot_mapping_N,
-            k_cache,
-            v_cache,
-            heads,
-            *norms,
-            s.rms_norm_eps,
-            row_scale,
-            bias,
-        )
+        rows = None if row_scale is None else (row_scale, self.qkv_bias)
+        slots, eps = meta.slot_mapping_N, s.rms_norm_eps
+        ops.rope_store(qkv, positions_N, *rope, slots, k_cache, v_cache, heads, *norms, eps, rows)
         if meta.ctx_slots_M is not None:
             return ops.extend_attention(qkv, k_cache, v_cache, meta, heads, self.scale)
         if meta.is_prefill:
