@@ -171,8 +171,8 @@ def test_an_fp8_cache_decodes_through_the_pairs_kernel(kv_dtype):
 
 def test_fp8_gemms_run_on_the_tensor_cores_under_cuda_graphs():
     """rollout.quantization = fp8 in bf16: the fp8 GEMM (cuBLASLt) and the Triton kernels that
-    quantize by rows and apply the row scales (rotary's, for qkv) pass their self-checks and are chosen. An engine
-    decoding with them (CUDA graphs) generates what the same engine does with the torch
+    quantize by rows and apply the row scales (rotary's, for qkv) pass their self-checks and are
+    chosen. An engine decoding with them (CUDA graphs) generates what the same engine does with the torch
     references (e4m3 values multiplied in float32 by torch, rounded to bf16): the same greedy
     tokens until a near tie parts them, log-probs within
     0.1 up to it. The two sum in different orders, so a bf16 output may round the other way, and

@@ -75,16 +75,15 @@ class Attention(nn.Module):
         those scales (rollout.quantization = "fp8"; fp8_linear)."""
         ops, dtype = self.ops, self.o_proj.weight.dtype
         qkv = self.qkv_fp8.matmul(xq_NE, ops, dtype)
-        oq, os_ = ops.quantize_rows(self.attend(qkv, positions_N, meta, rope, xs_N1))
+        oq, os_ = ops.quantize_rows(self.attend(qkv, positions_N, meta, rope, (xs_N1, self.qkv_bias)))
         return self.o_fp8.matmul(oq, ops, dtype), os_
 
-    def attend(self, qkv, positions_N, meta: StepMeta, rope, row_scale=None):
-        """Rotary and the KV cache's write, then attention: [N, H·D]. row_scale: qkv is the fp8
-        GEMM's output before its rows' scales, which rope_store applies with the bias first."""
+    def attend(self, qkv, positions_N, meta: StepMeta, rope, rows=None):
+        """Rotary and the KV cache's write, then attention: [N, H·D]. rows = (row scales, qkv
+        bias): qkv is the fp8 GEMM's output before its rows' scales, which rope_store applies first."""
         s, ops, heads = self.spec, self.ops, self.spec.heads
         k_cache, v_cache = meta.kv_cache[0, self.layer], meta.kv_cache[1, self.layer]
         norms = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
-        rows = None if row_scale is None else (row_scale, self.qkv_bias)
         slots, eps = meta.slot_mapping_N, s.rms_norm_eps
         ops.rope_store(qkv, positions_N, *rope, slots, k_cache, v_cache, heads, *norms, eps, rows)
         if meta.ctx_slots_M is not None:
