@@ -16,9 +16,11 @@ GEMM's input, as a fused reader would), all data-dependent:
     pdl     every kernel launched with PDL, waiting first thing (what it takes back: launch gaps)
     reg     pdl, the GEMM loading its first weight tile before the wait (into registers)
     l2      pdl, the GEMM prefetching its whole weight slice into L2 before the wait
+    cublas  the GEMMs cuBLASLt's (torch._scaled_mm, bf16 out), plain launches
+    cublas_pdl  cublas, the readers launched with PDL (what the engine could have without Triton GEMMs)
 
-Every variant's chain output is compared bit for bit with `off` (a race shows as a mismatch), and
-each GEMM once against float32.
+Every variant's chain output is compared bit for bit with `off` (`cublas` for cuBLAS's; a race
+shows as a mismatch), and each Triton GEMM once against float32.
 """
 
 from __future__ import annotations
@@ -33,7 +35,15 @@ SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "dow
 ORDER = ("qkv", "o", "gate_up", "down")
 NEXT_K = {"qkv": 1536, "o": 1536, "gate_up": 8960, "down": 1536}
 E4M3 = torch.float8_e4m3fn
-VARIANTS = {"off": (False, 0), "pdl": (True, 0), "reg": (True, 1), "l2": (True, 2)}
+# name: (readers and Triton GEMMs launched with PDL, what a Triton GEMM does before its wait, GEMM)
+VARIANTS = {
+    "off": (False, 0, "triton"),
+    "pdl": (True, 0, "triton"),
+    "reg": (True, 1, "triton"),
+    "l2": (True, 2, "triton"),
+    "cublas": (False, 0, "cublas"),
+    "cublas_pdl": (True, 0, "cublas"),
+}
 # (BM, BN, BK, SPLIT, warps) per batch and GEMM: dev/bench_fp8_mm.py's best on an H100
 CONFIGS = {
     64: {
@@ -171,22 +181,30 @@ class Chain:
         self.x = {name: torch.zeros(m, SHAPES[name][1], device="cuda", dtype=E4M3) for name in ORDER}
         self.p = {name: torch.empty(configs[name][3], m, SHAPES[name][0], device="cuda") for name in ORDER}
         self.x0 = (torch.randn(m, 1536, device="cuda") * 100).clamp(-448, 448).to(E4M3)
+        self.one = torch.ones((), device="cuda")
 
-    def run(self, gdc: bool, pre: int) -> None:
+    def run(self, gdc: bool, pre: int, gemm: str) -> None:
+        """With gemm "cublas" the GEMMs are torch._scaled_mm's (cuBLASLt, never launched with PDL)
+        and their bf16 outputs the readers' one slice."""
         self.x["qkv"].copy_(self.x0)
         for i in range(self.ring):
             for j, name in enumerate(ORDER):
-                mm(self.x[name], self.weights[name][i], self.p[name], self.configs[name], gdc, pre)
+                w = self.weights[name][i]
+                if gemm == "cublas":
+                    p = torch._scaled_mm(self.x[name], w.t(), self.one, self.one, out_dtype=torch.bfloat16)[None]
+                else:
+                    p = self.p[name]
+                    mm(self.x[name], w, p, self.configs[name], gdc, pre)
                 nxt = ORDER[(j + 1) % len(ORDER)]
                 c = self.scale / (0.05 * SHAPES[name][1] ** 0.5)  # x_next ~ x in size
-                reader(self.p[name], self.x[nxt], c, gdc)
+                reader(p, self.x[nxt], c, gdc)
 
     def check_gemms(self) -> None:
         for name in ORDER:
             x = (torch.randn(self.m, SHAPES[name][1], device="cuda") * 100).clamp(-448, 448).to(E4M3)
             w = self.weights[name][0]
             ref = x.float() @ w.float().t()
-            for gdc, pre in VARIANTS.values():
+            for gdc, pre, _ in VARIANTS.values():
                 mm(x, w, self.p[name], self.configs[name], gdc, pre)
                 got = self.p[name].sum(0)
                 err = ((got - ref).norm() / ref.norm()).item()
@@ -205,15 +223,19 @@ def main() -> int:
     for m in (int(b) for b in args.batches.split(",")):
         chain = Chain(m, args.ring, CONFIGS[m])
         chain.check_gemms()
-        chain.run(False, 0)
-        want = {name: x.clone() for name, x in chain.x.items()}
+        want = {}
+        for gemm in ("triton", "cublas"):
+            chain.run(False, 0, gemm)
+            want[gemm] = {name: x.clone() for name, x in chain.x.items()}
         for v in args.variants.split(","):
-            gdc, pre = VARIANTS[v]
-            chain.run(gdc, pre)
-            same = all(torch.equal(chain.x[name].view(torch.uint8), want[name].view(torch.uint8)) for name in ORDER)
-            us = bench(lambda ch=chain, g=gdc, q=pre: ch.run(g, q)) * 1e3 / args.ring
+            gdc, pre, gemm = VARIANTS[v]
+            chain.run(gdc, pre, gemm)
+            same = all(
+                torch.equal(chain.x[name].view(torch.uint8), want[gemm][name].view(torch.uint8)) for name in ORDER
+            )
+            us = bench(lambda ch=chain, g=gdc, q=pre, k=gemm: ch.run(g, q, k)) * 1e3 / args.ring
             graph_same = all(
-                torch.equal(chain.x[name].view(torch.uint8), want[name].view(torch.uint8)) for name in ORDER
+                torch.equal(chain.x[name].view(torch.uint8), want[gemm][name].view(torch.uint8)) for name in ORDER
             )
             rows.append((m, v, us, same and graph_same))
             print(
@@ -223,7 +245,7 @@ def main() -> int:
             )
     weight_us = sum(n * k for n, k in SHAPES.values()) / 3.35e6
     print(f"\nweights' bytes a layer at 3.35 TB/s: {weight_us:.1f} us")
-    print("| M | variant | µs a layer | output vs off |")
+    print("| M | variant | µs a layer | output vs plain launches |")
     print("| ---: | --- | ---: | --- |")
     for m, v, us, same in rows:
         print(f"| {m} | {v} | {us:.1f} | {'identical' if same else 'DIFFERS'} |")
