@@ -30,11 +30,9 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+from bench_fp8_mm import E4M3, SHAPES
 
-SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
 ORDER = ("qkv", "o", "gate_up", "down")
-NEXT_K = {"qkv": 1536, "o": 1536, "gate_up": 8960, "down": 1536}
-E4M3 = torch.float8_e4m3fn
 # name: (readers and Triton GEMMs launched with PDL, what a Triton GEMM does before its wait, GEMM)
 VARIANTS = {
     "off": (False, 0, "triton"),
