@@ -15,7 +15,8 @@ Variants: `full` (every matrix trains: bf16 weights and weight gradients, as FSD
 `unmerged` (lora._unmerged: x Wᵀ + b with the adapters' sum in one addmm's epilogue, over the
 frozen Linears held in bf16 and every parameter bf16 as gathered: minirl's layer until
 2026-12-05), `lora` (minirl's layer, lora.MergedLinear: x (W + s·B A)ᵀ with the merged weight,
-one GEMM forward and one for dx, the adapters' gradients by the skinny GEMMs). Each LoRA variant
+one GEMM forward and one for dx, the adapters' gradients by the skinny GEMMs), `stacked` (the
+same with two of the four skinny products inside the layer's own GEMMs: StackedLinear below). Each LoRA variant
 at every rank of --ranks. Printed: the median forward + backward time, its ratio to `full`, the
 ratio a FLOP count predicts ((4N + 2n) / 6N: no weight gradients of the frozen matrices), the
 peak memory, and the merge of the adapted matrices into bf16 engine buffers (what a collocated
@@ -39,8 +40,8 @@ from minirl.models.compile import compile_layers
 from minirl.models.loading import random_model
 from minirl.models.presets import preset_config
 
-VARIANTS = ("full", "peft", "unmerged", "lora")
-GATHERED = ("full", "unmerged", "lora")  # every parameter in compute_dtype, as FSDP2 gathers it
+VARIANTS = ("full", "peft", "unmerged", "lora", "stacked")
+GATHERED = ("full", "unmerged", "lora", "stacked")  # every parameter in compute_dtype, as FSDP2 gathers it
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
@@ -64,13 +65,58 @@ def build(args, variant: str, rank: int, device: torch.device):
         if variant == "unmerged":
             for layer in lora.lora_layers(model).values():
                 layer.forward = types.MethodType(lora._unmerged, layer)
-        if variant in ("unmerged", "lora"):
+        if variant == "stacked":
+            for layer in lora.lora_layers(model).values():
+                layer.forward = types.MethodType(_stacked_forward, layer)
+        if variant in ("unmerged", "lora", "stacked"):
             lora.hold_frozen_in(model, torch.bfloat16)
     if variant in GATHERED:  # the parameters only: the rotary inv_freq buffer stays float32, as under FSDP2
         for p in model.parameters():
             p.data = p.data.to(compute_dtype(device))
     compile_layers(model, args.compile)
     return model
+
+
+def _stacked_forward(self, x: torch.Tensor) -> torch.Tensor:
+    a, b = self.lora_A[lora.ADAPTER].weight, self.lora_B[lora.ADAPTER].weight
+    return StackedLinear.apply(x, self.base_layer.weight, self.base_layer.bias, a, b, self.scaling[lora.ADAPTER])
+
+
+class StackedLinear(torch.autograd.Function):
+    """lora.MergedLinear with the adapters' skinny GEMMs folded into the layer's own: the forward
+    multiplies x by [W + s·B A; s·A] (out + r rows), which gives y and s·x Aᵀ (kept for dB) in one
+    read of x; the backward multiplies dy by [W + s·B A, s·B] (in + r columns), which gives dx and
+    s·dy B (for dA) in one read of dy. Left: dA = (s·dy B)ᵀ x and dB = dyᵀ (s·x Aᵀ), one read of x
+    and one of dy, where MergedLinear reads each twice. y and dx are views of the wider outputs.
+    The same results as MergedLinear's (bit for bit on the CPU under bf16 autocast, s = 2); on one
+    H100 it saved under 1% of a micro-batch's forward + backward (docs/benchmarks.md, "LoRA")."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, a, b, s: float):
+        dt = lora._matmul_dtype(x, w)
+        out, r = w.shape[0], a.shape[0]
+        with torch.autocast(x.device.type, enabled=False):
+            stacked = torch.cat([lora._merge(w, a, b, s, dt), a.to(dt) * s])
+            bias_r = None if bias is None else torch.cat([bias.to(dt), bias.new_zeros(r, dtype=dt)])
+            y_all = torch.nn.functional.linear(x.to(dt), stacked, bias_r)
+        xa = y_all[..., out:].clone()  # s·x Aᵀ alone: y_all's storage goes with y
+        ctx.save_for_backward(x, w, a, b, xa)
+        ctx.s, ctx.dt = s, dt
+        return y_all[..., :out]
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, a, b, xa = ctx.saved_tensors
+        s, dt = ctx.s, ctx.dt
+        k = w.shape[1]
+        with torch.autocast(dy.device.type, enabled=False):
+            dy_M = dy.reshape(-1, dy.shape[-1]).to(dt)
+            x_M = x.reshape(-1, k).to(dt)
+            g = dy_M @ torch.cat([lora._merge(w, a, b, s, dt), b.to(dt) * s], dim=1)
+            dx = g[:, :k].view(x.shape).to(x.dtype)
+            da = (g[:, k:].t() @ x_M).to(a.dtype)
+            db = (dy_M.t() @ xa.reshape(-1, xa.shape[-1])).to(b.dtype)
+        return dx, None, None, da, db, None
 
 
 def step_fn(model, args, device: torch.device):
