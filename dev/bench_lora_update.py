@@ -15,19 +15,25 @@ Variants: `full` (every matrix trains: bf16 weights and weight gradients, as FSD
 `unmerged` (lora._unmerged: x Wᵀ + b with the adapters' sum in one addmm's epilogue, over the
 frozen Linears held in bf16 and every parameter bf16 as gathered: minirl's layer until
 2026-12-05), `lora` (minirl's layer, lora.MergedLinear: x (W + s·B A)ᵀ with the merged weight,
-one GEMM forward and one for dx, the adapters' gradients by the skinny GEMMs), `stacked` (the
-same with two of the four skinny products inside the layer's own GEMMs: StackedLinear below). Each LoRA variant
-at every rank of --ranks. Printed: the median forward + backward time, its ratio to `full`, the
-ratio a FLOP count predicts ((4N + 2n) / 6N: no weight gradients of the frozen matrices), the
-peak memory, and the merge of the adapted matrices into bf16 engine buffers (what a collocated
-sync does). The head (final norm, lm_head, log-softmax) is left out: it is frozen in both and
-its cost is the same.
+one GEMM forward and one for dx, the adapters' gradients by the skinny GEMMs; an
+autograd.Function, which torch.compile traces into), `op` (the same computation as a custom op
+whose backward is another, both opaque to the compiler: _lora_linear_op below), `stacked`
+(MergedLinear with two of the four skinny products inside the layer's own GEMMs: StackedLinear
+below). Each LoRA variant at every rank of --ranks. Printed: the median forward + backward time,
+its ratio to `full`, the ratio a FLOP count predicts ((4N + 2n) / 6N: no weight gradients of the
+frozen matrices), the peak memory, the merge of the adapted matrices into bf16 engine buffers
+(what a collocated sync does) and, with --compile-times, the first forward + backward's seconds,
+compiled into empty caches. The head (final norm, lm_head, log-softmax) is left out: it is
+frozen in both and its cost is the same.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import tempfile
+import time
 import types
 
 import torch
@@ -40,8 +46,8 @@ from minirl.models.compile import compile_layers
 from minirl.models.loading import random_model
 from minirl.models.presets import preset_config
 
-VARIANTS = ("full", "peft", "unmerged", "lora", "stacked")
-GATHERED = ("full", "unmerged", "lora", "stacked")  # every parameter in compute_dtype, as FSDP2 gathers it
+VARIANTS = ("full", "peft", "unmerged", "lora", "op", "stacked")
+GATHERED = ("full", "unmerged", "lora", "op", "stacked")  # every parameter in compute_dtype, as FSDP2 gathers it
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
@@ -65,10 +71,11 @@ def build(args, variant: str, rank: int, device: torch.device):
         if variant == "unmerged":
             for layer in lora.lora_layers(model).values():
                 layer.forward = types.MethodType(lora._unmerged, layer)
-        if variant == "stacked":
+        if variant in ("op", "stacked"):
+            forward = _op_forward if variant == "op" else _stacked_forward
             for layer in lora.lora_layers(model).values():
-                layer.forward = types.MethodType(_stacked_forward, layer)
-        if variant in ("unmerged", "lora", "stacked"):
+                layer.forward = types.MethodType(forward, layer)
+        if variant in ("unmerged", "lora", "op", "stacked"):
             lora.hold_frozen_in(model, torch.bfloat16)
     if variant in GATHERED:  # the parameters only: the rotary inv_freq buffer stays float32, as under FSDP2
         for p in model.parameters():
@@ -80,6 +87,71 @@ def build(args, variant: str, rank: int, device: torch.device):
 def _stacked_forward(self, x: torch.Tensor) -> torch.Tensor:
     a, b = self.lora_A[lora.ADAPTER].weight, self.lora_B[lora.ADAPTER].weight
     return StackedLinear.apply(x, self.base_layer.weight, self.base_layer.bias, a, b, self.scaling[lora.ADAPTER])
+
+
+def _op_forward(self, x: torch.Tensor) -> torch.Tensor:
+    base = self.base_layer
+    a, b = self.lora_A[lora.ADAPTER].weight, self.lora_B[lora.ADAPTER].weight
+    return torch.ops.minirl_dev.lora_linear(
+        x, base.weight, base.bias, a, b, self.scaling[lora.ADAPTER], lora._matmul_dtype(x, base.weight)
+    )
+
+
+@torch.library.custom_op("minirl_dev::lora_linear", mutates_args=())
+def _lora_linear_op(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    s: float,
+    dt: torch.dtype,
+) -> torch.Tensor:
+    """lora.MergedLinear's forward as an op of its own (the `op` variant): torch.compile traces one
+    call and inductor gets one node, where it traces into the autograd.Function's forward and
+    backward and lowers their matmuls and casts. Cheaper to compile (docs/benchmarks.md, "LoRA"),
+    slower to run in the trainer."""
+    with torch.autocast(x.device.type, enabled=False):
+        return torch.nn.functional.linear(x.to(dt), lora._merge(w, a, b, s, dt), None if bias is None else bias.to(dt))
+
+
+@_lora_linear_op.register_fake
+def _(x, w, bias, a, b, s, dt):
+    return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=dt)
+
+
+@torch.library.custom_op("minirl_dev::lora_linear_backward", mutates_args=())
+def _lora_linear_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, dt: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dx, dA and dB as lora.MergedLinear's backward computes them."""
+    with torch.autocast(dy.device.type, enabled=False):
+        dy_M = dy.reshape(-1, dy.shape[-1]).to(dt)
+        x_M = x.reshape(-1, x.shape[-1]).to(dt)
+        dx = (dy_M @ lora._merge(w, a, b, s, dt)).view(x.shape).to(x.dtype)
+        da = ((dy_M @ b.to(dt)).t() @ x_M).mul_(s).to(a.dtype)
+        db = (dy_M.t() @ (x_M @ a.to(dt).t())).mul_(s).to(b.dtype)
+    return dx, da, db
+
+
+@_lora_linear_backward_op.register_fake
+def _(dy, x, w, a, b, s, dt):
+    return torch.empty_like(x), torch.empty_like(a), torch.empty_like(b)
+
+
+def _op_setup(ctx, inputs, output) -> None:
+    x, w, _, a, b, s, dt = inputs
+    ctx.save_for_backward(x, w, a, b)
+    ctx.s, ctx.dt = s, dt
+
+
+def _op_grads(ctx, dy):
+    x, w, a, b = ctx.saved_tensors
+    dx, da, db = torch.ops.minirl_dev.lora_linear_backward(dy, x, w, a, b, ctx.s, ctx.dt)
+    return dx, None, None, da, db, None, None
+
+
+_lora_linear_op.register_autograd(_op_grads, setup_context=_op_setup)
 
 
 class StackedLinear(torch.autograd.Function):
@@ -142,6 +214,22 @@ def step_fn(model, args, device: torch.device):
     return run
 
 
+def first_call_s(run, device: torch.device) -> float:
+    """Seconds of run()'s first call with inductor's and Triton's caches empty (a directory of its
+    own, the in-process caches cleared): compiling it cold, as step 1 of a fresh machine does."""
+    from torch._inductor.utils import clear_caches
+
+    directory = tempfile.mkdtemp(prefix="bench_lora_cold_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(directory, "triton")
+    clear_caches()
+    start = time.perf_counter()
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
 def merge_ms(model, reps: int, device: torch.device) -> float:
     """The collocated sync's merge: every adapted matrix, merged, copied into a bf16 engine buffer."""
     merged = assembly.full_weights(model, adapted_only=True)
@@ -190,6 +278,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--profile", action="store_true", help="also print each variant's slowest kernels")
+    parser.add_argument(
+        "--compile-times", action="store_true", help="time each variant's first call, compiling into empty caches"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     rows = []
@@ -200,25 +291,29 @@ def main() -> None:
             model = build(args, variant, rank, device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            ms = median_ms(step_fn(model, args, device), device, args.reps)
+            run = step_fn(model, args, device)
+            first = first_call_s(run, device) if args.compile_times else float("nan")
+            ms = median_ms(run, device, args.reps)
             if args.profile:
                 print_kernels(step_fn(model, args, device), f"{variant} r{rank}" if variant != "full" else variant)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
             if variant == "full":
                 full_ms = ms
-                rows.append((variant, "-", ms, 1.0, 1.0, peak, float("nan")))
+                rows.append((variant, "-", ms, 1.0, 1.0, peak, float("nan"), first))
             else:
                 ratio = ms / full_ms if full_ms else float("nan")
-                rows.append((variant, rank, ms, ratio, flops_ratio(model), peak, merge_ms(model, args.reps, device)))
+                rows.append(
+                    (variant, rank, ms, ratio, flops_ratio(model), peak, merge_ms(model, args.reps, device), first)
+                )
             del model
             with contextlib.suppress(Exception):
                 torch.cuda.empty_cache()
     tokens = args.seq_len * args.seqs
     print(f"\n{args.layers} decoder layers of {args.preset}, {tokens} packed tokens, compile={args.compile}")
-    head = ("variant", "rank", "fwd+bwd ms", "/ full", "FLOP ratio", "peak GiB", "merge ms")
-    print(f"{head[0]:12} {head[1]:>4} {head[2]:>11} {head[3]:>7} {head[4]:>10} {head[5]:>9} {head[6]:>9}")
-    for variant, rank, ms, ratio, fr, peak, merge in rows:
-        print(f"{variant:12} {rank!s:>4} {ms:11.2f} {ratio:7.3f} {fr:10.3f} {peak:9.2f} {merge:9.2f}")
+    head = ("variant", "rank", "fwd+bwd ms", "/ full", "FLOP ratio", "peak GiB", "merge ms", "first s")
+    print(f"{head[0]:12} {head[1]:>4} {head[2]:>11} {head[3]:>7} {head[4]:>10} {head[5]:>9} {head[6]:>9} {head[7]:>8}")
+    for variant, rank, ms, ratio, fr, peak, merge, first in rows:
+        print(f"{variant:12} {rank!s:>4} {ms:11.2f} {ratio:7.3f} {fr:10.3f} {peak:9.2f} {merge:9.2f} {first:8.2f}")
 
 
 if __name__ == "__main__":
