@@ -124,13 +124,15 @@ def _(x, w, bias, a, b, s, dt):
 def _lora_linear_backward_op(
     dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, dt: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dx, dA and dB as lora.MergedLinear's backward computes them."""
-    with torch.autocast(dy.device.type, enabled=False):
-        dy_M = dy.reshape(-1, dy.shape[-1]).to(dt)
-        x_M = x.reshape(-1, x.shape[-1]).to(dt)
-        dx = (dy_M @ lora._merge(w, a, b, s, dt)).view(x.shape).to(x.dtype)
-        da = ((dy_M @ b.to(dt)).t() @ x_M).mul_(s).to(a.dtype)
-        db = (dy_M.t() @ (x_M @ a.to(dt).t())).mul_(s).to(b.dtype)
+    """dx, dA and dB: lora.MergedLinear's backward itself, on its saved state."""
+    ctx = types.SimpleNamespace(
+        saved_tensors=(x, w, a, b),
+        s=s,
+        dt=dt,
+        bias_dtype=None,
+        needs_input_grad=(True, False, False, True, True, False),
+    )
+    dx, _, _, da, db, _ = lora.MergedLinear.backward(ctx, dy)
     return dx, da, db
 
 
