@@ -9,6 +9,7 @@ float32.
     python3 dev/bench_lora_update.py                                    # on a CUDA machine
     python3 dev/bench_lora_update.py --device cpu --preset tiny --seq-len 32 --seqs 2 --reps 1 --no-compile
     python3 dev/bench_lora_update.py --variants full,unmerged,lora --ranks 64 --reps 3 --profile
+    python3 dev/bench_lora_update.py --skinny --seq-len 2048 --seqs 15 --ranks 8,64 --reps 20
 
 Variants: `full` (every matrix trains: bf16 weights and weight gradients, as FSDP2 computes them),
 `peft` (LoRA with peft's own layer forward over a float32 frozen base: what minirl ran first),
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import tempfile
 import time
@@ -260,6 +262,46 @@ def print_kernels(run, label: str, top: int = 12) -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
 
 
+# Qwen2-1.5B's adapted matrices (in, out), one layer's: q, k, v, o, gate, up, down
+SKINNY_SHAPES = {"q": (1536, 1536), "k": (1536, 256), "v": (1536, 256), "o": (1536, 1536)}
+SKINNY_SHAPES |= {"gate": (1536, 8960), "up": (1536, 8960), "down": (8960, 1536)}
+
+
+def skinny_table(tokens: int, ranks: list[int], reps: int, device: torch.device) -> None:
+    """Each of the adapters' four gradient products alone, per matrix of a layer, bf16: x Aᵀ
+    [M, in]·[in, r], dy B [M, out]·[out, r], (dy B)ᵀ x [r, M]·[M, in] (dA) and dyᵀ (x Aᵀ)
+    [out, M]·[M, r] (dB), with the bytes each must move (its operands read once, its output
+    written once), the bandwidth that makes, and the copy bandwidth measured in the same process."""
+    dt = torch.bfloat16
+    big = torch.empty(2**28, dtype=torch.uint8, device=device)
+    copy_tbs = 2 * big.numel() / median_ms(functools.partial(torch.clone, big), device, reps) / 1e9
+    del big
+    print(f"\nthe adapters' gradient products, {tokens} tokens, bf16; copy bandwidth {copy_tbs:.2f} TB/s")
+    print(f"{'matrix':6} {'r':>3} {'product':8} {'us':>8} {'MB':>8} {'TB/s':>6} {'of copy':>8}")
+    totals = {}
+    for rank in ranks:
+        for name, (d_in, d_out) in SKINNY_SHAPES.items():
+            x = torch.randn(tokens, d_in, device=device, dtype=dt)
+            dy = torch.randn(tokens, d_out, device=device, dtype=dt)
+            a = torch.randn(rank, d_in, device=device, dtype=dt)
+            b = torch.randn(d_out, rank, device=device, dtype=dt)
+            xa, dyb = x @ a.t(), dy @ b
+            products = {  # label: (left operand, right operand, what the product moves)
+                "x A^T": (x, a.t(), (x, a, xa)),
+                "dy B": (dy, b, (dy, b, dyb)),
+                "dA": (dyb.t(), x, (dyb, x, a)),
+                "dB": (dy.t(), xa, (dy, xa, b)),
+            }
+            for label, (left, right, tensors) in products.items():
+                us = median_ms(functools.partial(torch.matmul, left, right), device, reps) * 1e3
+                mb = sum(t.numel() * t.element_size() for t in tensors) / 1e6
+                tbs = mb / us  # MB per µs is TB/s
+                totals[rank] = totals.get(rank, 0.0) + us
+                print(f"{name:6} {rank:3} {label:8} {us:8.1f} {mb:8.1f} {tbs:6.2f} {tbs / copy_tbs:8.0%}")
+    for rank, us in totals.items():
+        print(f"rank {rank}: a layer's 28 products {us:.0f} us")
+
+
 def flops_ratio(model) -> float:
     """(4N + 2n) / 6N over the decoder layers: N their parameters (base and adapters), n the adapters'."""
     params = list(model.get_decoder().layers.named_parameters())
@@ -283,8 +325,12 @@ def main() -> None:
     parser.add_argument(
         "--compile-times", action="store_true", help="time each variant's first call, compiling into empty caches"
     )
+    parser.add_argument("--skinny", action="store_true", help="only time the adapters' gradient products alone")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.skinny:
+        skinny_table(args.seq_len * args.seqs, [int(r) for r in args.ranks.split(",")], args.reps, device)
+        return
     rows = []
     full_ms = None
     for variant in args.variants.split(","):
