@@ -39,7 +39,8 @@ import time
 import types
 
 import torch
-from cuda_timing import median_ms  # dev/'s shared timer (this script's folder is on sys.path)
+from bench_long_context import copy_bandwidth  # this script's folder is on sys.path
+from cuda_timing import median_ms  # dev/'s shared timer
 
 from minirl.config.load import load_config
 from minirl.models import assembly, lora
@@ -262,25 +263,27 @@ def print_kernels(run, label: str, top: int = 12) -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
 
 
-# Qwen2-1.5B's adapted matrices (in, out), one layer's: q, k, v, o, gate, up, down
-SKINNY_SHAPES = {"q": (1536, 1536), "k": (1536, 256), "v": (1536, 256), "o": (1536, 1536)}
-SKINNY_SHAPES |= {"gate": (1536, 8960), "up": (1536, 8960), "down": (8960, 1536)}
+def adapted_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """(in, out) of one decoder layer's adapted matrices (all-linear), from the preset's config."""
+    c = preset_config(preset)
+    h, kv = c.hidden_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+    mlp = c.intermediate_size
+    return {"q": (h, h), "k": (h, kv), "v": (h, kv), "o": (h, h), "gate": (h, mlp), "up": (h, mlp), "down": (mlp, h)}
 
 
-def skinny_table(tokens: int, ranks: list[int], reps: int, device: torch.device) -> None:
+def skinny_table(preset: str, tokens: int, ranks: list[int], reps: int, device: torch.device) -> None:
     """Each of the adapters' four gradient products alone, per matrix of a layer, bf16: x Aᵀ
     [M, in]·[in, r], dy B [M, out]·[out, r], (dy B)ᵀ x [r, M]·[M, in] (dA) and dyᵀ (x Aᵀ)
     [out, M]·[M, r] (dB), with the bytes each must move (its operands read once, its output
-    written once), the bandwidth that makes, and the copy bandwidth measured in the same process."""
+    written once), the bandwidth that makes, and the copy bandwidth measured in the same process
+    (CUDA only: bench_long_context.copy_bandwidth)."""
     dt = torch.bfloat16
-    big = torch.empty(2**28, dtype=torch.uint8, device=device)
-    copy_tbs = 2 * big.numel() / median_ms(functools.partial(torch.clone, big), device, reps) / 1e9
-    del big
+    copy_tbs = copy_bandwidth() if device.type == "cuda" else float("nan")
     print(f"\nthe adapters' gradient products, {tokens} tokens, bf16; copy bandwidth {copy_tbs:.2f} TB/s")
     print(f"{'matrix':6} {'r':>3} {'product':8} {'us':>8} {'MB':>8} {'TB/s':>6} {'of copy':>8}")
     totals = {}
     for rank in ranks:
-        for name, (d_in, d_out) in SKINNY_SHAPES.items():
+        for name, (d_in, d_out) in adapted_shapes(preset).items():
             x = torch.randn(tokens, d_in, device=device, dtype=dt)
             dy = torch.randn(tokens, d_out, device=device, dtype=dt)
             a = torch.randn(rank, d_in, device=device, dtype=dt)
@@ -329,7 +332,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.skinny:
-        skinny_table(args.seq_len * args.seqs, [int(r) for r in args.ranks.split(",")], args.reps, device)
+        skinny_table(args.preset, args.seq_len * args.seqs, [int(r) for r in args.ranks.split(",")], args.reps, device)
         return
     rows = []
     full_ms = None
