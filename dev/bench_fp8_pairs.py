@@ -14,8 +14,10 @@ the ceiling's reference. One process, at 64 rows x 27,700 and 14,000 keys and 25
 median time under a CUDA graph, effective bandwidth (the KV bytes the rows attend to, read once)
 and error against the float32 reference. `next-<flags>:block_n:warps:stages` launches are the
 candidate kernel of dev/fp8_pairs_next.py, its flags by letter: s (SPLIT), e (EXP2), o (OFF32);
-`wb:block_n:warps:stages` its warp-batched kernel (a running softmax per warp, merged at the end),
-`wb16:...` the same over a bf16 cache (against `bf16`, the default kernel).
+`pairs-k:...` is the pairs kernel with its splits merged by a second kernel (_merge_kernel),
+`pairs-l:...` by each row's last program (_merge_if_last); `wb:block_n:warps:stages` the warp-batched kernel of
+fp8_pairs_next (a running softmax per warp, merged at the end), `wb16:...` the same over a bf16
+cache (against `bf16`, the default kernel).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ def launch_fn(name: str, cfg, qkv, kc, vc, meta):
         return lambda: decode_attention_wb16(*args, config=cfg)
     if name.startswith("wb"):
         return lambda: decode_attention_wb(*args, config=cfg)
+    if name.startswith("pairs-"):  # pairs-k: its splits merged by _merge_kernel; pairs-l: by each row's last program
+        cfg = {**(cfg or {}), "merge": "kernel" if name.startswith("pairs-k") else "last"}
     return lambda: pa.decode_attention_fp8_pairs(*args, config=cfg)
 
 

@@ -59,6 +59,7 @@ def paged_case(rows: int, ctx: int, kv_dtype: torch.dtype, seed: int = 0):
         page_table=perm.view(rows, pages).to(torch.int32),
         page_size=PAGE,
         max_ctx=ctx,
+        split_counts=torch.zeros(rows, dtype=torch.int32, device="cuda"),
     )
     return qkv, kc, vc, meta
 

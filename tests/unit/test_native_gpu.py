@@ -212,6 +212,33 @@ def test_fp8_pairs_decode_kernel_on_cuda(kv_dtype):
     pa.check_decode_attention_fp8_pairs(pa.decode_attention_fp8_pairs, CUDA, torch.bfloat16, kv_dtype)
 
 
+@pytest.mark.parametrize("rows, ctx, splits", [(64, 5000, 4), (3, 700, 16), (200, 300, 2)])
+def test_fp8_pairs_rows_merged_by_their_last_program_are_whole_every_launch(rows, ctx, splits):
+    """The pairs kernel's splits merged by each row's last program (merge "last"):
+    its arithmetic is fixed whichever program comes last, so 300 launches under one CUDA graph
+    give the same bits, a merge that read a partial before it was written would not, and
+    every launch leaves the rows' counts at 0; within the reference's tolerance of the merge
+    kernel's result."""
+    from minirl_plugins.engines.native.layers import paged_attention as pa
+
+    qkv, kc, vc, meta = pa.random_paged_case(CUDA, torch.bfloat16, rows, max_len=ctx, kv_dtype=torch.float8_e4m3fn)
+    meta.num_splits = splits
+    args = (qkv, kc, vc, meta, pa.CHECK_HEADS, 128**-0.5)
+    last = {"merge": "last"}
+    first = pa.decode_attention_fp8_pairs(*args, config=last)
+    outs = torch.empty(300, *first.shape, dtype=first.dtype, device=CUDA)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(outs.shape[0]):
+            outs[i].copy_(pa.decode_attention_fp8_pairs(*args, config=last))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(outs, first.expand_as(outs))
+    assert not meta.split_counts.any()
+    by_kernel = pa.decode_attention_fp8_pairs(*args, config={"merge": "kernel"})
+    torch.testing.assert_close(first, by_kernel, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_continued_requests_equal_fresh_ones_on_cuda(dtype):
     """A request continued over its kept KV cache (extend attention: the flash kernel in bf16, the

@@ -74,6 +74,8 @@ class ModelRunner:
         self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self.last_tok = torch.zeros(rows, dtype=torch.int64, device=device)
         self.row_ids = torch.zeros(max(cfg.max_num_seqs, cfg.max_graph_batch), dtype=torch.int64, device=device)
+        # decode attention's split-K programs count themselves done per row (StepMeta.split_counts)
+        self.split_counts = torch.zeros(self.row_ids.numel(), dtype=torch.int32, device=device)
         self.kv: torch.Tensor | None = None
         self.num_pages = 0
         self.use_graphs = device.type == "cuda" and not cfg.enforce_eager and ops.graphable
@@ -239,6 +241,7 @@ class ModelRunner:
             page_table=self.page_table,
             page_size=self.page,
             num_splits=num_splits(n, self.spec.num_kv_heads, self.device),
+            split_counts=self.split_counts,
         )
         h = self.model(self.last_tok[rows], pos, meta, self.rope)
         self.seq_lens[rows] = ctx

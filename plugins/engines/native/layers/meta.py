@@ -40,4 +40,7 @@ class StepMeta:
     page_table: torch.Tensor | None = None  # [rows, max_pages] int32
     page_size: int = 16
     num_splits: int = 1
+    # int32 [>= B], zeros between kernels: a split-K kernel's programs count themselves done here,
+    # and the last of a row merges its splits (and sets its count back to 0); None: a merge kernel
+    split_counts: torch.Tensor | None = None
     max_ctx: int = 0  # host bound on ctx_lens (the pure-torch decode needs it; 0: read it)

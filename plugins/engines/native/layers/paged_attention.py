@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from minirl.kernels.selfcheck import expect_near
+from minirl.kernels.selfcheck import Mismatch, expect_near
 from minirl_plugins.engines.native.layers.jit import jit, tl, triton
 from minirl_plugins.engines.native.layers.meta import Heads, StepMeta
 
@@ -190,12 +190,16 @@ def decode_attention_triton(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads,
     return _split_k(_decode_kernel, qkv, k_cache, v_cache, meta, heads, scale, cfg, PRECISION=precision, KV_F16=kv_f16)
 
 
-def _split_k(kernel, qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale: float, cfg: dict, **consts):
+def _split_k(
+    kernel, qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale: float, cfg: dict, merge=None, **consts
+):
     """The output [B, H·D] of a split-K decode kernel (_decode_kernel's arguments, the caches as
     the kernel reads them, its own constexprs in `consts`), launched with cfg's block_n, min_chunk,
     num_warps, num_stages and maxnreg (a register cap, where given): meta.num_splits programs per
     row and KV head; with one split it writes the output directly, with more its partial outputs
-    and log-sum-exps, which _merge_kernel combines."""
+    and log-sum-exps, which _merge_kernel combines, or, for a kernel that takes `merge` (its
+    MERGE, count_ptr and out_ptr: "last" or "kernel"), where merge is "last" and meta has
+    split_counts, the last program of each row (_merge_if_last)."""
     (h, hk, d), b, splits = heads, qkv.shape[0], meta.num_splits
     out = torch.empty(b, h * d, dtype=qkv.dtype, device=qkv.device)
     if splits == 1:
@@ -203,6 +207,11 @@ def _split_k(kernel, qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale:
     else:
         part = torch.empty(b * h * splits, d, dtype=torch.float32, device=qkv.device)
         lse = torch.empty(b * h * splits, dtype=torch.float32, device=qkv.device)
+    last = merge == "last" and splits > 1 and meta.split_counts is not None
+    if merge is not None:
+        consts.update(
+            MERGE=last, count_ptr=meta.split_counts if last else lse, out_ptr=out, BLOCK_H=triton.next_power_of_2(h)
+        )
     kernel[(b, hk, splits)](
         qkv,
         k_cache,
@@ -231,7 +240,7 @@ def _split_k(kernel, qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale:
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         **consts,
     )
-    if splits > 1:
+    if splits > 1 and not last:
         _merge_kernel[(b, h)](part, lse, meta.ctx_lens_B, out, out.stride(0), cfg["min_chunk"], H=h, D=d, SPLITS=splits)
     return out
 
@@ -239,7 +248,10 @@ def _split_k(kernel, qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale:
 # An 8-bit cache read as 16-bit pairs (decode_attention_fp8_pairs): the fastest launch at 64 x 27,700,
 # 64 x 14,000 and 256 x 600 on an H200 (dev/bench_fp8_pairs.py; two warps: 3.64 TB/s at 27,700 keys
 # where four read 3.53)
-FP8_PAIRS_CONFIG = {"block_n": 64, "num_warps": 2, "num_stages": 2, "min_chunk": 256}
+# merge "kernel": _merge_kernel merges a row's splits after the kernel; "last": the last of the
+# row's programs does, in the kernel (_merge_if_last; StepMeta.split_counts holds the counts),
+# one launch fewer a layer, not yet timed on a GPU (dev/bench_fp8_pairs.py: pairs against pairs-k)
+FP8_PAIRS_CONFIG = {"block_n": 64, "num_warps": 2, "num_stages": 2, "min_chunk": 256, "merge": "kernel"}
 OFF32_LIMIT = 2**31 - 1  # the largest element offset the pairs kernel computes in 32 bits
 
 
@@ -363,10 +375,10 @@ def _store_pairs(o_ptr, lse_ptr, b, kvh, split, splits, out_e, out_o, lse, strid
 @jit
 def _decode_kernel_fp8_pairs(
     q_ptr, k_ptr, v_ptr, pt_ptr, rows_ptr, lens_ptr, o_ptr, lse_ptr, stride_q, stride_slot, stride_pt, stride_o,
-    scale, min_chunk,
+    scale, min_chunk, count_ptr, out_ptr,
     H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, SPLITS: tl.constexpr, DIRECT: tl.constexpr, PTX: tl.constexpr, E5M2: tl.constexpr,
-    OFF32: tl.constexpr,
+    OFF32: tl.constexpr, MERGE: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     """_decode_kernel over an 8-bit cache viewed as int16 [slots, Hk, D/2]: each element holds the
     values of head dims 2j and 2j+1. The tiles then move as a bf16 cache's do (16-byte
@@ -375,7 +387,8 @@ def _decode_kernel_fp8_pairs(
     the head dim twice: scores = q_even k_even^T + q_odd k_odd^T, out_even = P v_even, out_odd =
     P v_odd. The full blocks of keys run with no masks and the partial last one after them; the
     scores are in log2 units (scale·log2(e) folded into the query: exp2, no multiply a score);
-    OFF32: 32-bit slot offsets (the caller checks the cache's size)."""
+    OFF32: 32-bit slot offsets (the caller checks the cache's size); MERGE: the row's last program
+    merges its splits into out_ptr (_merge_if_last)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -401,6 +414,39 @@ def _decode_kernel_fp8_pairs(
     lse = m_i * 0.6931471805599453 + tl.log(l_i)  # natural log, as the merge kernel takes it
     out_e, out_o = acc_e * inv[:, None], acc_o * inv[:, None]
     _store_pairs(o_ptr, lse_ptr, b, kvh, split, splits, out_e, out_o, lse, stride_o, H, D, G, BLOCK_G, SPLITS, DIRECT)
+    if MERGE:
+        _merge_if_last(o_ptr, lse_ptr, count_ptr, out_ptr, b, splits, stride_o, H // G * SPLITS, H, BLOCK_H, D, SPLITS)
+
+
+@jit
+def _merge_if_last(part_ptr, lse_ptr, count_ptr, out_ptr, b, splits, stride_o, PROGRAMS: tl.constexpr,
+                   H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):  # fmt: skip
+    """Called by each of row b's PROGRAMS programs (KV heads x launched splits) once its partial
+    output and log-sum-exp are stored: it counts itself done in count_ptr[b], and the last to do
+    so merges the row's `splits` partials of every head, as _merge_kernel does, into out_ptr and
+    sets the count back to 0 for the next launch. The barrier orders all of this program's stores
+    before its count (released at GPU scope); the merging program's count acquires every other
+    program's, and it reads the partials from L2 (.cg), past its own L1."""
+    tl.debug_barrier()
+    if tl.atomic_add(count_ptr + b, 1, sem="acq_rel", scope="gpu") == PROGRAMS - 1:
+        hd = tl.arange(0, BLOCK_H)
+        sp = tl.arange(0, SPLITS)
+        d = tl.arange(0, D)
+        base = (b * H + hd) * SPLITS
+        used = (hd[:, None] < H) & (sp[None, :] < splits)
+        lse = tl.load(lse_ptr + base[:, None] + sp[None, :], mask=used, other=float("-inf"), cache_modifier=".cg")
+        top = tl.where(hd < H, tl.max(lse, axis=1), 0.0)  # padded heads: weights 0, not NaN
+        w = tl.exp(lse - top[:, None])
+        w = w / tl.maximum(tl.sum(w, axis=1), 1e-30)[:, None]
+        out = tl.zeros([BLOCK_H, D], tl.float32)
+        for i in tl.static_range(SPLITS):
+            w_i = tl.sum(tl.where(sp[None, :] == i, w, 0.0), axis=1)
+            at = part_ptr + (base + i)[:, None] * D + d[None, :]
+            part = tl.load(at, mask=(hd[:, None] < H) & (i < splits), other=0.0, cache_modifier=".cg")
+            out += part * w_i[:, None]
+        tl.store(out_ptr + b * stride_o + hd[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=hd[:, None] < H)  # fmt: skip
+        tl.atomic_xchg(count_ptr + b, 0, sem="relaxed", scope="gpu")
 
 
 def decode_attention_fp8_pairs(qkv, k_cache, v_cache, meta: StepMeta, heads: Heads, scale: float, config=None):
@@ -411,13 +457,14 @@ def decode_attention_fp8_pairs(qkv, k_cache, v_cache, meta: StepMeta, heads: Hea
     ptx = PAIRS_PTX[k_cache.dtype] if qkv.device.type == "cuda" else None
     off32 = max(k2.stride(0), v2.stride(0)) * k2.shape[0] <= OFF32_LIMIT  # every slot's offset fits in int32
     consts = dict(PTX=ptx, E5M2=k_cache.dtype == torch.float8_e5m2, OFF32=off32)
-    return _split_k(_decode_kernel_fp8_pairs, qkv, k2, v2, meta, heads, scale, cfg, **consts)
+    return _split_k(_decode_kernel_fp8_pairs, qkv, k2, v2, meta, heads, scale, cfg, merge=cfg["merge"], **consts)
 
 
 def check_decode_attention_fp8_pairs(fn, device, dtype, kv_dtype=None, configs=None) -> None:
     """fn (decode_attention_fp8_pairs) against the reference over the 8-bit cache, at its block
     sizes and split counts."""
     default = [(1, None), (4, None), (8, {"min_chunk": 16}), (1, {"block_n": 128}), (4, {"block_n": 32})]
+    default += [(4, {"merge": "last"}), (4, {"merge": "kernel"}), (16, {"min_chunk": 16, "merge": "last"})]
     check_decode_attention(fn, device, dtype, kv_dtype or torch.float8_e4m3fn, configs or default)
 
 
@@ -446,6 +493,7 @@ def random_paged_case(device, dtype, b=5, heads=CHECK_HEADS, page=16, max_len=30
         page_table=table.to(device),
         page_size=page,
         max_ctx=int(lens.max()),
+        split_counts=torch.zeros(b, dtype=torch.int32, device=device),
     )
     return qkv, kc, vc, meta
 
@@ -464,3 +512,5 @@ def check_decode_attention(fn, device, dtype, kv_dtype=None, configs=None) -> No
         got = fn(qkv, kc, vc, meta, CHECK_HEADS, 128**-0.5, **({"config": config} if config else {}))
         ref = decode_attention(qkv, kc, vc, meta, CHECK_HEADS, 128**-0.5)
         expect_near(got, ref, dtype, f"decode_attention splits={splits}")
+        if meta.split_counts.any():  # the next launch counts from 0
+            raise Mismatch(f"decode_attention splits={splits} left split counts {meta.split_counts.tolist()}")
