@@ -248,10 +248,11 @@ def _split_k(
 # An 8-bit cache read as 16-bit pairs (decode_attention_fp8_pairs): the fastest launch at 64 x 27,700,
 # 64 x 14,000 and 256 x 600 on an H200 (dev/bench_fp8_pairs.py; two warps: 3.64 TB/s at 27,700 keys
 # where four read 3.53)
-# merge "kernel": _merge_kernel merges a row's splits after the kernel; "last": the last of the
-# row's programs does, in the kernel (_merge_if_last; StepMeta.split_counts holds the counts),
-# one launch fewer a layer, not yet timed on a GPU (dev/bench_fp8_pairs.py: pairs against pairs-k)
-FP8_PAIRS_CONFIG = {"block_n": 64, "num_warps": 2, "num_stages": 2, "min_chunk": 256, "merge": "kernel"}
+# merge "last": the last of a row's programs merges its splits, in the kernel (_merge_if_last;
+# StepMeta.split_counts holds the counts), one launch fewer a layer: 2.1-2.2 us less at 64 rows x
+# 14,000 and 27,700 keys on an H100 (dev/bench_fp8_pairs.py, pairs-l against pairs-k), the same at
+# 256 rows (one split, nothing to merge); "kernel": _merge_kernel does, after the kernel
+FP8_PAIRS_CONFIG = {"block_n": 64, "num_warps": 2, "num_stages": 2, "min_chunk": 256, "merge": "last"}
 OFF32_LIMIT = 2**31 - 1  # the largest element offset the pairs kernel computes in 32 bits
 
 
