@@ -12,7 +12,7 @@ import torch
 from minirl.dist import spmd
 from minirl.dist.context import DistContext, resolve_device
 from minirl.dist.launchers import EXIT_USER_ERROR
-from minirl.dist.launchers.spawn import spawn
+from minirl.dist.launchers.spawn import leave, spawn
 from minirl.errors import Stopped, UserError
 
 
@@ -31,7 +31,8 @@ def launch_local(cfg, pm, job) -> int:
 
 
 def launch_torchrun(cfg, pm, job) -> int:
-    """Under torchrun: RANK, WORLD_SIZE and the rest are set; this process is one rank."""
+    """Under torchrun: RANK, WORLD_SIZE and the rest are set; this process is one rank, which
+    leaves as a spawned worker does (spawn.leave: no interpreter teardown after the job)."""
     # the environment is a fact of the process that runs the job, not of the config, so it is
     # checked here, where it is read
     if not spmd.under_torchrun():
@@ -39,7 +40,7 @@ def launch_torchrun(cfg, pm, job) -> int:
             "trainer.launcher = 'torchrun', but RANK and WORLD_SIZE are not set: start the job with "
             "`torchrun --nproc_per_node G -m minirl ...`, or use trainer.launcher = 'auto'"
         )
-    return run_in_place(cfg, pm, job, lambda: spmd.init_from_env(cfg))
+    leave(run_in_place(cfg, pm, job, lambda: spmd.init_from_env(cfg)))
 
 
 def run_in_place(cfg, pm, job, make_dist: Callable[[], DistContext]) -> int:

@@ -78,20 +78,21 @@ def _worker_main(fn, rank: int, args: tuple, env: dict[str, str], error_dir: str
         report = report_of(exc)
         _write_error(error_dir, rank, report)
         sys.exit(report.exit_code)
-    _leave()
+    leave(0)
 
 
-def _leave() -> None:
-    """Exit 0 once the job is over (its process groups destroyed, its files closed) without the
+def leave(code: int) -> None:
+    """Exit with `code` once the job is over (its process groups destroyed, its files closed) without the
     interpreter's teardown, which could only fail: a C++ thread of a torch.distributed backend
     that outlives destroy_process_group and frees a tensor needing the GIL while the interpreter
     is being finalized aborts the process ("terminate called without an active exception",
     pytorch/pytorch#190489), after all its work was done: a CI run lost a finished rank of an
-    asynchronous job so. The atexit handlers (a tracker's upload among them) still run."""
+    asynchronous job so, and a torchrun rank of a finished job exited -6 so. The atexit handlers
+    (a tracker's upload among them) still run."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _write_error(error_dir: str, rank: int, report: Report) -> None:
