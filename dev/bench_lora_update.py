@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import functools
 import os
+import sys
 import tempfile
 import time
 import types
@@ -250,17 +251,26 @@ def merge_ms(model, reps: int, device: torch.device) -> float:
 
 
 def print_kernels(run, label: str, top: int = 12) -> None:
-    """One more forward + backward under torch.profiler: its slowest kernels by device time."""
+    """One more forward + backward under torch.profiler: its slowest ops by device time and, on
+    CUDA, its kernel time by kind with the top kernels (scripts/profile_update.py's report)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
     with profile(activities=activities) as prof:
         run()
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.synchronize()
-    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    wall = time.perf_counter() - start
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
     print(f"\n{label}: the slowest {top} ops")
     print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
+    if cuda:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "scripts"))
+        import profile_update  # scripts/ is not a package
+
+        print(f"\n{label}: kernel time by kind\n{profile_update.report(prof, wall)}")
 
 
 def adapted_shapes(preset: str) -> dict[str, tuple[int, int]]:
@@ -324,7 +334,9 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
-    parser.add_argument("--profile", action="store_true", help="also print each variant's slowest kernels")
+    parser.add_argument(
+        "--profile", action="store_true", help="also print each variant's slowest kernels and its kernel time by kind"
+    )
     parser.add_argument(
         "--compile-times", action="store_true", help="time each variant's first call, compiling into empty caches"
     )
