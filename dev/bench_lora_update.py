@@ -267,7 +267,9 @@ def print_kernels(run, label: str, top: int = 12) -> None:
     print(f"\n{label}: the slowest {top} ops")
     print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
     if cuda:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "scripts"))
+        scripts = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "scripts")
+        if scripts not in sys.path:
+            sys.path.insert(0, scripts)
         import profile_update  # scripts/ is not a package
 
         print(f"\n{label}: kernel time by kind\n{profile_update.report(prof, wall)}")
