@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 
@@ -30,7 +31,7 @@ def launch_local(cfg, pm, job) -> int:
     return run_in_place(cfg, pm, job, lambda: spmd.single_process(cfg))
 
 
-def launch_torchrun(cfg, pm, job) -> int:
+def launch_torchrun(cfg, pm, job) -> NoReturn:
     """Under torchrun: RANK, WORLD_SIZE and the rest are set; this process is one rank, which
     leaves as a spawned worker does (spawn.leave: no interpreter teardown after the job)."""
     # the environment is a fact of the process that runs the job, not of the config, so it is

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from minirl.dist.launchers import EXIT_CRASH, Report, print_report, report_of
 from minirl.dist.signals import SignalHandler
@@ -81,7 +81,7 @@ def _worker_main(fn, rank: int, args: tuple, env: dict[str, str], error_dir: str
     leave(0)
 
 
-def leave(code: int) -> None:
+def leave(code: int) -> NoReturn:
     """Exit with `code` once the job is over (its process groups destroyed, its files closed) without the
     interpreter's teardown, which could only fail: a C++ thread of a torch.distributed backend
     that outlives destroy_process_group and frees a tensor needing the GIL while the interpreter
