@@ -14,7 +14,7 @@ import torch
 
 from minirl.dist.context import DistContext
 from minirl.models import lora
-from minirl.models.compile import compile_layers, uncompile_layers
+from minirl.models.compile import compile_layers, constant_attention_sizes, uncompile_layers
 from minirl.models.fused_mlp import fuse_mlps, unfuse_mlps
 from minirl.models.names import hf_name  # re-exported: the engines' import
 
@@ -45,7 +45,10 @@ def _assemble(pm, model, parallel_cfg, model_cfg, dist, section="model", checkpo
     if model_cfg is not None:
         speed_up(model, model_cfg, section)
     wrapped = pm.hook.minirl_apply_data_parallel(model=model, cfg=parallel_cfg, mesh=dist.mesh)
-    return model if wrapped is None else wrapped
+    model = model if wrapped is None else wrapped
+    if model_cfg is not None and model_cfg.compile_layers:
+        constant_attention_sizes(model)
+    return model
 
 
 def speed_up(model: torch.nn.Module, model_cfg, section: str = "model") -> None:
