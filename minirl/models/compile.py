@@ -143,8 +143,8 @@ def constant_attention_sizes(model: torch.nn.Module) -> int:
     fully_shard marks every module of a unit FSDP-managed (`_is_fsdp_managed_module`, read by
     dynamo alone), and dynamo makes the int attributes of such modules dynamic sizes under
     dynamic=True. head_dim became a graph input, and inductor's rotary kernels indexed through
-    divisions by it: 4.1-4.8 times as long as the unwrapped reference's on an H100 (docs/benchmarks.md,
-    "LoRA"). The attention module holds no parameters of its own; its
+    divisions by it: 4.1-4.8 times as long as the unwrapped reference's on an H100
+    (docs/benchmarks.md, "LoRA"). The attention module holds no parameters of its own; its
     projections, whose parameters FSDP2 swaps in and out around each forward, stay FSDP-managed."""
     changed = 0
     for layer in _layers(model):
