@@ -135,10 +135,10 @@ def uncompile_layers(model: torch.nn.Module) -> None:
         model.enable_input_require_grads()
 
 
-def constant_attention_sizes(model: torch.nn.Module) -> int:
+def constant_attention_sizes(model: torch.nn.Module) -> None:
     """After a data-parallel wrapper (FSDP2) has wrapped the compiled layers: let dynamo trace each
     layer's attention module as a plain module again, so that its int attributes (head_dim) are
-    constants in the graphs; returns how many it changed.
+    constants in the graphs.
 
     fully_shard marks every module of a unit FSDP-managed (`_is_fsdp_managed_module`, read by
     dynamo alone), and dynamo makes the int attributes of such modules dynamic sizes under
@@ -146,14 +146,10 @@ def constant_attention_sizes(model: torch.nn.Module) -> int:
     divisions by it: 4.1-4.8 times as long as the unwrapped reference's on an H100
     (docs/benchmarks.md, "LoRA"). The attention module holds no parameters of its own; its
     projections, whose parameters FSDP2 swaps in and out around each forward, stay FSDP-managed."""
-    changed = 0
     for layer in _layers(model):
         attn = getattr(layer, "self_attn", None)
-        owns_none = attn is not None and not any(True for _ in attn.parameters(recurse=False))
-        if owns_none and getattr(attn, "_is_fsdp_managed_module", False):
+        if getattr(attn, "_is_fsdp_managed_module", False) and next(attn.parameters(recurse=False), None) is None:
             attn._is_fsdp_managed_module = False
-            changed += 1
-    return changed
 
 
 def seq_major_rotary(attn: torch.nn.Module | None) -> bool:

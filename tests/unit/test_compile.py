@@ -197,21 +197,21 @@ def test_seq_major_rotary_leaves_other_rotary_helpers_alone():
 
 
 @pytest.fixture
-def cpu_mesh_of_one():
-    """A one-process gloo group and its (dp, sp) mesh: FSDP2 wraps the actor as on one GPU."""
-    import torch.distributed as tdist
+def one_rank_group():
+    """What one process on a GPU joins (spmd.single_process there: a one-rank group and its (dp, sp)
+    mesh, so FSDP2 wraps the actor), here over gloo on the CPU."""
+    from minirl.config.load import load_config
+    from minirl.dist import spmd
 
-    from minirl.dist.spmd import build_mesh
-
-    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    cfg = load_config(None, ["trainer.device='cpu'"])
     try:
-        yield build_mesh("cpu", 1, 1)
+        yield spmd.init_rank(cfg, 0, 1, 0, f"tcp://127.0.0.1:{spmd.free_port()}")
     finally:
-        tdist.destroy_process_group()
+        spmd.shutdown()
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_fsdp2_layers_compile_with_the_attention_sizes_as_constants(monkeypatch, cpu_mesh_of_one, lora):
+def test_fsdp2_layers_compile_with_the_attention_sizes_as_constants(monkeypatch, one_rank_group, lora):
     """FSDP2 marks every module of a wrapped layer FSDP-managed, and dynamo makes the int
     attributes of such modules dynamic sizes under dynamic=True: the attention's head_dim became a
     graph input, and inductor's rotary kernels indexed through divisions by it (4.1-4.8 times as
@@ -219,7 +219,6 @@ def test_fsdp2_layers_compile_with_the_attention_sizes_as_constants(monkeypatch,
     the actor with its adapters off), compiles graphs that take no head_dim."""
     from minirl import build
     from minirl.config.load import load_config
-    from minirl.dist.context import DistContext
     from minirl.plugins import PluginManager
 
     graphs = []
@@ -233,8 +232,7 @@ def test_fsdp2_layers_compile_with_the_attention_sizes_as_constants(monkeypatch,
     overrides = ["trainer.device='cpu'", "actor.use_kl_loss=true", "model.compile_layers=true"]
     overrides += ["model.lora_rank=4", "model.lora_alpha=8"] if lora else []
     cfg = load_config(None, overrides)
-    dist = DistContext(device=torch.device("cpu"), mesh=cpu_mesh_of_one)
-    _, adapter = build.models(PluginManager(entry_points=False), cfg, dist)
+    _, adapter = build.models(PluginManager(entry_points=False), cfg, one_rank_group)
     assert all(hasattr(layer, "reshard") for layer in adapter.actor.get_decoder().layers)  # FSDP2 units
     torch._dynamo.reset()
     prompts, responses = _micro_batch([5, 7], [3, 9], seed=0)
