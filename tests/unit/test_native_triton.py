@@ -179,10 +179,28 @@ def test_engine_with_kernels_equals_torch_ops(kernels, monkeypatch, kv, quantiza
 @pytest.mark.parametrize("name", sorted(ops_mod.FP8_TRITON))
 def test_fp8_row_kernels_match_their_references(name, dtype):
     """rollout.quantization = "fp8": the kernels that quantize activations by rows (the norm, SiLU·mul,
-    the attention output's) and that apply the rows' scales give their references' values."""
+    the attention output's), that apply the rows' scales and that rewrite the weights' e4m3 copies
+    give their references' values."""
     fn, check = ops_mod.FP8_TRITON[name]
     with interpreter_fixes():
         check(fn, torch.device("cpu"), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_quantizer_kernel_writes_the_references_bytes_in_place(dtype):
+    """The sync's re-quantization of an fp8 weight (quantize_into's kernel): the same e4m3 bytes and
+    scale as the torch reference, across blocks, into the same storage."""
+    from minirl_plugins.engines.native.layers import fp8_linear as f
+
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(24, 700, generator=gen) * torch.logspace(-4, 1, 700)).to(dtype)  # subnormals too
+    copy = f.Fp8Weight(w, quantizer=f.quantize_into_triton)
+    ptrs = (copy.q.data_ptr(), copy.scale.data_ptr())
+    with interpreter_fixes():
+        copy.refresh()
+    q, scale = f.quantize(w)
+    assert (copy.q.data_ptr(), copy.scale.data_ptr()) == ptrs
+    assert torch.equal(copy.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(copy.scale, scale)
 
 
 @pytest.mark.parametrize("offsets", ["int32", "int64"])

@@ -49,6 +49,44 @@ def _e4m3(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return (x.float() * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), amax / E4M3_MAX
 
 
+def quantize_into(x: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor) -> None:
+    """quantize(x) written in place: its e4m3 values into q_out (x's shape), its scale into the
+    0-d float32 scale_out (an Fp8Weight's buffers, which captured CUDA graphs read)."""
+    q, scale = quantize(x)
+    q_out.copy_(q)
+    scale_out.copy_(scale)
+
+
+@jit
+def _quantize_into_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, n, BLOCK: tl.constexpr):
+    """One block of x scaled by 448 / amax, clamped and rounded to e4m3 (as _e4m3); the first
+    program also stores the scale."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    amax = tl.maximum(tl.load(amax_ptr).to(tl.float32), 1e-12)
+    top = tl.full((), 448.0, tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q = tl.minimum(tl.maximum(x * tl.div_rn(top, amax), -448.0), 448.0)
+    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    if pid == 0:
+        tl.store(s_ptr, tl.div_rn(amax, top))
+
+
+QUANTIZE_BLOCK = 8192
+
+
+def quantize_into_triton(x: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor) -> None:
+    """quantize_into in two passes over x (contiguous): one reduction for its largest magnitude
+    (read in place, no |x| or float32 copy), then one kernel that scales, rounds and stores; about
+    5 bytes moved an element where quantize's chain of eager ops moves 30."""
+    if not (x.is_contiguous() and q_out.is_contiguous()):
+        return quantize_into(x, q_out, scale_out)
+    amax = torch.linalg.vector_norm(x, float("inf"))
+    grid = (triton.cdiv(x.numel(), QUANTIZE_BLOCK),)
+    _quantize_into_kernel[grid](x, amax, q_out, scale_out, x.numel(), BLOCK=QUANTIZE_BLOCK, num_warps=8)
+
+
 def scaled_mm_ref(q_NK, scale_x, w_OK, scale_w, bias_O, dtype) -> torch.Tensor:
     """(q · scale_x) @ (w · scale_w)^T + bias, summed in float32, rounded to dtype."""
     y = (q_NK.float() @ w_OK.float().t()) * (scale_x * scale_w)
@@ -131,6 +169,17 @@ def check_quantize_rows(fn, device, dtype, kv_dtype=None) -> None:
         expect_rows_near(fn(x), quantize_rows(x), dtype, "quantize_rows")
 
 
+def check_quantize_into(fn, device, dtype, kv_dtype=None) -> None:
+    for shape in ((48, 200), (3, 8192 + 40)):  # the second spans two of the kernel's blocks
+        noise = torch.randn(shape, device=device, dtype=dtype) * 0.02
+        noise.view(-1)[-1] = -0.5  # an outlier in the last block sets the scale
+        for x in (noise, torch.zeros_like(noise)):  # all zeros: a finite scale
+            q = torch.empty(shape, dtype=E4M3, device=device)
+            scale = torch.zeros((), dtype=torch.float32, device=device)
+            fn(x, q, scale)
+            expect_rows_near((q, scale), quantize(x), dtype, "quantize_into")
+
+
 def check_scaled_mm(fn, device, dtype, kv_dtype=None) -> None:
     x = torch.randn(37, 256, device=device, dtype=dtype)
     w = torch.randn(48, 256, device=device, dtype=dtype) * 0.05
@@ -143,18 +192,17 @@ class Fp8Weight(nn.Module):
     """An e4m3 copy of `weight` [O, K] and its scale, as buffers (not parameters: checksums and
     loads see only the model-dtype weight); refresh() rewrites both in place."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, quantizer=quantize_into):
         super().__init__()
         object.__setattr__(self, "source", weight)  # the model-dtype weight, not registered here
+        self.quantizer = quantizer  # quantize_into or its kernel (the engine's ops.quantize_into)
         self.register_buffer("q", torch.empty(weight.shape, dtype=E4M3, device=weight.device))
         self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=weight.device))
         self.register_buffer("one", torch.ones((), dtype=torch.float32, device=weight.device))
 
     @torch.no_grad()
     def refresh(self) -> None:
-        q, scale = quantize(self.source)
-        self.q.copy_(q)
-        self.scale.copy_(scale)
+        self.quantizer(self.source, self.q, self.scale)
 
     def matmul(self, q_NK: torch.Tensor, ops, dtype) -> torch.Tensor:
         """y' = q · (this weight)ᵀ: the rows of an input quantized by quantize_rows, multiplied

@@ -45,6 +45,7 @@ class Ops:
     rmsnorm_rows: Callable = norm.rmsnorm_rows
     silu_mul_rows: Callable = activation.silu_mul_rows
     quantize_rows: Callable = fp8_linear.quantize_rows
+    quantize_into: Callable = fp8_linear.quantize_into  # the weights' e4m3 copies, at every load
     chosen: dict = field(default_factory=dict)  # op -> "triton" | "triton_fp8_pairs" | ..., where not the reference
 
     @property
@@ -76,6 +77,7 @@ FP8_TRITON = {
     "rmsnorm_rows": (norm.rmsnorm_rows_triton, norm.check_rmsnorm_rows),
     "silu_mul_rows": (activation.silu_mul_rows_triton, activation.check_silu_mul_rows),
     "quantize_rows": (fp8_linear.quantize_rows_triton, fp8_linear.check_quantize_rows),
+    "quantize_into": (fp8_linear.quantize_into_triton, fp8_linear.check_quantize_into),
 }
 
 
