@@ -203,6 +203,24 @@ def test_fp8_gemms_run_on_the_tensor_cores_under_cuda_graphs():
     assert [c.token_ids for c in after] == [c.token_ids for c in again]
 
 
+def test_fp8_weight_copies_from_the_kernel_are_the_references_bytes_on_cuda():
+    """The sync's re-quantization (quantize_into's kernel: an inf-norm reduction, then one fused
+    scale-round-store) writes the torch reference's e4m3 bytes and scale on the device too, at the
+    1.5B model's shapes and at many scales (448 / amax and amax / 448 correctly rounded on both
+    sides: a reciprocal times 448 differs in the last bit for some amax and flips a rounding)."""
+    from minirl_plugins.engines.native.layers.fp8_linear import Fp8Weight, quantize, quantize_into_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(2560, 1536), (1536, 1536), (17920, 1536), (1536, 8960)] + [(48, 272)] * 40
+    for i, shape in enumerate(shapes):
+        w = torch.randn(shape, device=CUDA, generator=gen).to(torch.bfloat16) * 10.0 ** (i % 9 - 5)
+        copy = Fp8Weight(w, quantizer=quantize_into_triton)
+        copy.refresh()
+        q, scale = quantize(w)
+        assert torch.equal(copy.q.view(torch.uint8), q.view(torch.uint8)), (i, shape)
+        assert torch.equal(copy.scale, scale), (i, float(copy.scale), float(scale))
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_pairs_decode_kernel_on_cuda(kv_dtype):
     """decode_attention_fp8_pairs compiled, its pairs split by inline PTX (a byte permute and the

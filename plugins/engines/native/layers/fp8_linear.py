@@ -45,8 +45,11 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _e4m3(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """448 / amax and amax / 448 each one correctly rounded float32 division, as the kernels' div_rn
+    (a Python number on either side would make torch multiply by a rounded reciprocal instead)."""
     amax = amax.float().clamp_min(TINY)
-    return (x.float() * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), amax / E4M3_MAX
+    top = torch.full_like(amax, E4M3_MAX)
+    return (x.float() * (top / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), amax / top
 
 
 def quantize_into(x: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor) -> None:
