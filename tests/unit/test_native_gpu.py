@@ -214,8 +214,8 @@ def test_fp8_weight_copies_from_the_kernel_are_the_references_bytes_on_cuda():
     shapes = [(2560, 1536), (1536, 1536), (17920, 1536), (1536, 8960)] + [(48, 272)] * 40
     for i, shape in enumerate(shapes):
         w = torch.randn(shape, device=CUDA, generator=gen).to(torch.bfloat16) * 10.0 ** (i % 9 - 5)
-        copy = Fp8Weight(w, quantizer=quantize_into_triton)
-        copy.refresh()
+        copy = Fp8Weight(w)
+        copy.refresh(quantize_into_triton)
         q, scale = quantize(w)
         assert torch.equal(copy.q.view(torch.uint8), q.view(torch.uint8)), (i, shape)
         assert torch.equal(copy.scale, scale), (i, float(copy.scale), float(scale))

@@ -194,10 +194,10 @@ def test_weight_quantizer_kernel_writes_the_references_bytes_in_place(dtype):
 
     gen = torch.Generator().manual_seed(5)
     w = (torch.randn(24, 700, generator=gen) * torch.logspace(-4, 1, 700)).to(dtype)  # subnormals too
-    copy = f.Fp8Weight(w, quantizer=f.quantize_into_triton)
+    copy = f.Fp8Weight(w)
     ptrs = (copy.q.data_ptr(), copy.scale.data_ptr())
     with interpreter_fixes():
-        copy.refresh()
+        copy.refresh(f.quantize_into_triton)
     q, scale = f.quantize(w)
     assert (copy.q.data_ptr(), copy.scale.data_ptr()) == ptrs
     assert torch.equal(copy.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(copy.scale, scale)

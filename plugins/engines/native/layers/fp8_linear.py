@@ -195,17 +195,17 @@ class Fp8Weight(nn.Module):
     """An e4m3 copy of `weight` [O, K] and its scale, as buffers (not parameters: checksums and
     loads see only the model-dtype weight); refresh() rewrites both in place."""
 
-    def __init__(self, weight: torch.Tensor, quantizer=quantize_into):
+    def __init__(self, weight: torch.Tensor):
         super().__init__()
         object.__setattr__(self, "source", weight)  # the model-dtype weight, not registered here
-        self.quantizer = quantizer  # quantize_into or its kernel (the engine's ops.quantize_into)
         self.register_buffer("q", torch.empty(weight.shape, dtype=E4M3, device=weight.device))
         self.register_buffer("scale", torch.ones((), dtype=torch.float32, device=weight.device))
         self.register_buffer("one", torch.ones((), dtype=torch.float32, device=weight.device))
 
     @torch.no_grad()
-    def refresh(self) -> None:
-        self.quantizer(self.source, self.q, self.scale)
+    def refresh(self, quantizer=quantize_into) -> None:
+        """quantizer: quantize_into or its kernel (the engine's ops.quantize_into)."""
+        quantizer(self.source, self.q, self.scale)
 
     def matmul(self, q_NK: torch.Tensor, ops, dtype) -> torch.Tensor:
         """y' = q · (this weight)ᵀ: the rows of an input quantized by quantize_rows, multiplied

@@ -14,8 +14,6 @@ Shape legend: N tokens, E hidden size, V vocabulary.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -210,13 +208,12 @@ class DecoderLM(nn.Module):
         forward multiplies with; returns how many. refresh_fp8() fills them."""
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            fp8 = functools.partial(Fp8Weight, quantizer=attn.ops.quantize_into)
-            attn.qkv_fp8, attn.o_fp8 = fp8(attn.qkv_weight), fp8(attn.o_proj.weight)
-            mlp.gate_up_fp8, mlp.down_fp8 = fp8(mlp.gate_up_weight), fp8(mlp.down_proj.weight)
+            attn.qkv_fp8, attn.o_fp8 = Fp8Weight(attn.qkv_weight), Fp8Weight(attn.o_proj.weight)
+            mlp.gate_up_fp8, mlp.down_fp8 = Fp8Weight(mlp.gate_up_weight), Fp8Weight(mlp.down_proj.weight)
         return 4 * len(self.model.layers)
 
     def refresh_fp8(self) -> None:
         """Rewrite the e4m3 copies from the weights, in place (after every load)."""
         for module in self.modules():
             if isinstance(module, Fp8Weight):
-                module.refresh()
+                module.refresh(self.model.ops.quantize_into)
