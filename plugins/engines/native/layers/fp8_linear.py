@@ -60,36 +60,6 @@ def quantize_into(x: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor)
     scale_out.copy_(scale)
 
 
-@jit
-def _quantize_into_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, n, BLOCK: tl.constexpr):
-    """One block of x scaled by 448 / amax, clamped and rounded to e4m3 (as _e4m3); the first
-    program also stores the scale."""
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    amax = tl.maximum(tl.load(amax_ptr).to(tl.float32), 1e-12)
-    top = tl.full((), 448.0, tl.float32)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    q = tl.minimum(tl.maximum(x * tl.div_rn(top, amax), -448.0), 448.0)
-    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    if pid == 0:
-        tl.store(s_ptr, tl.div_rn(amax, top))
-
-
-QUANTIZE_BLOCK = 8192
-
-
-def quantize_into_triton(x: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor) -> None:
-    """quantize_into in two passes over x (contiguous): one reduction for its largest magnitude
-    (read in place, no |x| or float32 copy), then one kernel that scales, rounds and stores; about
-    5 bytes moved an element where quantize's chain of eager ops moves 30."""
-    if not (x.is_contiguous() and q_out.is_contiguous()):
-        return quantize_into(x, q_out, scale_out)
-    amax = torch.linalg.vector_norm(x, float("inf"))
-    grid = (triton.cdiv(x.numel(), QUANTIZE_BLOCK),)
-    _quantize_into_kernel[grid](x, amax, q_out, scale_out, x.numel(), BLOCK=QUANTIZE_BLOCK, num_warps=8)
-
-
 def scaled_mm_ref(q_NK, scale_x, w_OK, scale_w, bias_O, dtype) -> torch.Tensor:
     """(q · scale_x) @ (w · scale_w)^T + bias, summed in float32, rounded to dtype."""
     y = (q_NK.float() @ w_OK.float().t()) * (scale_x * scale_w)
@@ -114,14 +84,21 @@ def scale_rows(y_NO, scale_N1, bias_O=None) -> torch.Tensor:
 
 
 @jit
-def _store_row_e4m3(y, q_ptrs, s_ptr, mask):
-    """One row y (float32, masked lanes 0) as quantize_rows stores it: e4m3 values and the scale
-    (448.0 and 1e-12 are E4M3_MAX and TINY; a Triton kernel reads no module globals)."""
-    amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12)
+def _store_e4m3(y, amax, q_ptrs, mask):
+    """y (float32) as _e4m3 rounds it on `amax`: scaled by 448 / amax, clamped, stored as e4m3;
+    returns the scale amax / 448 (448.0 and 1e-12 are E4M3_MAX and TINY; a Triton kernel reads no
+    module globals)."""
+    amax = tl.maximum(amax, 1e-12)
     top = tl.full((), 448.0, tl.float32)
     q = tl.minimum(tl.maximum(y * tl.div_rn(top, amax), -448.0), 448.0)
     tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
-    tl.store(s_ptr, tl.div_rn(amax, top))
+    return tl.div_rn(amax, top)
+
+
+@jit
+def _store_row_e4m3(y, q_ptrs, s_ptr, mask):
+    """One row y (float32, masked lanes 0) as quantize_rows stores it: e4m3 values and the scale."""
+    tl.store(s_ptr, _store_e4m3(y, tl.max(tl.abs(y), axis=0), q_ptrs, mask))
 
 
 @jit
@@ -142,6 +119,33 @@ def quantize_rows_triton(x_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         x_NK, q, s, x_NK.shape[1], x_NK.stride(0), q.stride(0), BLOCK=block, num_warps=_warps(block)
     )
     return q, s
+
+
+@jit
+def _quantize_into_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, n, BLOCK: tl.constexpr):
+    """One block of x stored as _e4m3 stores it, on the whole tensor's amax; the first program
+    also stores the scale."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = _store_e4m3(x, tl.load(amax_ptr).to(tl.float32), q_ptr + offs, mask)
+    if pid == 0:
+        tl.store(s_ptr, scale)
+
+
+QUANTIZE_BLOCK = 8192
+
+
+def quantize_into_triton(x: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor) -> None:
+    """quantize_into in two passes over x (contiguous): one reduction for its largest magnitude
+    (read in place, no |x| or float32 copy), then one kernel that scales, rounds and stores; about
+    5 bytes moved an element where quantize's chain of eager ops moves 30."""
+    if not (x.is_contiguous() and q_out.is_contiguous()):
+        return quantize_into(x, q_out, scale_out)
+    amax = torch.linalg.vector_norm(x, float("inf"))
+    grid = (triton.cdiv(x.numel(), QUANTIZE_BLOCK),)
+    _quantize_into_kernel[grid](x, amax, q_out, scale_out, x.numel(), BLOCK=QUANTIZE_BLOCK, num_warps=8)
 
 
 def _warps(block: int) -> int:
