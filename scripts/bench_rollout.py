@@ -83,7 +83,11 @@ def build(args, device, dtype):
     if args.micro or args.sweep_attention:  # their contexts index the rotary table too
         longest = max([longest] + [ctx for _, ctx in shapes(args.micro_shapes)])
     ctx = EngineContext(config, hf, device, dtype, (), 0, extra={"max_model_len": max(4096, longest + 8)})
-    return config, hf, build_native_engine(rollout, ctx)
+    engine = build_native_engine(rollout, ctx)
+    for name in filter(None, args.ops_off.split(",")):  # an A/B: the op's torch reference instead
+        setattr(engine.ops, name, getattr(type(engine.ops), name))
+        engine.ops.chosen.pop(name, None)
+    return config, hf, engine
 
 
 def weight_load(engine, hf, device) -> dict:
@@ -483,6 +487,11 @@ def main() -> int:
     p.add_argument("--quantization", default="none", help="rollout.quantization: none, fp8 (e4m3 GEMMs)")
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--ops-off",
+        default="",
+        help="ops to run as the class default (the torch reference; None: unfused), e.g. gate_up_silu",
+    )
     p.add_argument("--profile-kernels", action="store_true")
     p.add_argument("--micro", action="store_true", help="time each decode operation")
     p.add_argument(

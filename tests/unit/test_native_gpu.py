@@ -34,6 +34,8 @@ def test_fast_kernels_pass_self_checks(dtype):
     expected = {"rmsnorm", "add_rmsnorm", "silu_mul", "rope_store", "decode_attention", "fast_sample"}
     if dtype == torch.bfloat16:
         expected |= {"prefill_attention", "extend_attention"}
+    if dtype == torch.bfloat16 and torch.cuda.get_device_capability() >= (9, 0):
+        expected |= {"gate_up_silu"}
     assert expected <= set(ops.chosen), ops.chosen
 
 
@@ -167,6 +169,30 @@ def test_an_fp8_cache_decodes_through_the_pairs_kernel(kv_dtype):
     assert fast.runner.graphs and dequantizing.runner.graphs
     assert [c.logprobs[0] for c in got] == [c.logprobs[0] for c in want]
     assert_greedy_agree_until_parted(got, want, atol=0.25 if fmt == torch.float8_e4m3fn else 0.5)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs TMA (sm90)"
+)
+def test_gate_up_silu_in_one_kernel_decodes_as_the_gemm_then_silu_mul():
+    """A bf16 engine on Hopper runs its MLPs' gate/up GEMM with SiLU·mul in the epilogue
+    (ops.gate_up_silu), in the prefill and in the captured decode steps, and generates what the same
+    engine does with cuBLAS's GEMM and the silu_mul kernel: the same greedy tokens until a near tie
+    parts them (the two GEMMs sum in different orders, so an element of g or u may round the other
+    way), log-probs within 0.05 up to it."""
+    cfg = tiny_config("qwen2", hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)
+    hf = tiny_hf_model(cfg, seed=2, std=0.02, device="cuda", dtype=torch.bfloat16)
+    ctx = dict(actor=hf, device="cuda", dtype=torch.bfloat16, num_kv_pages=512)
+    fused, unfused = (build_native_engine(None, engine_context(cfg, **ctx)) for _ in range(2))
+    assert fused.ops.chosen["gate_up_silu"] == "triton", fused.ops.chosen
+    unfused.ops.gate_up_silu = None
+    calls = []
+    kernel = fused.ops.gate_up_silu
+    fused.ops.gate_up_silu = lambda x, w: calls.append(x.shape[0]) or kernel(x, w)
+    got, want = (e.generate(PROMPTS, greedy(n=2, max_new=32)) for e in (fused, unfused))
+    assert fused.runner.graphs and unfused.runner.graphs
+    assert len(calls) >= 2 * cfg.num_hidden_layers, calls  # the prefill's layers and a captured step's
+    assert_greedy_agree_until_parted(got, want, atol=0.05)
 
 
 def test_fp8_gemms_run_on_the_tensor_cores_under_cuda_graphs():

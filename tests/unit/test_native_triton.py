@@ -256,3 +256,39 @@ def test_engine_on_the_fp8_pairs_decode_kernel_generates_what_the_dequantizing_o
 
     assert [c.logprobs[0] for c in got] == [c.logprobs[0] for c in dequantizing]
     assert 0 < drift(got, dequantizing) <= drift(dequantizing, torch_ops)
+
+
+def test_gate_up_silu_kernel_matches_the_gemm_then_silu_mul():
+    """The gate/up GEMM with SiLU·mul in its epilogue (ops.gate_up_silu, bf16 engines on Hopper) at
+    each of its tilings: the check's rows fall in every band of GATE_UP_TILES and past it."""
+    from minirl_plugins.engines.native.layers import activation
+
+    fn, check = ops_mod.GATE_UP_SILU
+    with interpreter_fixes():
+        check(fn, torch.device("cpu"), torch.float32)
+    assert [activation.gate_up_tiling(rows)[:3] for rows in (1, 128, 129, 512, 513)] == [
+        (64, 64, 64),
+        (64, 64, 64),
+        (64, 128, 64),
+        (64, 128, 64),
+        (128, 128, 64),
+    ]
+
+
+def test_gate_up_silu_takes_only_operands_its_tiles_divide():
+    """The MLP falls back to the GEMM and silu_mul for what the kernel cannot take: a bias, another
+    dtype, an intermediate size its column tiles do not divide, a hidden size its K tiles do not."""
+    from minirl_plugins.engines.native.layers.activation import gate_up_silu_fits
+
+    def fits(rows=64, hidden=256, inter=256, dtype=torch.bfloat16, bias=None):
+        return gate_up_silu_fits(
+            torch.zeros(rows, hidden, dtype=dtype), torch.zeros(2 * inter, hidden, dtype=dtype), bias
+        )
+
+    assert fits() and fits(rows=1000, inter=384)
+    assert not fits(bias=torch.zeros(512, dtype=torch.bfloat16))
+    assert not fits(dtype=torch.float32)
+    assert not fits(inter=96)  # 64-wide column tiles
+    assert not fits(rows=300, inter=320)  # 128-wide at 129-512 rows
+    assert not fits(hidden=200)
+    assert not fits(rows=0)

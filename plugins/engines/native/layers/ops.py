@@ -33,6 +33,9 @@ class Ops:
     rmsnorm: Callable = norm.rmsnorm
     add_rmsnorm: Callable = norm.add_rmsnorm
     silu_mul: Callable = activation.silu_mul
+    # (x, gate_up weight) -> silu(x W_gateᵀ)·(x W_upᵀ) in one kernel, for operands
+    # activation.gate_up_silu_fits; None: the GEMM, then silu_mul
+    gate_up_silu: Callable | None = None
     rope_store: Callable = rotary.rope_store
     prefill_attention: Callable = attention.prefill_attention
     extend_attention: Callable = attention.extend_attention
@@ -73,6 +76,8 @@ FP8_PAIRS_DECODE = (paged_attention.decode_attention_fp8_pairs, paged_attention.
 # rollout.quantization = "fp8": the fp8 tensor cores' GEMM (cuBLASLt), and the Triton kernels
 # around it
 FP8_GEMM = (fp8_linear.scaled_mm_cuda, fp8_linear.check_scaled_mm)
+# a bf16 engine on compute capability 9.0 (TMA): SiLU·mul in the gate/up GEMM's epilogue
+GATE_UP_SILU = (activation.gate_up_silu_triton, activation.check_gate_up_silu)
 FP8_TRITON = {
     "rmsnorm_rows": (norm.rmsnorm_rows_triton, norm.check_rmsnorm_rows),
     "silu_mul_rows": (activation.silu_mul_rows_triton, activation.check_silu_mul_rows),
@@ -110,6 +115,8 @@ def select_ops(
         if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and dtype in (torch.bfloat16, torch.float16):
             candidates.append(("decode_attention", *FP8_PAIRS_DECODE, "triton_fp8_pairs"))
         candidates += [(name, fn, check, "triton") for name, (fn, check) in TRITON.items()]
+        if dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0):
+            candidates.append(("gate_up_silu", *GATE_UP_SILU, "triton"))
         if quantization == "fp8":
             candidates += [(name, fn, check, "triton") for name, (fn, check) in FP8_TRITON.items()]
     for i, (name, fn, check, label) in enumerate(candidates):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minirl_plugins.engines.native.layers.activation import gate_up_silu_fits
 from minirl_plugins.engines.native.layers.fp8_linear import Fp8Weight, quantizable
 from minirl_plugins.engines.native.layers.meta import StepMeta
 from minirl_plugins.engines.native.layers.ops import Ops
@@ -103,7 +104,11 @@ class MLP(nn.Module):
         self.gate_up_fp8 = self.down_fp8 = None  # Fp8Weight, with rollout.quantization = "fp8"
 
     def forward(self, x_NE):
-        h = self.ops.silu_mul(F.linear(x_NE, self.gate_up_weight, self.gate_up_bias))
+        ops, w, b = self.ops, self.gate_up_weight, self.gate_up_bias
+        if ops.gate_up_silu is not None and gate_up_silu_fits(x_NE, w, b):
+            h = ops.gate_up_silu(x_NE, w)
+        else:
+            h = ops.silu_mul(F.linear(x_NE, w, b))
         return F.linear(h, self.down_proj.weight, self.down_proj.bias)
 
     def forward_fp8(self, xq_NE, xs_N1):
