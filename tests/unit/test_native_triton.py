@@ -259,36 +259,27 @@ def test_engine_on_the_fp8_pairs_decode_kernel_generates_what_the_dequantizing_o
 
 
 def test_gate_up_silu_kernel_matches_the_gemm_then_silu_mul():
-    """The gate/up GEMM with SiLU·mul in its epilogue (ops.gate_up_silu, bf16 engines on Hopper) at
-    each of its tilings: the check's rows fall in every band of GATE_UP_TILES and past it."""
-    from minirl_plugins.engines.native.layers import activation
-
+    """The gate/up GEMM with SiLU·mul in its epilogue (ops.gate_up_silu, bf16 engines on Hopper)
+    against cuBLAS's GEMM then silu_mul, at row counts under, at and over its row tile."""
     fn, check = ops_mod.GATE_UP_SILU
     with interpreter_fixes():
         check(fn, torch.device("cpu"), torch.float32)
-    assert [activation.gate_up_tiling(rows)[:3] for rows in (1, 128, 129, 512, 513)] == [
-        (64, 64, 64),
-        (64, 64, 64),
-        (64, 128, 64),
-        (64, 128, 64),
-        (128, 128, 64),
-    ]
 
 
-def test_gate_up_silu_takes_only_operands_its_tiles_divide():
-    """The MLP falls back to the GEMM and silu_mul for what the kernel cannot take: a bias, another
+def test_gate_up_silu_takes_only_operands_it_was_measured_on_and_its_tiles_divide():
+    """The MLP falls back to the GEMM and silu_mul for what the kernel does not take: more rows than
+    a decode step where it was measured to pay (a prefill, a decode batch over 128), a bias, another
     dtype, an intermediate size its column tiles do not divide, a hidden size its K tiles do not."""
-    from minirl_plugins.engines.native.layers.activation import gate_up_silu_fits
+    from minirl_plugins.engines.native.layers.activation import GATE_UP_ROWS, gate_up_silu_fits
 
     def fits(rows=64, hidden=256, inter=256, dtype=torch.bfloat16, bias=None):
-        return gate_up_silu_fits(
-            torch.zeros(rows, hidden, dtype=dtype), torch.zeros(2 * inter, hidden, dtype=dtype), bias
-        )
+        weight = torch.zeros(2 * inter, hidden, dtype=dtype)
+        return gate_up_silu_fits(torch.zeros(rows, hidden, dtype=dtype), weight, bias)
 
-    assert fits() and fits(rows=1000, inter=384)
+    assert fits() and fits(rows=1) and fits(rows=GATE_UP_ROWS, inter=320)
+    assert not fits(rows=GATE_UP_ROWS + 1)
+    assert not fits(rows=0)
     assert not fits(bias=torch.zeros(512, dtype=torch.bfloat16))
     assert not fits(dtype=torch.float32)
     assert not fits(inter=96)  # 64-wide column tiles
-    assert not fits(rows=300, inter=320)  # 128-wide at 129-512 rows
-    assert not fits(hidden=200)
-    assert not fits(rows=0)
+    assert not fits(hidden=200)  # 64-deep K tiles

@@ -104,15 +104,12 @@ def check_silu_mul_rows(fn, device, dtype, kv_dtype=None) -> None:
 
 # The gate/up GEMM with SiLU·mul in its epilogue (minirl/kernels/fused_mlp.py, the kernel the
 # trainer's gradient-free passes run under model.fused_mlp): one kernel writes silu(g)·u where
-# cuBLAS wrote [N, 2I] and silu_mul read it back. Its tiling by the number of rows: (most rows,
-# (block_m, block_n, block_k, group_m, warps, stages)), from `python3 dev/bench_mlp.py --decode
-# 64,256` (docs/benchmarks.md, "Generation"); past the last, the training passes' tiling, which
-# suits a prefill's thousands of rows.
-GATE_UP_TILES = (
-    (128, (64, 64, 64, 8, 4, 4)),
-    (512, (64, 128, 64, 8, 4, 4)),
-)
-GATE_UP_LARGE = (128, 128, 64, 16, 8, 3)
+# cuBLAS wrote [N, 2I] and silu_mul read it back. Only for decode steps of up to GATE_UP_ROWS rows:
+# on an H100 at the 1.5B shape it took 23.8 µs against the pair's 26.7 at 64 rows, and lost at 256
+# (36.3 against 31.8; `python3 dev/bench_mlp.py --decode 64,256`, docs/benchmarks.md). Its tiling
+# there: (block_m, block_n, block_k, group_m, warps, stages).
+GATE_UP_ROWS = 128
+GATE_UP_TILING = (64, 64, 64, 8, 4, 4)
 
 
 def gate_up_silu(x_NE: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -120,27 +117,23 @@ def gate_up_silu(x_NE: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return silu_mul(F.linear(x_NE, weight))
 
 
-def gate_up_tiling(rows: int) -> tuple[int, ...]:
-    return next((tiles for most, tiles in GATE_UP_TILES if rows <= most), GATE_UP_LARGE)
-
-
 def gate_up_silu_fits(x_NE: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether gate_up_silu_triton takes these operands (no bias; contiguous bf16 with 16-byte
-    aligned starts, as TMA needs; sizes its tiles divide). Shapes and dtypes only, so a captured
-    CUDA graph replays the path it was captured with."""
-    bm, bn, bk, *_ = gate_up_tiling(x_NE.shape[0])
+    """Whether gate_up_silu_triton takes these operands: 1 to GATE_UP_ROWS rows, no bias,
+    contiguous bf16 with 16-byte aligned starts (TMA), sizes its tiles divide. Shapes and dtypes
+    only, so a CUDA graph (one per batch size) replays the path it was captured with."""
+    _, bn, bk, *_ = GATE_UP_TILING
+    inter = weight.shape[0] // 2
     return (
-        bias is None
+        0 < x_NE.shape[0] <= GATE_UP_ROWS
+        and bias is None
         and x_NE.dtype == weight.dtype == torch.bfloat16
         and x_NE.is_contiguous()
         and weight.is_contiguous()
         and x_NE.storage_offset() % 8 == 0
-        and weight.storage_offset() % 8 == 0
-        and x_NE.shape[0] > 0
+        and (weight.storage_offset() + inter * weight.shape[1]) % 8 == 0 == weight.storage_offset() % 8
         and x_NE.shape[1] == weight.shape[1]
         and x_NE.shape[1] % bk == 0
-        and (weight.shape[0] // 2) % bn == 0
-        and (weight.shape[0] // 2) * weight.shape[1] % 8 == 0  # the up half's start
+        and inter % bn == 0
     )
 
 
@@ -149,14 +142,14 @@ def gate_up_silu_triton(x_NE: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     from minirl.kernels.fused_mlp import launch
 
     i = weight.shape[0] // 2
-    return launch(x_NE, weight[:i], weight[i:], *gate_up_tiling(x_NE.shape[0]))
+    return launch(x_NE, weight[:i], weight[i:], *GATE_UP_TILING)
 
 
 def check_gate_up_silu(fn, device, dtype, kv_dtype=None) -> None:
-    """Every tiling: rows in each band of GATE_UP_TILES and past it, a partial row tile in each.
-    The kernel rounds to bf16 whatever its operands (it is chosen for bf16 engines only)."""
+    """Row counts under, at and over a row tile, up to GATE_UP_ROWS. The kernel rounds to bf16
+    whatever its operands (it is chosen for bf16 engines only)."""
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(2 * 256, 128, generator=gen) * 128**-0.5).to(device, dtype)
-    for rows in (5, 100, 300, 700):
+    for rows in (1, 5, 64, 100, GATE_UP_ROWS):
         x = torch.randn(rows, 128, generator=gen).to(device, dtype)
         expect_near(fn(x, weight), gate_up_silu(x, weight), torch.bfloat16, f"gate_up_silu, {rows} rows")
