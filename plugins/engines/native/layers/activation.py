@@ -130,7 +130,8 @@ def gate_up_silu_fits(x_NE: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         and x_NE.is_contiguous()
         and weight.is_contiguous()
         and x_NE.storage_offset() % 8 == 0
-        and (weight.storage_offset() + inter * weight.shape[1]) % 8 == 0 == weight.storage_offset() % 8
+        and weight.storage_offset() % 8 == 0
+        and (weight.storage_offset() + inter * weight.shape[1]) % 8 == 0  # where the up half starts
         and x_NE.shape[1] == weight.shape[1]
         and x_NE.shape[1] % bk == 0
         and inter % bn == 0
