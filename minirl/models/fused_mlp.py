@@ -106,20 +106,29 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_applies(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> bool:
-    """No gradients; contiguous bf16 CUDA tensors whose data start 16-byte aligned (TMA); at least
-    one row; shapes the tiles divide. Tensor properties and the grad mode only, so under
-    model.compile_layers they become the compiled layer's guards (one graph with gradients, one
-    without), and the kernel is a custom op the graph calls as it is."""
-    tensors = (x, wg, wu)
+    """No gradients; CUDA tensors that operands_fit the training tiling. Tensor properties and the
+    grad mode only, so under model.compile_layers they become the compiled layer's guards (one
+    graph with gradients, one without), and the kernel is a custom op the graph calls as it is."""
     return (
         not torch.is_grad_enabled()
-        and all(t.is_cuda and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
+        and all(t.is_cuda for t in (x, wg, wu))
+        and operands_fit(x, wg, wu, BLOCK_N, BLOCK_K)
+    )
+
+
+def operands_fit(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, block_n: int, block_k: int) -> bool:
+    """Contiguous bf16 tensors whose data start 16-byte aligned (TMA); at least one row; sizes
+    the tiles (block_n output columns, block_k deep) divide. The native engine's decode MLPs ask
+    the same of their tiling (plugins/engines/native/layers/activation.py)."""
+    tensors = (x, wg, wu)
+    return (
+        all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
         and all(t.storage_offset() % 8 == 0 for t in tensors)
         and x.numel() > 0
         and wg.shape == wu.shape
         and x.shape[-1] == wg.shape[1]
-        and wg.shape[1] % BLOCK_K == 0
-        and wg.shape[0] % BLOCK_N == 0
+        and wg.shape[1] % block_k == 0
+        and wg.shape[0] % block_n == 0
     )
 
 

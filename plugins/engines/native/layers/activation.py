@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from minirl.kernels.selfcheck import expect_near
+from minirl.models.fused_mlp import operands_fit
 from minirl_plugins.engines.native.layers.fp8_linear import (
     E4M3,
     _store_row_e4m3,
@@ -118,24 +119,12 @@ def gate_up_silu(x_NE: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def gate_up_silu_fits(x_NE: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether gate_up_silu_triton takes these operands: 1 to GATE_UP_ROWS rows, no bias,
-    contiguous bf16 with 16-byte aligned starts (TMA), sizes its tiles divide. Shapes and dtypes
+    """Whether gate_up_silu_triton takes these operands: 1 to GATE_UP_ROWS rows, no bias, and
+    operands the kernel's tiling fits (minirl.models.fused_mlp.operands_fit). Shapes and dtypes
     only, so a CUDA graph (one per batch size) replays the path it was captured with."""
     _, bn, bk, *_ = GATE_UP_TILING
-    inter = weight.shape[0] // 2
-    return (
-        0 < x_NE.shape[0] <= GATE_UP_ROWS
-        and bias is None
-        and x_NE.dtype == weight.dtype == torch.bfloat16
-        and x_NE.is_contiguous()
-        and weight.is_contiguous()
-        and x_NE.storage_offset() % 8 == 0
-        and weight.storage_offset() % 8 == 0
-        and (weight.storage_offset() + inter * weight.shape[1]) % 8 == 0  # where the up half starts
-        and x_NE.shape[1] == weight.shape[1]
-        and x_NE.shape[1] % bk == 0
-        and inter % bn == 0
-    )
+    i = weight.shape[0] // 2
+    return x_NE.shape[0] <= GATE_UP_ROWS and bias is None and operands_fit(x_NE, weight[:i], weight[i:], bn, bk)
 
 
 def gate_up_silu_triton(x_NE: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
