@@ -10,6 +10,7 @@ import torch
 
 from minirl_plugins.engines.native import build_native_engine
 from minirl_plugins.engines.native.layers import sampling
+from minirl_plugins.engines.native.layers.activation import GATE_UP_ROWS
 from minirl_plugins.engines.native.layers.ops import select_ops
 from minirl_plugins.engines.native.layers.paged_attention import decode_attention_triton, decode_block_n
 from tests.tiny_models import (
@@ -176,11 +177,10 @@ def test_an_fp8_cache_decodes_through_the_pairs_kernel(kv_dtype):
 )
 def test_gate_up_silu_in_one_kernel_decodes_as_the_gemm_then_silu_mul():
     """A bf16 engine on Hopper runs its MLPs' gate/up GEMM with SiLU·mul in the epilogue
-    (ops.gate_up_silu) in steps of up to 128 rows (this prefill's and the captured decode steps'),
-    and generates what the same
-    engine does with cuBLAS's GEMM and the silu_mul kernel: the same greedy tokens until a near tie
-    parts them (the two GEMMs sum in different orders, so an element of g or u may round the other
-    way), log-probs within 0.05 up to it."""
+    (ops.gate_up_silu) in steps of up to GATE_UP_ROWS rows (this prefill's and the captured decode
+    steps'), and generates what the same engine does with cuBLAS's GEMM and the silu_mul kernel: the
+    same greedy tokens until a near tie parts them (the two GEMMs sum in different orders, so an
+    element of g or u may round the other way), log-probs within 0.05 up to it."""
     cfg = tiny_config("qwen2", hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2)
     hf = tiny_hf_model(cfg, seed=2, std=0.02, device="cuda", dtype=torch.bfloat16)
     ctx = dict(actor=hf, device="cuda", dtype=torch.bfloat16, num_kv_pages=512)
@@ -193,7 +193,7 @@ def test_gate_up_silu_in_one_kernel_decodes_as_the_gemm_then_silu_mul():
     got, want = (e.generate(PROMPTS, greedy(n=2, max_new=32)) for e in (fused, unfused))
     assert fused.runner.graphs and unfused.runner.graphs
     assert len(calls) >= 2 * cfg.num_hidden_layers, calls  # the prefill's layers and a captured step's
-    assert max(calls) <= 128, calls
+    assert max(calls) <= GATE_UP_ROWS, calls
     assert_greedy_agree_until_parted(got, want, atol=0.05)
 
 

@@ -268,15 +268,16 @@ def test_gate_up_silu_kernel_matches_the_gemm_then_silu_mul():
 
 def test_gate_up_silu_takes_only_operands_it_was_measured_on_and_its_tiles_divide():
     """The MLP falls back to the GEMM and silu_mul for what the kernel does not take: more rows than
-    a decode step where it was measured to pay (a prefill, a decode batch over 128), a bias, another
-    dtype, an intermediate size its column tiles do not divide, a hidden size its K tiles do not."""
+    a decode step where it was measured to pay (a prefill, a decode batch over GATE_UP_ROWS), a bias,
+    another dtype, an intermediate size its column tiles do not divide, a hidden size its K tiles do
+    not."""
     from minirl_plugins.engines.native.layers.activation import GATE_UP_ROWS, gate_up_silu_fits
 
     def fits(rows=64, hidden=256, inter=256, dtype=torch.bfloat16, bias=None):
         weight = torch.zeros(2 * inter, hidden, dtype=dtype)
         return gate_up_silu_fits(torch.zeros(rows, hidden, dtype=dtype), weight, bias)
 
-    assert fits() and fits(rows=1) and fits(rows=GATE_UP_ROWS, inter=320)
+    assert fits() and fits(rows=1) and fits(rows=GATE_UP_ROWS, inter=320) and fits(rows=37)
     assert not fits(rows=GATE_UP_ROWS + 1)
     assert not fits(rows=0)
     assert not fits(bias=torch.zeros(512, dtype=torch.bfloat16))
