@@ -260,7 +260,7 @@ def test_engine_on_the_fp8_pairs_decode_kernel_generates_what_the_dequantizing_o
 
 def test_gate_up_silu_kernel_matches_the_gemm_then_silu_mul():
     """The gate/up GEMM with SiLU·mul in its epilogue (ops.gate_up_silu, bf16 engines on Hopper)
-    against cuBLAS's GEMM then silu_mul, at row counts under, at and over its row tile."""
+    against cuBLAS's GEMM then silu_mul, at row counts from one to GATE_UP_ROWS, odd ones included."""
     fn, check = ops_mod.GATE_UP_SILU
     with interpreter_fixes():
         check(fn, torch.device("cpu"), torch.float32)
